@@ -1,0 +1,34 @@
+# The two commands a new user needs: `make test` and `make demo`. Both install what is missing.
+BUILD ?= build
+JOBS ?= $(shell nproc)
+DEB_PACKAGES := cmake ninja-build g++ pkg-config nlohmann-json3-dev libcli11-dev libyaml-cpp-dev libfmt-dev \
+                libgtest-dev libgmock-dev libopenblas-dev libpcre2-dev libutf8proc-dev libopenmpi-dev openmpi-bin \
+                python3 python3-pip
+PY_PACKAGES := numpy safetensors tokenizers jinja2
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: all deps build test demo clean
+
+all: build
+
+deps: $(BUILD)/.deps-stamp
+
+$(BUILD)/.deps-stamp: Makefile
+	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; fi
+	@python3 -c "import numpy, safetensors, tokenizers, jinja2" 2>/dev/null || \
+	  python3 -m pip install -q $(PY_PACKAGES) || python3 -m pip install -q --break-system-packages $(PY_PACKAGES)
+	@mkdir -p $(BUILD) && touch $@
+
+$(BUILD)/build.ninja: CMakeLists.txt | deps
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+
+build: deps $(BUILD)/build.ninja
+	cmake --build $(BUILD) -j $(JOBS)
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+clean:
+	rm -rf $(BUILD)

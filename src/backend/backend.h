@@ -1,0 +1,139 @@
+// The backend op set. Model, loss and parallel code call these on device-resident tensors and
+// never touch element data on the host. Each backend (backend/cpu, backend/cuda) implements every
+// op; tests/backend checks each op of each backend against the CPU backend.
+//
+// Conventions for every op:
+//  - Tensors are contiguous and row-major; shapes in the comments use T = tokens, H = hidden,
+//    D = head dim, Hq/Hkv = query/key-value heads, F = MLP width, V = vocab, R = rows.
+//  - Float tensors share one dtype per call (the "compute tensors"): F32/F64 on the CPU backend,
+//    BF16 (storage) with F32 accumulation on CUDA. Index tensors are I32. Statistics that must
+//    stay precise (rstd, lse, loss accumulators) are F32 (F64 when the compute dtype is F64).
+//  - Ops named *_backward accumulate into parameter gradients (+=) and either overwrite or
+//    accumulate into input gradients as their `accumulate` flag says.
+//  - Every op is issued on the given stream; results are ready after synchronize(stream).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "core/tensor.h"
+
+namespace spindle {
+
+// An opaque execution queue (cudaStream_t on CUDA; ignored on the CPU, which runs in order).
+struct Stream {
+  void* handle = nullptr;
+};
+
+// Which keys a query sees. Key j is visible to query i iff doc_k[j] == doc_q[i] and
+// pos_k[j] <= pos_q[i] (pos_k[j] < pos_q[i] + 1 for causal). This one rule covers causal,
+// packed documents, padding (its own document id) and any ring block of a zigzag layout.
+struct AttentionMask {
+  Tensor q_doc, q_pos;  // I32 [Tq]
+  Tensor k_doc, k_pos;  // I32 [Tk]
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual Device device() const = 0;
+  virtual Stream default_stream() = 0;
+  virtual void synchronize(Stream stream) = 0;
+
+  // ---- memory ---------------------------------------------------------------------------------
+  // Uninitialised memory; callers fill or overwrite it.
+  virtual Tensor empty(Shape shape, DType dtype) = 0;
+  Tensor zeros(Shape shape, DType dtype);  // empty + fill(0) on the default stream
+  virtual void copy_from_host(Stream stream, const void* src, Tensor& dst) = 0;  // dst.bytes() read
+  virtual void copy_to_host(Stream stream, const Tensor& src, void* dst) = 0;    // synchronous
+  // dst = src converted to dst's dtype (same element count; shapes may differ).
+  virtual void copy(Stream stream, const Tensor& src, Tensor& dst) = 0;
+  virtual void fill(Stream stream, Tensor& t, double value) = 0;
+
+  // ---- elementwise and reductions ------------------------------------------------------------
+  virtual void scale(Stream stream, Tensor& x, double alpha) = 0;                      // x *= alpha
+  virtual void axpy(Stream stream, double alpha, const Tensor& x, Tensor& y) = 0;      // y += alpha·x
+  // out[i] = Σ x[i]² accumulated into a one-element F32/F64 tensor (out += ...).
+  virtual void sum_squares(Stream stream, const Tensor& x, Tensor& out) = 0;
+
+  // ---- dense algebra -------------------------------------------------------------------------
+  // C = alpha·op(A)·op(B) + beta·C, op(X) = Xᵀ when trans. C [M, N], op(A) [M, K], op(B) [K, N].
+  virtual void gemm(Stream stream, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
+                    double alpha, double beta) = 0;
+  // y[R, N] += bias[N] (broadcast over rows).
+  virtual void add_bias(Stream stream, Tensor& y, const Tensor& bias) = 0;
+  // dbias[N] += Σ_rows dy[R, N].
+  virtual void bias_backward(Stream stream, const Tensor& dy, Tensor& dbias) = 0;
+
+  // ---- model ops -------------------------------------------------------------------------------
+  // out[T, H] = table[ids[t], :]; ids I32 [T].
+  virtual void embedding_forward(Stream stream, const Tensor& ids, const Tensor& table, Tensor& out) = 0;
+  // dtable[ids[t], :] += dout[t, :].
+  virtual void embedding_backward(Stream stream, const Tensor& ids, const Tensor& dout, Tensor& dtable) = 0;
+
+  // y[R, C] = x / sqrt(mean(x²) + eps) · w[C]; rstd[R] (F32) saved for backward.
+  virtual void rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& w, double eps, Tensor& y,
+                               Tensor& rstd) = 0;
+  // dx (= or += by accumulate_dx), dw += .
+  virtual void rmsnorm_backward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
+                                Tensor& dx, Tensor& dw, bool accumulate_dx) = 0;
+
+  // In place on x [T, heads, D], HF "rotate_half" layout: pairs (i, i + D/2) rotated by
+  // angle pos[t]·inv_freq[i] (times sign: +1 forward, −1 is the exact backward / inverse).
+  // inv_freq F32 [D/2] already holds any RoPE scaling; cos and sin are scaled by attention_scale.
+  virtual void rope(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq,
+                    double attention_scale, int sign) = 0;
+
+  // Attention with grouped query heads (Hq a multiple of Hkv), softmax scale `scale`.
+  // q [Tq, Hq, D], k/v [Tk, Hkv, D] -> out [Tq, Hq, D], lse F32 [Hq, Tq] (natural log of the
+  // scaled softmax denominator). A query row with no visible key gets out = 0 and lse = −inf.
+  virtual void attention_forward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const AttentionMask& mask, double scale, Tensor& out, Tensor& lse) = 0;
+  // Given the final out and lse (which may come from merging several key blocks), the exact
+  // partial gradients for this key block: dq/dk/dv (= or += by accumulate).
+  virtual void attention_backward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& out, const Tensor& dout, const Tensor& lse,
+                                  const AttentionMask& mask, double scale, Tensor& dq, Tensor& dk, Tensor& dv,
+                                  bool accumulate) = 0;
+  // Merge a partial attention result into an accumulator (ring attention), in F32:
+  // out ← out − σ(lse_b − lse)·(out − out_b), lse ← lse − log σ(lse − lse_b); −inf rows are
+  // ignored, never NaN. out/out_b [Tq, Hq, D] (out F32), lse/lse_b F32 [Hq, Tq].
+  virtual void attention_merge(Stream stream, Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b) = 0;
+
+  // out[T, F] = silu(gate) · up.
+  virtual void swiglu_forward(Stream stream, const Tensor& gate, const Tensor& up, Tensor& out) = 0;
+  // dgate, dup (overwritten) from dout.
+  virtual void swiglu_backward(Stream stream, const Tensor& gate, const Tensor& up, const Tensor& dout,
+                               Tensor& dgate, Tensor& dup) = 0;
+
+  // ---- rows ------------------------------------------------------------------------------------
+  // dst[n, :] = src[idx[n], :]; idx I32 [N].
+  virtual void gather_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) = 0;
+  // dst[idx[n], :] += src[n, :].
+  virtual void scatter_add_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) = 0;
+
+  // ---- loss ------------------------------------------------------------------------------------
+  // Cross-entropy on a chunk of logits [N, V], in place: logits become
+  // dlogits = grad_scale · weight[n] · (softmax − onehot(target[n])).
+  // loss_sum (one F32/F64 element) += Σ_n weight[n] · CE_n · loss_scale.
+  // token_ce (F32 [N], optional: pass an undefined Tensor) gets the unweighted CE_n.
+  virtual void cross_entropy(Stream stream, Tensor& logits, const Tensor& targets, const Tensor& weights,
+                             double loss_scale, double grad_scale, Tensor& loss_sum, Tensor& token_ce) = 0;
+
+  // ---- optimizer -------------------------------------------------------------------------------
+  // Decoupled AdamW on F32 master parameters; m, v F32; grad F32.
+  struct AdamW {
+    double lr, beta1, beta2, eps, weight_decay;
+    int64_t step;  // 1-based, for bias correction
+    double grad_scale;  // grad is multiplied by this first (clipping)
+  };
+  virtual void adamw_step(Stream stream, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
+                          const AdamW& hp) = 0;
+};
+
+// The CPU backend is always available; it is the reference every other backend is tested against.
+std::unique_ptr<Backend> make_cpu_backend(int threads = 0);
+
+}  // namespace spindle
