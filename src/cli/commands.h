@@ -1,0 +1,21 @@
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <vector>
+
+namespace spindle::cli {
+
+struct Command {
+  CLI::App* app;               // the parsed subcommand
+  std::function<int()> run;    // returns the process exit code
+};
+using CommandList = std::vector<Command>;
+
+// Each cmd_*.cpp defines one add_*_command; register_all (commands.cpp) calls them all.
+void add_eval_command(CLI::App& app, CommandList& commands);
+
+void register_all(CLI::App& app, CommandList& commands);
+
+}  // namespace spindle::cli
