@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Makes the HF parity references that tests/model checks spindle against.
+
+Runs where transformers and peft are installed (the GPU host; it computes on the CPU in fp32 so
+no TF32 or kernel choice blurs the reference). For each tiny random model it writes, under OUT/<case>/:
+  config.json, model.safetensors      the model as transformers saves it (fp32)
+  adapter/                            a PEFT adapter (LoRA cases only), B nonzero
+  data.jsonl                          pre-tokenized documents: input_ids, labels (-100 = prompt), loss_scale
+  expected.safetensors                loss (F64[1]), num_items (I64[1]), logits (F32[tokens, vocab], the
+                                      documents concatenated), grad.<parameter name> for every trainable tensor
+The loss is DESIGN §2: Σ loss_scale·CE over supervised targets / number of supervised targets, where
+document d's position i predicts labels[i+1] of the same document. Each document is run on its own, so
+the reference needs no packing support from transformers: packing must reproduce it exactly.
+
+Usage: python3 make_hf_refs.py OUT_DIR
+"""
+import json
+import os
+import sys
+import zlib
+
+import torch
+import transformers
+from safetensors.torch import save_file
+
+torch.manual_seed(0)
+torch.use_deterministic_algorithms(True)
+OUT = sys.argv[1] if len(sys.argv) > 1 else "testdata/hf"
+
+VOCAB = 96
+
+
+def documents(rng):
+    """Documents of varied lengths: prompt masking, loss_scale, one with no target, one of one token."""
+    docs = []
+    for length, prompt in [(9, 3), (17, 6), (5, 0), (1, 0), (23, 10), (4, 4), (12, 2)]:
+        ids = torch.randint(0, VOCAB, (length,), generator=rng).tolist()
+        labels = [-100] * prompt + ids[prompt:]
+        scale = [float(x) for x in torch.randint(1, 5, (length,), generator=rng) / 2.0]
+        docs.append({"input_ids": ids, "labels": labels, "loss_scale": scale})
+    return docs
+
+
+def reference(model, docs, trainable):
+    """Loss, num_items, logits and gradients of DESIGN §2 for documents run one at a time."""
+    model.zero_grad(set_to_none=True)
+    num_items = sum(sum(1 for t in d["labels"][1:] if t != -100) for d in docs)
+    total = torch.zeros((), dtype=torch.float64)
+    all_logits = []
+    for d in docs:
+        ids = torch.tensor([d["input_ids"]])
+        logits = model(input_ids=ids).logits[0].float()  # [L, V]
+        all_logits.append(logits.detach())
+        labels = torch.tensor(d["labels"][1:])
+        scale = torch.tensor(d["loss_scale"][1:], dtype=torch.float32)
+        mask = labels != -100
+        if mask.any():
+            ce = torch.nn.functional.cross_entropy(logits[:-1][mask], labels[mask], reduction="none")
+            part = (ce * scale[mask]).sum() / num_items
+            part.backward()
+            total += part.detach().double()
+    out = {
+        "loss": total.reshape(1),
+        "num_items": torch.tensor([num_items], dtype=torch.int64),
+        "logits": torch.cat(all_logits).contiguous(),
+    }
+    for name, p in trainable:
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        out["grad." + name] = g.detach().float().contiguous()
+    return out, float(total)
+
+
+def write_case(name, config, legacy_rope=None, lora=None):
+    seed = zlib.crc32(name.encode())
+    rng = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    # Norm weights are ones at init: randomize them so their gradients and scaling are exercised.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "bias" in n:
+                p.copy_(0.1 * torch.randn_like(p))
+    folder = os.path.join(OUT, name)
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    if legacy_rope is not None:
+        # Rewrite the rope settings in the transformers-4 spelling, so both spellings are tested.
+        path = os.path.join(folder, "config.json")
+        cfg = json.load(open(path))
+        cfg.pop("rope_parameters", None)
+        cfg.update(legacy_rope)
+        json.dump(cfg, open(path, "w"), indent=2)
+
+    trainable = list(model.named_parameters())
+    if lora is not None:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n or "lora_A" in n:
+                    p.copy_(0.3 * torch.randn_like(p))
+        model.save_pretrained(os.path.join(folder, "adapter"))
+        # Gradient names as the adapter file spells them (no adapter name).
+        trainable = [(n.replace(".default", ""), p) for n, p in model.named_parameters() if p.requires_grad]
+    model.eval()  # no dropout; LoRA dropout is 0 anyway
+
+    docs = documents(rng)
+    with open(os.path.join(folder, "data.jsonl"), "w") as f:
+        for d in docs:
+            f.write(json.dumps(d) + "\n")
+    tensors, loss = reference(model, docs, trainable)
+    save_file(tensors, os.path.join(folder, "expected.safetensors"))
+    json.dump({"loss": loss, "num_items": int(tensors["num_items"][0]), "transformers": transformers.__version__,
+               "torch": torch.__version__, "trainable": [n for n, _ in trainable]},
+              open(os.path.join(folder, "expected.json"), "w"), indent=1)
+    print(f"{name}: loss {loss:.8f} num_items {int(tensors['num_items'][0])} tensors {len(tensors)}")
+
+
+def main():
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+    llama = transformers.LlamaConfig(**common, tie_word_embeddings=False,
+                                     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 64})
+    write_case("llama", llama, legacy_rope={
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64}})
+    qwen2 = transformers.Qwen2Config(**common, tie_word_embeddings=True,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    write_case("qwen2", qwen2)
+    qwen3 = transformers.Qwen3Config(**{**common, "hidden_size": 48}, head_dim=16, tie_word_embeddings=False,
+                                     rope_parameters={"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0})
+    write_case("qwen3", qwen3)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    write_case("qwen2_lora", qwen2, lora=dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    write_case("llama_rslora", llama, legacy_rope={
+        "rope_theta": 500000.0,
+        "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64}},
+               lora=dict(r=8, lora_alpha=4, lora_dropout=0.0, use_rslora=True,
+                         target_modules=["q_proj", "v_proj", "down_proj"]))
+
+
+if __name__ == "__main__":
+    main()
