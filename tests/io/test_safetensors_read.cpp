@@ -120,6 +120,7 @@ TEST(SafetensorsRead, BadJson) {
   ScratchDir dir;
   EXPECT_TRUE(contains(open_error(dir, raw_safetensors(R"({"a":{"dtype":"U8",)", 0)), "not valid JSON"));
   EXPECT_TRUE(contains(open_error(dir, raw_safetensors("[1, 2]", 0)), "must be a JSON object"));
+  EXPECT_TRUE(contains(open_error(dir, raw_safetensors("{\"a\xff\":{}}", 0)), "not valid JSON"));  // bad UTF-8
 }
 
 TEST(SafetensorsRead, MalformedEntries) {
