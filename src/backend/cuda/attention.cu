@@ -1,0 +1,111 @@
+// Attention entry points (which kernels run) and the small passes every implementation shares:
+// tile ranges of the mask, the backward's row term delta, and the dq finishing pass.
+#include <cmath>
+
+#include "backend/cuda/attention_common.cuh"
+#include "backend/cuda/device_util.cuh"
+
+namespace spindle::cuda {
+namespace {
+
+// One warp per tile.
+__global__ void tile_ranges_kernel(const int32_t* doc, const int32_t* pos, int64_t n, int tile, int64_t tiles,
+                                   TileRange* ranges) {
+  const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (t >= tiles) return;
+  int dmin = INT_MAX, dmax = INT_MIN, pmin = INT_MAX, pmax = INT_MIN;
+  for (int e = lane; e < tile; e += 32) {
+    const int64_t i = t * tile + e;
+    if (i < n) {
+      dmin = min(dmin, doc[i]);
+      dmax = max(dmax, doc[i]);
+      pmin = min(pmin, pos[i]);
+      pmax = max(pmax, pos[i]);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    dmin = min(dmin, __shfl_xor_sync(0xffffffffu, dmin, o));
+    dmax = max(dmax, __shfl_xor_sync(0xffffffffu, dmax, o));
+    pmin = min(pmin, __shfl_xor_sync(0xffffffffu, pmin, o));
+    pmax = max(pmax, __shfl_xor_sync(0xffffffffu, pmax, o));
+  }
+  if (lane == 0) ranges[t] = TileRange{dmin, dmax, pmin, pmax};
+}
+
+// One warp per (token, head) row: delta [h, i] = Σ_e dout·out.
+template <typename T>
+__global__ void delta_kernel(const T* out, const T* dout, int64_t tq, int hq, int d, float* delta) {
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (row >= tq * hq) return;
+  const T* o = out + row * d;
+  const T* g = dout + row * d;
+  float acc = 0;
+  for (int e = lane; e < d; e += 32) acc = fmaf(to_f32(o[e]), to_f32(g[e]), acc);
+  acc = warp_sum(acc);
+  if (lane == 0) delta[(row % hq) * tq + row / hq] = acc;
+}
+
+template <typename T>
+__global__ void dq_finish_kernel(const float* acc, float scale, T* dq, int64_t n, bool accumulate) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    float v = acc[i] * scale;
+    if (accumulate) v += to_f32(dq[i]);
+    dq[i] = from_f32<T>(v);
+  }
+}
+
+}  // namespace
+
+void tile_ranges(cudaStream_t s, const int32_t* doc, const int32_t* pos, int64_t n, int tile, TileRange* ranges) {
+  const int64_t tiles = (n + tile - 1) / tile;
+  if (tiles == 0) return;
+  tile_ranges_kernel<<<static_cast<unsigned>((tiles * 32 + 255) / 256), 256, 0, s>>>(doc, pos, n, tile, tiles,
+                                                                                      ranges);
+  CUDA_CHECK_LAUNCH();
+}
+
+void attention_delta(cudaStream_t s, DType t, const void* out, const void* dout, int64_t tq, int hq, int d,
+                     float* delta) {
+  const int64_t rows = tq * hq;
+  if (rows == 0) return;
+  dispatch_compute(t, "attention_backward", [&](auto z) {
+    using T = decltype(z);
+    delta_kernel<<<static_cast<unsigned>((rows * 32 + 255) / 256), 256, 0, s>>>(
+        static_cast<const T*>(out), static_cast<const T*>(dout), tq, hq, d, delta);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void attention_dq_finish(cudaStream_t s, DType t, const float* dq_acc, float scale, void* dq, int64_t n,
+                         bool accumulate) {
+  if (n == 0) return;
+  dispatch_compute(t, "attention_backward", [&](auto z) {
+    using T = decltype(z);
+    dq_finish_kernel<<<grid_for(n, 256), 256, 0, s>>>(dq_acc, scale, static_cast<T*>(dq), n, accumulate);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void attention_forward(cudaStream_t s, AttentionImpl impl, const AttentionShape& sh, DType io, const void* q,
+                       const void* k, const void* v, const AttentionMaskPtrs& mask, float scale, void* out,
+                       DType out_dtype, float* lse) {
+  const bool mma = impl == AttentionImpl::Mma || (impl == AttentionImpl::Auto && attention_mma_supports(io, sh.d));
+  if (mma && !attention_mma_supports(io, sh.d)) throw_message("attention_forward", "mma kernels need BF16 and head dim 64 or 128");
+  if (mma) attention_forward_mma(s, sh, q, k, v, mask, scale, out, out_dtype, lse);
+  else attention_forward_simple(s, sh, io, q, k, v, mask, scale, out, out_dtype, lse);
+}
+
+void attention_backward(cudaStream_t s, AttentionImpl impl, const AttentionShape& sh, DType io, const void* q,
+                        const void* k, const void* v, const void* out, const void* dout, const float* lse,
+                        const AttentionMaskPtrs& mask, float scale, void* dq, void* dk, void* dv, bool accumulate) {
+  const bool mma = impl == AttentionImpl::Mma || (impl == AttentionImpl::Auto && attention_mma_supports(io, sh.d));
+  if (mma && !attention_mma_supports(io, sh.d)) throw_message("attention_backward", "mma kernels need BF16 and head dim 64 or 128");
+  if (mma) attention_backward_mma(s, sh, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate);
+  else attention_backward_simple(s, sh, io, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate);
+}
+
+}  // namespace spindle::cuda

@@ -1,0 +1,345 @@
+// Attention backward on tensor cores (FlashAttention-2 structure, written for this engine).
+// A block of 8 warps owns 64 keys of one kv head and walks every (query head of its group, 64-query
+// tile) that the mask does not hide, so dK and dV are complete in the block without atomics (GQA
+// heads summed in registers). Per tile, with warp w owning keys 16·(w%4).. and queries 32·(w/4)..:
+//   Sᵀ = K Qᵀ, dPᵀ = V dOᵀ (registers) -> Pᵀ = exp(Sᵀ − lse), dSᵀ = Pᵀ∘(dPᵀ − delta)
+//   dV += Pᵀ dO, dK += dSᵀ Q (registers, f32)
+//   dS -> shared memory, then dQ_tile = dS K, added to an f32 dq buffer with float2 atomics.
+// Q/dO tiles go through a two-stage cp.async pipeline. The two query halves' dK/dV partials are
+// summed through shared memory at the end. FLOPs per (query, visible key) pair: 10·D.
+#include <cmath>
+
+#include "backend/cuda/attention_common.cuh"
+#include "backend/cuda/device_util.cuh"
+#include "backend/cuda/mma_util.cuh"
+
+namespace spindle::cuda {
+namespace {
+
+using namespace mma;
+
+constexpr int kBc = 64;        // keys per block
+constexpr int kBr = 64;        // queries per tile
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kDsStride = kBc + 8;
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <int D>
+struct Smem {
+  static constexpr int kStride = D + 8;
+  // sK, sV [kBc][S]; sQ, sdO [2][kBr][S]; sdS [kBr][kBc + 8] bf16; lse2, delta f32 and q doc/pos
+  // i32 [2][kBr].
+  static constexpr size_t kTileBytes = static_cast<size_t>(kBc) * kStride * 2;
+  static constexpr size_t kBytes = 6 * kTileBytes + kBr * kDsStride * 2 + 4 * 2 * kBr * 4;
+  static_assert(4 * kTileBytes >= 2 * kBc * D * sizeof(float), "dK/dV reduction reuses the sQ/sdO space");
+};
+
+struct BwdParams {
+  AttentionShape sh;
+  const bf16 *q, *k, *v, *dout;
+  const float *lse, *delta;
+  AttentionMaskPtrs mask;
+  const TileRange *q_ranges, *k_ranges;
+  float scale, scale_log2;
+  float* dq_acc;  // f32 [tq, hq, D], pre-zeroed
+  bf16 *dk, *dv;
+  bool accumulate;
+};
+
+template <int D, int kRows, int kNThreads>
+__device__ __forceinline__ void load_tile(bf16* dst, const bf16* x, int64_t row0, int64_t n, int heads, int head) {
+  constexpr int kChunks = D / 8;
+#pragma unroll
+  for (int c = threadIdx.x; c < kRows * kChunks; c += kNThreads) {
+    const int r = c / kChunks, col = (c % kChunks) * 8;
+    const int64_t row = row0 + r;
+    const bool valid = row < n;
+    cp_async16(smem_addr(dst + r * (D + 8) + col), valid ? x + (row * heads + head) * D + col : x, valid);
+  }
+}
+
+// grid (ceil(tk / 64), hkv); key tile 0 (the most work under a causal mask) starts first.
+template <int D>
+__global__ void __launch_bounds__(kThreads, 1) backward_kernel(const BwdParams p) {
+  constexpr int S = Smem<D>::kStride;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sK = reinterpret_cast<bf16*>(smem_raw);
+  bf16* sV = sK + kBc * S;
+  bf16* sQ = sV + kBc * S;          // [2][kBr][S]
+  bf16* sdO = sQ + 2 * kBr * S;     // [2][kBr][S]
+  bf16* sdS = sdO + 2 * kBr * S;    // [kBr][kDsStride]
+  float* s_lse2 = reinterpret_cast<float*>(sdS + kBr * kDsStride);  // [2][kBr]
+  float* s_delta = s_lse2 + 2 * kBr;
+  int* s_qdoc = reinterpret_cast<int*>(s_delta + 2 * kBr);
+  int* s_qpos = s_qdoc + 2 * kBr;
+
+  const AttentionShape& sh = p.sh;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int kw = warp & 3, qh = warp >> 2;
+  const int kt = blockIdx.x, hk = blockIdx.y, group = sh.hq / sh.hkv;
+  const int64_t j0 = static_cast<int64_t>(kt) * kBc;
+  const TileRange kr = load_range(p.k_ranges + kt);
+  const bool k_complete = j0 + kBc <= sh.tk;
+  const int nq = static_cast<int>((sh.tq + kBr - 1) / kBr);
+  const int items = group * nq;
+
+  auto item_class = [&](int it) {
+    return classify_tile(load_range(p.q_ranges + it % nq), kr, k_complete);
+  };
+  auto next_active = [&](int from) {
+    for (int it = from; it < items; ++it)
+      if (item_class(it) != kTileSkip) return it;
+    return items;
+  };
+  auto load_q = [&](int it, int stage) {
+    const int h = hk * group + it / nq;
+    const int64_t i0 = static_cast<int64_t>(it % nq) * kBr;
+    load_tile<D, kBr, kThreads>(sQ + stage * kBr * S, p.q, i0, sh.tq, sh.hq, h);
+    load_tile<D, kBr, kThreads>(sdO + stage * kBr * S, p.dout, i0, sh.tq, sh.hq, h);
+    if (threadIdx.x < kBr) {
+      const int64_t i = i0 + threadIdx.x;
+      const bool ok = i < sh.tq;
+      const int at = stage * kBr + threadIdx.x;
+      s_qdoc[at] = ok ? p.mask.q_doc[i] : 0;
+      s_qpos[at] = ok ? p.mask.q_pos[i] : 0;
+      // Rows past the end, and rows that saw no key at all, contribute nothing: lse = +inf
+      // makes P = exp2(s − inf) = 0.
+      const float l = ok ? p.lse[static_cast<int64_t>(h) * sh.tq + i] : INFINITY;
+      s_lse2[at] = l == -INFINITY ? INFINITY : l * kLog2e;
+      s_delta[at] = ok ? p.delta[static_cast<int64_t>(h) * sh.tq + i] : 0.f;
+    }
+  };
+
+  load_tile<D, kBc, kThreads>(sK, p.k, j0, sh.tk, sh.hkv, hk);
+  load_tile<D, kBc, kThreads>(sV, p.v, j0, sh.tk, sh.hkv, hk);
+  int it = next_active(0);
+  if (it < items) load_q(it, 0);
+  cp_async_commit();
+
+  // This thread's two key rows (r = 0: row g of the warp's 16, r = 1: row g + 8).
+  int kdoc[2], kpos[2];
+  bool kvalid[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t j = j0 + kw * 16 + g + 8 * r;
+    kvalid[r] = j < sh.tk;
+    kdoc[r] = kvalid[r] ? p.mask.k_doc[j] : 0;
+    kpos[r] = kvalid[r] ? p.mask.k_pos[j] : 0;
+  }
+
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) dk[i][c] = dv[i][c] = 0.f;
+
+  cp_async_wait<0>();
+  __syncthreads();
+  int stage = 0;
+  while (it < items) {
+    const int next = next_active(it + 1);
+    if (next < items) load_q(next, stage ^ 1);
+    cp_async_commit();
+    const int h = hk * group + it / nq;
+    const int64_t i0 = static_cast<int64_t>(it % nq) * kBr;
+    const int cls = item_class(it);
+    const bf16* cQ = sQ + stage * kBr * S;
+    const bf16* cdO = sdO + stage * kBr * S;
+    const float* lse2 = s_lse2 + stage * kBr;
+    const float* dl = s_delta + stage * kBr;
+    const int* qdoc = s_qdoc + stage * kBr;
+    const int* qpos = s_qpos + stage * kBr;
+
+    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: 16 keys × 32 queries per warp.
+    float st[4][4], dpt[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) st[i][c] = dpt[i][c] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t ka[4], va[4];
+      ldmatrix_x4(ka, a_frag_addr(sK, S, kw * 16, ks * 16, lane));
+      ldmatrix_x4(va, a_frag_addr(sV, S, kw * 16, ks * 16, lane));
+#pragma unroll
+      for (int nb = 0; nb < 4; nb += 2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, b_frag_addr_nk(cQ, S, qh * 32 + nb * 8, ks * 16, lane));
+        mma_bf16(st[nb], ka, b[0], b[1]);
+        mma_bf16(st[nb + 1], ka, b[2], b[3]);
+        ldmatrix_x4(b, b_frag_addr_nk(cdO, S, qh * 32 + nb * 8, ks * 16, lane));
+        mma_bf16(dpt[nb], va, b[0], b[1]);
+        mma_bf16(dpt[nb + 1], va, b[2], b[3]);
+      }
+    }
+    // Pᵀ and dSᵀ (without the softmax scale, applied to dK and dQ at the end).
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int qc = qh * 32 + nb * 8 + 2 * t + (c & 1), r = c >> 1;
+        const bool vis = cls == kTileFull || (kvalid[r] && qdoc[qc] == kdoc[r] && kpos[r] <= qpos[qc]);
+        const float pv = vis ? exp2f(st[nb][c] * p.scale_log2 - lse2[qc]) : 0.f;
+        st[nb][c] = pv;
+        dpt[nb][c] = pv * (dpt[nb][c] - dl[qc]);
+      }
+    // dV += Pᵀ dO, dK += dSᵀ Q (k = this warp's 32 queries).
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      uint32_t pa[4], da[4];
+      pa[0] = pack_bf16(st[2 * kk][0], st[2 * kk][1]);
+      pa[1] = pack_bf16(st[2 * kk][2], st[2 * kk][3]);
+      pa[2] = pack_bf16(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+      pa[3] = pack_bf16(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+      da[0] = pack_bf16(dpt[2 * kk][0], dpt[2 * kk][1]);
+      da[1] = pack_bf16(dpt[2 * kk][2], dpt[2 * kk][3]);
+      da[2] = pack_bf16(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+      da[3] = pack_bf16(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+#pragma unroll
+      for (int db = 0; db < D / 8; db += 2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, b_frag_addr_kn(cdO, S, qh * 32 + kk * 16, db * 8, lane));
+        mma_bf16(dv[db], pa, b[0], b[1]);
+        mma_bf16(dv[db + 1], pa, b[2], b[3]);
+        ldmatrix_x4_trans(b, b_frag_addr_kn(cQ, S, qh * 32 + kk * 16, db * 8, lane));
+        mma_bf16(dk[db], da, b[0], b[1]);
+        mma_bf16(dk[db + 1], da, b[2], b[3]);
+      }
+    }
+    // dS [query][key] to shared memory for dQ = dS K.
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int qc = qh * 32 + nb * 8 + 2 * t + (c & 1);
+        const int kc = kw * 16 + g + 8 * (c >> 1);
+        sdS[qc * kDsStride + kc] = __float2bfloat16_rn(dpt[nb][c]);
+      }
+    __syncthreads();
+    {
+      // Warp w: queries 16·(w%4).., head-dim half w/4.
+      const int r0 = (warp & 3) * 16, c0 = (warp >> 2) * (D / 2);
+      float dq[D / 16][4];
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < kBc / 16; ++ks) {
+        uint32_t a[4];
+        ldmatrix_x4(a, a_frag_addr(sdS, kDsStride, r0, ks * 16, lane));
+#pragma unroll
+        for (int db = 0; db < D / 16; db += 2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, b_frag_addr_kn(sK, S, ks * 16, c0 + db * 8, lane));
+          mma_bf16(dq[db], a, b[0], b[1]);
+          mma_bf16(dq[db + 1], a, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t i = i0 + r0 + g + 8 * r;
+        if (i >= sh.tq) continue;
+        float* dst = p.dq_acc + (i * sh.hq + h) * D + c0 + 2 * t;
+#pragma unroll
+        for (int db = 0; db < D / 16; ++db)
+          atomicAdd(reinterpret_cast<float2*>(dst + db * 8), make_float2(dq[db][2 * r], dq[db][2 * r + 1]));
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // next Q/dO landed; sdS and this stage are free again
+    stage ^= 1;
+    it = next;
+  }
+
+  // Sum the two query halves' partial dK/dV: warps 4-7 park theirs in the (now idle) Q/dO space.
+  float* red_k = reinterpret_cast<float*>(sQ);  // [kBc][D]
+  float* red_v = red_k + kBc * D;                // [kBc][D]
+  if (qh == 1) {
+#pragma unroll
+    for (int db = 0; db < D / 8; ++db)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int at = (kw * 16 + g + 8 * (c >> 1)) * D + db * 8 + 2 * t + (c & 1);
+        red_k[at] = dk[db][c];
+        red_v[at] = dv[db][c];
+      }
+  }
+  __syncthreads();
+  if (qh == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int kl = kw * 16 + g + 8 * r;
+      const int64_t j = j0 + kl;
+      if (j >= sh.tk) continue;
+      bf16* pk = p.dk + (j * sh.hkv + hk) * D + 2 * t;
+      bf16* pv = p.dv + (j * sh.hkv + hk) * D + 2 * t;
+#pragma unroll
+      for (int db = 0; db < D / 8; ++db) {
+        const int at = kl * D + db * 8 + 2 * t;
+        float k0 = (dk[db][2 * r] + red_k[at]) * p.scale, k1 = (dk[db][2 * r + 1] + red_k[at + 1]) * p.scale;
+        float v0 = dv[db][2 * r] + red_v[at], v1 = dv[db][2 * r + 1] + red_v[at + 1];
+        __nv_bfloat162* ko = reinterpret_cast<__nv_bfloat162*>(pk + db * 8);
+        __nv_bfloat162* vo = reinterpret_cast<__nv_bfloat162*>(pv + db * 8);
+        if (p.accumulate) {
+          const float2 ok = __bfloat1622float2(*ko), ov = __bfloat1622float2(*vo);
+          k0 += ok.x;
+          k1 += ok.y;
+          v0 += ov.x;
+          v1 += ov.y;
+        }
+        *ko = __floats2bfloat162_rn(k0, k1);
+        *vo = __floats2bfloat162_rn(v0, v1);
+      }
+    }
+  }
+}
+
+template <int D>
+void launch_backward(cudaStream_t s, const BwdParams& p, int64_t k_tiles) {
+  auto kernel = backward_kernel<D>;
+  const size_t smem = Smem<D>::kBytes;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<dim3(static_cast<unsigned>(k_tiles), static_cast<unsigned>(p.sh.hkv)), kThreads, smem, s>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void attention_backward_mma(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
+                            const void* out, const void* dout, const float* lse, const AttentionMaskPtrs& mask,
+                            float scale, void* dq, void* dk, void* dv, bool accumulate) {
+  const int64_t q_tiles = (sh.tq + kBr - 1) / kBr, k_tiles = (sh.tk + kBc - 1) / kBc;
+  const int64_t dq_elems = sh.tq * sh.hq * sh.d;
+  if (static_cast<int64_t>(sh.hq / sh.hkv) * q_tiles > 0x7fffffff) throw_message("attention_backward", "too many query tiles");
+  Scratch dq_acc(s, static_cast<size_t>(dq_elems) * sizeof(float));
+  Scratch delta(s, static_cast<size_t>(sh.tq * sh.hq) * sizeof(float));
+  Scratch ranges(s, static_cast<size_t>(q_tiles + k_tiles + 1) * sizeof(TileRange));
+  if (dq_elems) CUDA_CHECK(cudaMemsetAsync(dq_acc.as<float>(), 0, static_cast<size_t>(dq_elems) * sizeof(float), s));
+  tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, kBr, ranges.as<TileRange>());
+  tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, kBc, ranges.as<TileRange>() + q_tiles);
+  attention_delta(s, DType::BF16, out, dout, sh.tq, sh.hq, sh.d, delta.as<float>());
+  BwdParams p{sh,
+              static_cast<const bf16*>(q),
+              static_cast<const bf16*>(k),
+              static_cast<const bf16*>(v),
+              static_cast<const bf16*>(dout),
+              lse,
+              delta.as<float>(),
+              mask,
+              ranges.as<TileRange>(),
+              ranges.as<TileRange>() + q_tiles,
+              scale,
+              scale * kLog2e,
+              dq_acc.as<float>(),
+              static_cast<bf16*>(dk),
+              static_cast<bf16*>(dv),
+              accumulate};
+  if (k_tiles > 0) {
+    if (k_tiles > 0x7fffffff) throw_message("attention_backward", "too many key tiles");
+    if (sh.d == 64) launch_backward<64>(s, p, k_tiles);
+    else if (sh.d == 128) launch_backward<128>(s, p, k_tiles);
+    else throw_message("attention_backward", "mma kernels need head dim 64 or 128");
+  }
+  attention_dq_finish(s, DType::BF16, dq_acc.as<float>(), scale, dq, dq_elems, accumulate);
+}
+
+}  // namespace spindle::cuda

@@ -1,0 +1,65 @@
+// Shared by the attention kernels: per-tile ranges of document ids and positions, and the test
+// that says whether a (query tile, key tile) pair is fully masked, fully visible, or mixed.
+//
+// The mask rule (backend.h): key j is visible to query i iff k_doc[j] == q_doc[i] and
+// k_pos[j] <= q_pos[i]. Ranges per tile let a kernel skip whole tiles (causal: everything above
+// the diagonal; packing: other documents; ring: blocks entirely in the future) and drop the
+// per-element test on tiles that are visible everywhere.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/kernels.h"
+
+namespace spindle::cuda {
+
+struct TileRange {
+  int doc_min, doc_max, pos_min, pos_max;  // over the valid tokens of the tile
+};
+
+enum TileClass : int { kTileSkip = 0, kTileFull = 1, kTileMixed = 2 };
+
+// `k_complete`: the key tile has no slot past the end of the keys (those must be masked).
+__device__ __forceinline__ int classify_tile(const TileRange& q, const TileRange& k, bool k_complete) {
+  if (k.doc_max < q.doc_min || k.doc_min > q.doc_max) return kTileSkip;  // no shared document
+  if (k.pos_min > q.pos_max) return kTileSkip;                          // every key after every query
+  if (k_complete && q.doc_min == q.doc_max && k.doc_min == k.doc_max && q.doc_min == k.doc_min &&
+      k.pos_max <= q.pos_min)
+    return kTileFull;
+  return kTileMixed;
+}
+
+__device__ __forceinline__ TileRange load_range(const TileRange* r) {
+  const int4 v = *reinterpret_cast<const int4*>(r);
+  return TileRange{v.x, v.y, v.z, v.w};
+}
+
+// ranges [ceil(n / tile)] for doc/pos I32 [n] (attention_tiles.cu).
+void tile_ranges(cudaStream_t s, const int32_t* doc, const int32_t* pos, int64_t n, int tile, TileRange* ranges);
+// delta f32 [hq, tq] = Σ_d dout·out per row (the softmax-backward row term, from the final out).
+void attention_delta(cudaStream_t s, DType t, const void* out, const void* dout, int64_t tq, int hq, int d,
+                     float* delta);
+// dq [tq, hq, d] (=, or += when accumulate) = scale · dq_acc (f32 [tq, hq, d]).
+void attention_dq_finish(cudaStream_t s, DType t, const float* dq_acc, float scale, void* dq, int64_t n,
+                         bool accumulate);
+
+// Simple f32-FMA kernels: any head dim up to 256, F32 or BF16 (attention_simple.cu).
+void attention_forward_simple(cudaStream_t s, const AttentionShape& sh, DType io, const void* q, const void* k,
+                              const void* v, const AttentionMaskPtrs& mask, float scale, void* out, DType out_dtype,
+                              float* lse);
+void attention_backward_simple(cudaStream_t s, const AttentionShape& sh, DType io, const void* q, const void* k,
+                               const void* v, const void* out, const void* dout, const float* lse,
+                               const AttentionMaskPtrs& mask, float scale, void* dq, void* dk, void* dv,
+                               bool accumulate);
+// Tensor-core kernels (mma.sync m16n8k16 bf16, f32 accumulators): BF16, head dim 64 or 128
+// (attention_fwd_mma.cu, attention_bwd_mma.cu).
+bool attention_mma_supports(DType io, int d);
+void attention_forward_mma(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
+                           const AttentionMaskPtrs& mask, float scale, void* out, DType out_dtype, float* lse);
+void attention_backward_mma(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
+                            const void* out, const void* dout, const float* lse, const AttentionMaskPtrs& mask,
+                            float scale, void* dq, void* dk, void* dv, bool accumulate);
+
+}  // namespace spindle::cuda

@@ -1,0 +1,439 @@
+// The CUDA backend: checks every op's tensors against backend.h, then hands raw pointers to the
+// kernel launchers (kernels.h). All work is enqueued on the op's stream; nothing here waits except
+// synchronize() and copy_to_host(), which also report bad input that a kernel found (a token id
+// outside the vocabulary, ...): such errors surface at the next synchronization point, not at the
+// op that found them.
+//
+// Memory: tensors come from cudaMallocAsync on the backend's stream (the device's default pool,
+// freed blocks kept cached) and are freed with cudaFreeAsync on that stream when the last view
+// goes away. A tensor used on another stream must be synchronized by its user before release.
+#include "backend/cuda/cuda_backend.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+
+#include "backend/cuda/context.h"
+#include "backend/cuda/gemm.h"
+#include "backend/cuda/kernels.h"
+#include "core/error.h"
+
+namespace spindle {
+namespace {
+
+using cuda::Context;
+
+struct Allocation {
+  std::shared_ptr<Context> ctx;
+};
+
+void release_device(void* data, void* context) {
+  auto* alloc = static_cast<Allocation*>(context);
+  cudaFreeAsync(data, alloc->ctx->stream());  // destructors cannot throw; a failure shows at the next call
+  delete alloc;
+}
+
+bool is_compute(DType t) { return t == DType::F32 || t == DType::BF16; }
+
+bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
+
+cuda::AttentionImpl impl_from_env() {
+  const char* v = std::getenv("SPINDLE_CUDA_ATTENTION");
+  if (!v) return cuda::AttentionImpl::Auto;
+  const std::string s(v);
+  if (s == "simple") return cuda::AttentionImpl::Simple;
+  if (s == "mma") return cuda::AttentionImpl::Mma;
+  if (s == "auto" || s.empty()) return cuda::AttentionImpl::Auto;
+  fail("SPINDLE_CUDA_ATTENTION={} is not one of auto, simple, mma", s);
+}
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device) : ctx_(std::make_shared<Context>(device)), attention_impl_(impl_from_env()) {}
+
+  std::string name() const override { return "cuda"; }
+  Device device() const override { return Device{DeviceKind::CUDA, ctx_->device()}; }
+  Stream default_stream() override { return Stream{ctx_->stream()}; }
+
+  void synchronize(Stream stream) override {
+    CUDA_CHECK(cudaStreamSynchronize(s(stream)));
+    ctx_->check_device_error();
+  }
+
+  // ---- memory -----------------------------------------------------------------------------------
+  Tensor empty(Shape shape, DType dtype) override {
+    ctx_->activate();
+    auto storage = std::make_shared<Storage>();
+    const size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
+    void* p = nullptr;
+    const cudaError_t e = cudaMallocAsync(&p, bytes ? bytes : 1, ctx_->stream());
+    if (e == cudaErrorMemoryAllocation) {
+      cudaGetLastError();  // clear the sticky-free error state
+      size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      fail("out of GPU memory allocating {} bytes for {} {} on cuda:{} ({} of {} bytes free)", bytes,
+           dtype_name(dtype), shape.str(), ctx_->device(), free_b, total_b);
+    }
+    CUDA_CHECK(e);
+    storage->data = p;
+    storage->bytes = bytes;
+    storage->device = device();
+    storage->release = release_device;
+    storage->release_context = new Allocation{ctx_};
+    return Tensor(std::move(storage), 0, shape, dtype);
+  }
+
+  void copy_from_host(Stream stream, const void* src, Tensor& dst) override {
+    require_device(dst, "copy_from_host");
+    // From pageable memory the call returns once `src` has been staged, so the caller may reuse it.
+    CUDA_CHECK(cudaMemcpyAsync(dst.data(), src, dst.bytes(), cudaMemcpyHostToDevice, s(stream)));
+  }
+
+  void copy_to_host(Stream stream, const Tensor& src, void* dst) override {
+    require_device(src, "copy_to_host");
+    CUDA_CHECK(cudaMemcpyAsync(dst, src.data(), src.bytes(), cudaMemcpyDeviceToHost, s(stream)));
+    synchronize(stream);
+  }
+
+  void copy(Stream stream, const Tensor& src, Tensor& dst) override {
+    require_device(src, "copy");
+    require_device(dst, "copy");
+    SPINDLE_CHECK(src.numel() == dst.numel(), "copy {} -> {}", src.describe(), dst.describe());
+    cuda::convert(s(stream), src.data(), src.dtype(), dst.data(), dst.dtype(), src.numel());
+  }
+
+  void fill(Stream stream, Tensor& t, double value) override {
+    require_device(t, "fill");
+    cuda::fill(s(stream), t.data(), t.dtype(), t.numel(), value);
+  }
+
+  // ---- elementwise and reductions ---------------------------------------------------------------
+  void scale(Stream stream, Tensor& x, double alpha) override {
+    require_compute(x, "scale");
+    cuda::scale(s(stream), x.data(), x.dtype(), x.numel(), alpha);
+  }
+
+  void axpy(Stream stream, double alpha, const Tensor& x, Tensor& y) override {
+    require_compute(x, "axpy");
+    require_same(x, y, "axpy");
+    SPINDLE_CHECK(x.numel() == y.numel(), "axpy {} vs {}", x.describe(), y.describe());
+    cuda::axpy(s(stream), alpha, x.data(), y.data(), x.dtype(), x.numel());
+  }
+
+  void sum_squares(Stream stream, const Tensor& x, Tensor& out) override {
+    require_compute(x, "sum_squares");
+    require_stat(out, 1, "sum_squares");
+    cuda::sum_squares(s(stream), x.data(), x.dtype(), x.numel(), out.data_as<float>());
+  }
+
+  // ---- dense algebra ----------------------------------------------------------------------------
+  void gemm(Stream stream, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, double alpha,
+            double beta) override {
+    require_compute(a, "gemm");
+    require_same(a, b, "gemm");
+    require_device(c, "gemm");
+    // BF16 inputs may write an F32 C (f32 logits or gradient buffers); F32 inputs write F32.
+    if (!(c.dtype() == a.dtype() || (a.dtype() == DType::BF16 && c.dtype() == DType::F32)))
+      fail("gemm: C {} does not fit inputs {}: BF16 inputs write BF16 or F32, F32 inputs write F32", c.describe(),
+           a.describe());
+    SPINDLE_CHECK(a.rank() == 2 && b.rank() == 2 && c.rank() == 2, "gemm wants 2-D tensors: {} {} {}",
+                  a.describe(), b.describe(), c.describe());
+    const int64_t m = trans_a ? a.dim(1) : a.dim(0), k = trans_a ? a.dim(0) : a.dim(1);
+    const int64_t kb = trans_b ? b.dim(1) : b.dim(0), n = trans_b ? b.dim(0) : b.dim(1);
+    SPINDLE_CHECK(k == kb && c.dim(0) == m && c.dim(1) == n, "gemm shapes: op(A) {}x{}, op(B) {}x{}, C {}", m, k,
+                  kb, n, c.shape().str());
+    if (m == 0 || n == 0) return;
+    if (k == 0) {
+      cuda::scale(s(stream), c.data(), c.dtype(), c.numel(), beta);
+      return;
+    }
+    cuda::GemmArgs args{m, n, k, trans_a, trans_b, a.dtype(), c.dtype(), a.data(), b.data(), c.data(),
+                        a.dim(1), b.dim(1), static_cast<float>(alpha), static_cast<float>(beta)};
+    ctx_->gemm_cache().run(s(stream), args);
+  }
+
+  void add_bias(Stream stream, Tensor& y, const Tensor& bias) override {
+    require_compute(y, "add_bias");
+    require_same(y, bias, "add_bias");
+    const int64_t n = bias.numel(), rows = n ? y.numel() / n : 0;
+    SPINDLE_CHECK(rows * n == y.numel(), "add_bias {} + {}", y.describe(), bias.describe());
+    cuda::add_bias(s(stream), y.data(), bias.data(), y.dtype(), rows, n);
+  }
+
+  void bias_backward(Stream stream, const Tensor& dy, Tensor& dbias) override {
+    require_compute(dy, "bias_backward");
+    require_same(dy, dbias, "bias_backward");
+    const int64_t n = dbias.numel(), rows = n ? dy.numel() / n : 0;
+    SPINDLE_CHECK(rows * n == dy.numel(), "bias_backward {} -> {}", dy.describe(), dbias.describe());
+    cuda::bias_backward(s(stream), dy.data(), dbias.data(), dy.dtype(), rows, n);
+  }
+
+  // ---- model ops --------------------------------------------------------------------------------
+  void embedding_forward(Stream stream, const Tensor& ids, const Tensor& table, Tensor& out) override {
+    require_i32(ids, "embedding_forward");
+    require_compute(table, "embedding_forward");
+    require_same(table, out, "embedding_forward");
+    SPINDLE_CHECK(table.rank() == 2 && out.numel() == ids.numel() * table.dim(1), "embedding_forward: ids {} table {} out {}",
+                  ids.describe(), table.describe(), out.describe());
+    cuda::gather_rows(s(stream), table.data(), table.dim(0), ids.data_as<int32_t>(), ids.numel(), out.data(),
+                      static_cast<size_t>(table.dim(1)) * dtype_size(table.dtype()), ctx_->device_error(),
+                      cuda::kErrTokenId);
+  }
+
+  void embedding_backward(Stream stream, const Tensor& ids, const Tensor& dout, Tensor& dtable) override {
+    require_i32(ids, "embedding_backward");
+    require_compute(dout, "embedding_backward");
+    require_same(dout, dtable, "embedding_backward");
+    SPINDLE_CHECK(dtable.rank() == 2 && dout.numel() == ids.numel() * dtable.dim(1),
+                  "embedding_backward: ids {} dout {} dtable {}", ids.describe(), dout.describe(), dtable.describe());
+    cuda::scatter_add_rows(s(stream), dout.data(), ids.data_as<int32_t>(), ids.numel(), dtable.data(), dtable.dim(0),
+                           dtable.dim(1), dtable.dtype(), ctx_->device_error());
+  }
+
+  void rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& w, double eps, Tensor& y,
+                       Tensor& rstd) override {
+    require_compute(x, "rmsnorm_forward");
+    require_same(x, w, "rmsnorm_forward");
+    require_same(x, y, "rmsnorm_forward");
+    const int64_t c = w.numel(), rows = c ? x.numel() / c : 0;
+    require_stat(rstd, rows, "rmsnorm_forward rstd");
+    SPINDLE_CHECK(rows * c == x.numel() && y.numel() == x.numel(), "rmsnorm_forward {} {} {}", x.describe(),
+                  w.describe(), y.describe());
+    cuda::rmsnorm_forward(s(stream), x.data(), w.data(), y.data(), rstd.data_as<float>(), x.dtype(), rows, c,
+                          static_cast<float>(eps));
+  }
+
+  void rmsnorm_backward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
+                        Tensor& dx, Tensor& dw, bool accumulate_dx) override {
+    require_compute(x, "rmsnorm_backward");
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&w, &dy, &dx, &dw}) require_same(x, *t, "rmsnorm_backward");
+    const int64_t c = w.numel(), rows = c ? x.numel() / c : 0;
+    require_stat(rstd, rows, "rmsnorm_backward rstd");
+    SPINDLE_CHECK(rows * c == x.numel() && dy.numel() == x.numel() && dx.numel() == x.numel() && dw.numel() == c,
+                  "rmsnorm_backward {} {} {} {}", x.describe(), dy.describe(), dx.describe(), dw.describe());
+    cuda::rmsnorm_backward(s(stream), x.data(), w.data(), rstd.data_as<float>(), dy.data(), dx.data(), dw.data(),
+                           x.dtype(), rows, c, accumulate_dx);
+  }
+
+  void rope(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq, double attention_scale,
+            int sign) override {
+    require_compute(x, "rope");
+    require_i32(positions, "rope");
+    require_device(inv_freq, "rope");
+    SPINDLE_CHECK(inv_freq.dtype() == DType::F32, "rope: inv_freq must be F32");
+    SPINDLE_CHECK(x.rank() == 3, "rope wants x [T, heads, D], got {}", x.describe());
+    const int64_t t = x.dim(0), heads = x.dim(1), d = x.dim(2);
+    SPINDLE_CHECK(inv_freq.numel() == d / 2 && positions.numel() == t, "rope: {} {} {}", x.describe(),
+                  positions.describe(), inv_freq.describe());
+    cuda::rope(s(stream), x.data(), x.dtype(), t, heads, d, positions.data_as<int32_t>(), inv_freq.data_as<float>(),
+               attention_scale, sign);
+  }
+
+  void attention_forward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionMask& mask,
+                         double scale, Tensor& out, Tensor& lse) override {
+    require_compute(q, "attention_forward");
+    require_same(q, k, "attention_forward");
+    require_same(q, v, "attention_forward");
+    require_device(out, "attention_forward");
+    // BF16 inputs may write an F32 out: ring attention merges partial outputs in F32.
+    if (!(out.dtype() == q.dtype() || (q.dtype() == DType::BF16 && out.dtype() == DType::F32)))
+      fail("attention_forward: out {} does not fit q {}", out.describe(), q.describe());
+    const cuda::AttentionShape sh = attn_shape(q, k, v, mask);
+    SPINDLE_CHECK(out.shape() == q.shape(), "attention_forward: out {} vs q {}", out.describe(), q.describe());
+    require_stat(lse, sh.tq * sh.hq, "attention_forward lse");
+    cuda::attention_forward(s(stream), pick_impl(sh, q.dtype(), {&q, &k, &v}), sh, q.dtype(), q.data(), k.data(),
+                            v.data(), mask_ptrs(mask), static_cast<float>(scale), out.data(), out.dtype(),
+                            lse.data_as<float>());
+  }
+
+  void attention_backward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                          const Tensor& dout, const Tensor& lse, const AttentionMask& mask, double scale, Tensor& dq,
+                          Tensor& dk, Tensor& dv, bool accumulate) override {
+    require_compute(q, "attention_backward");
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &out, &dout, &dq, &dk, &dv}) require_same(q, *t, "attention_backward");
+    const cuda::AttentionShape sh = attn_shape(q, k, v, mask);
+    SPINDLE_CHECK(out.shape() == q.shape() && dout.shape() == q.shape() && dq.shape() == q.shape() &&
+                      dk.shape() == k.shape() && dv.shape() == v.shape(),
+                  "attention_backward: out {} dout {} dq {} dk {} dv {}", out.describe(), dout.describe(),
+                  dq.describe(), dk.describe(), dv.describe());
+    require_stat(lse, sh.tq * sh.hq, "attention_backward lse");
+    cuda::attention_backward(s(stream), pick_impl(sh, q.dtype(), {&q, &k, &v, &dout}), sh, q.dtype(), q.data(),
+                             k.data(), v.data(), out.data(), dout.data(), lse.data_as<float>(), mask_ptrs(mask),
+                             static_cast<float>(scale), dq.data(), dk.data(), dv.data(), accumulate);
+  }
+
+  void attention_merge(Stream stream, Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b) override {
+    require_device(out, "attention_merge");
+    require_compute(out_b, "attention_merge");
+    SPINDLE_CHECK(out.dtype() == DType::F32, "attention_merge: the accumulator must be F32, got {}", out.describe());
+    SPINDLE_CHECK(out.rank() == 3 && out_b.numel() == out.numel(), "attention_merge: out {} out_b {}",
+                  out.describe(), out_b.describe());
+    const int64_t rows = out.dim(0) * out.dim(1);
+    require_stat(lse, rows, "attention_merge lse");
+    require_stat(lse_b, rows, "attention_merge lse_b");
+    cuda::attention_merge(s(stream), out.data_as<float>(), lse.data_as<float>(), out_b.data(), out_b.dtype(),
+                          lse_b.data_as<float>(), out.dim(0), static_cast<int>(out.dim(1)),
+                          static_cast<int>(out.dim(2)));
+  }
+
+  void swiglu_forward(Stream stream, const Tensor& gate, const Tensor& up, Tensor& out) override {
+    require_compute(gate, "swiglu_forward");
+    require_same(gate, up, "swiglu_forward");
+    require_same(gate, out, "swiglu_forward");
+    SPINDLE_CHECK(up.numel() == gate.numel() && out.numel() == gate.numel(), "swiglu_forward {} {} {}",
+                  gate.describe(), up.describe(), out.describe());
+    cuda::swiglu_forward(s(stream), gate.data(), up.data(), out.data(), gate.dtype(), gate.numel());
+  }
+
+  void swiglu_backward(Stream stream, const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate,
+                       Tensor& dup) override {
+    require_compute(gate, "swiglu_backward");
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&up, &dout, &dgate, &dup}) {
+      require_same(gate, *t, "swiglu_backward");
+      SPINDLE_CHECK(t->numel() == gate.numel(), "swiglu_backward {} vs {}", t->describe(), gate.describe());
+    }
+    cuda::swiglu_backward(s(stream), gate.data(), up.data(), dout.data(), dgate.data(), dup.data(), gate.dtype(),
+                          gate.numel());
+  }
+
+  // ---- rows ---------------------------------------------------------------------------------------
+  void gather_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) override {
+    require_i32(idx, "gather_rows");
+    require_device(src, "gather_rows");
+    require_device(dst, "gather_rows");
+    SPINDLE_CHECK(src.dtype() == dst.dtype(), "gather_rows dtype {} vs {}", src.describe(), dst.describe());
+    const int64_t n = idx.numel(), rows = src.dim(0), row_elems = rows ? src.numel() / rows : 0;
+    SPINDLE_CHECK(dst.numel() == n * row_elems, "gather_rows: dst {} for {} rows of {}", dst.describe(), n,
+                  src.describe());
+    cuda::gather_rows(s(stream), src.data(), rows, idx.data_as<int32_t>(), n, dst.data(),
+                      static_cast<size_t>(row_elems) * dtype_size(src.dtype()), ctx_->device_error(),
+                      cuda::kErrGatherIndex);
+  }
+
+  void scatter_add_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) override {
+    require_i32(idx, "scatter_add_rows");
+    require_compute(src, "scatter_add_rows");
+    require_same(src, dst, "scatter_add_rows");
+    const int64_t n = idx.numel(), rows = dst.dim(0), row_elems = rows ? dst.numel() / rows : 0;
+    SPINDLE_CHECK(src.numel() == n * row_elems, "scatter_add_rows shapes: src {} idx {} dst {}", src.describe(),
+                  idx.describe(), dst.describe());
+    cuda::scatter_add_rows(s(stream), src.data(), idx.data_as<int32_t>(), n, dst.data(), rows, row_elems,
+                           src.dtype(), ctx_->device_error());
+  }
+
+  // ---- loss ---------------------------------------------------------------------------------------
+  void cross_entropy(Stream stream, Tensor& logits, const Tensor& targets, const Tensor& weights, double loss_scale,
+                     double grad_scale, Tensor& loss_sum, Tensor& token_ce) override {
+    require_compute(logits, "cross_entropy");
+    require_i32(targets, "cross_entropy");
+    require_compute(weights, "cross_entropy weights");
+    SPINDLE_CHECK(logits.rank() == 2 && targets.numel() == logits.dim(0) && weights.numel() == logits.dim(0),
+                  "cross_entropy: logits {} targets {} weights {}", logits.describe(), targets.describe(),
+                  weights.describe());
+    require_stat(loss_sum, 1, "cross_entropy loss_sum");
+    if (token_ce.defined()) require_stat(token_ce, logits.dim(0), "cross_entropy token_ce");
+    cuda::cross_entropy(s(stream), logits.data(), logits.dtype(), logits.dim(0), logits.dim(1),
+                        targets.data_as<int32_t>(), weights.data(), weights.dtype(), loss_scale, grad_scale,
+                        loss_sum.data_as<float>(), token_ce.defined() ? token_ce.data_as<float>() : nullptr,
+                        ctx_->device_error());
+  }
+
+  // ---- optimizer ----------------------------------------------------------------------------------
+  void adamw_step(Stream stream, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& hp) override {
+    require_device(param, "adamw_step");
+    SPINDLE_CHECK(param.dtype() == DType::F32, "adamw_step: master parameters must be F32, got {}", param.describe());
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&grad, &m, &v}) {
+      require_same(param, *t, "adamw_step");
+      SPINDLE_CHECK(t->numel() == param.numel(), "adamw_step {} vs {}", t->describe(), param.describe());
+    }
+    cuda::AdamWParams p{static_cast<float>(hp.lr),
+                        static_cast<float>(hp.beta1),
+                        static_cast<float>(hp.beta2),
+                        static_cast<float>(hp.eps),
+                        static_cast<float>(hp.weight_decay),
+                        static_cast<float>(hp.grad_scale),
+                        static_cast<float>(1.0 - std::pow(hp.beta1, static_cast<double>(hp.step))),
+                        static_cast<float>(1.0 - std::pow(hp.beta2, static_cast<double>(hp.step)))};
+    cuda::adamw(s(stream), param.data_as<float>(), grad.data_as<float>(), m.data_as<float>(), v.data_as<float>(),
+                param.numel(), p);
+  }
+
+ private:
+  cudaStream_t s(Stream stream) const {
+    return stream.handle ? static_cast<cudaStream_t>(stream.handle) : ctx_->stream();
+  }
+
+  void require_device(const Tensor& t, const char* what) const {
+    SPINDLE_CHECK(t.defined(), "{}: tensor not allocated", what);
+    if (t.device() != device()) fail("{}: tensor {} is not on {}", what, t.describe(), device().str());
+  }
+  void require_compute(const Tensor& t, const char* what) const {
+    require_device(t, what);
+    if (!is_compute(t.dtype()))
+      fail("{}: the CUDA backend computes in F32 or BF16, got {}; convert with copy() first", what, t.describe());
+  }
+  void require_same(const Tensor& a, const Tensor& b, const char* what) const {
+    require_device(b, what);
+    SPINDLE_CHECK(a.dtype() == b.dtype(), "{}: dtype mismatch {} vs {}", what, a.describe(), b.describe());
+  }
+  void require_i32(const Tensor& t, const char* what) const {
+    require_device(t, what);
+    SPINDLE_CHECK(t.dtype() == DType::I32, "{}: index tensor must be I32, got {}", what, t.describe());
+  }
+  // Statistics (rstd, lse, loss sums) are F32 on this backend.
+  void require_stat(const Tensor& t, int64_t numel, const char* what) const {
+    require_device(t, what);
+    if (t.dtype() != DType::F32) fail("{}: statistics are F32 on the CUDA backend, got {}", what, t.describe());
+    SPINDLE_CHECK(t.numel() == numel, "{}: {} elements expected, got {}", what, numel, t.describe());
+  }
+
+  cuda::AttentionShape attn_shape(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionMask& mask) const {
+    SPINDLE_CHECK(q.rank() == 3 && k.rank() == 3 && v.rank() == 3, "attention wants [T, heads, D]: {} {} {}",
+                  q.describe(), k.describe(), v.describe());
+    cuda::AttentionShape sh{q.dim(0), k.dim(0), static_cast<int>(q.dim(1)), static_cast<int>(k.dim(1)),
+                            static_cast<int>(q.dim(2))};
+    SPINDLE_CHECK(sh.hkv > 0 && sh.hq % sh.hkv == 0, "attention: {} query heads not a multiple of {} kv heads",
+                  sh.hq, sh.hkv);
+    SPINDLE_CHECK(k.dim(2) == sh.d && v.shape() == k.shape(), "attention: k {} v {} vs q {}", k.describe(),
+                  v.describe(), q.describe());
+    if (sh.d > 256) fail("attention: head dim {} above 256 is not supported by the CUDA backend", sh.d);
+    for (const Tensor* t : {&mask.q_doc, &mask.q_pos, &mask.k_doc, &mask.k_pos}) require_i32(*t, "attention mask");
+    SPINDLE_CHECK(mask.q_doc.numel() == sh.tq && mask.q_pos.numel() == sh.tq && mask.k_doc.numel() == sh.tk &&
+                      mask.k_pos.numel() == sh.tk,
+                  "attention mask lengths do not match q/k");
+    return sh;
+  }
+
+  static cuda::AttentionMaskPtrs mask_ptrs(const AttentionMask& m) {
+    return {m.q_doc.data_as<int32_t>(), m.q_pos.data_as<int32_t>(), m.k_doc.data_as<int32_t>(),
+            m.k_pos.data_as<int32_t>()};
+  }
+
+  // The tensor-core kernels load 16-byte pieces; unaligned views fall back to the simple kernels.
+  cuda::AttentionImpl pick_impl(const cuda::AttentionShape&, DType, std::initializer_list<const Tensor*> loaded) const {
+    if (attention_impl_ != cuda::AttentionImpl::Auto) return attention_impl_;
+    for (const Tensor* t : loaded)
+      if (!aligned16(*t)) return cuda::AttentionImpl::Simple;
+    return cuda::AttentionImpl::Auto;
+  }
+
+  std::shared_ptr<Context> ctx_;
+  cuda::AttentionImpl attention_impl_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(int device_index) { return std::make_unique<CudaBackend>(device_index); }
+
+int cuda_device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // no driver / no device: not an error for the caller
+    return 0;
+  }
+  return count;
+}
+
+}  // namespace spindle

@@ -1,0 +1,107 @@
+#include "backend/cuda/gemm.h"
+
+#include "core/error.h"
+
+namespace spindle::cuda {
+
+// Descriptors for one shape, alive as long as the cache.
+struct GemmCache::Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  ~Plan() {
+    if (op) cublasLtMatmulDescDestroy(op);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+  }
+};
+
+size_t GemmCache::KeyHash::operator()(const Key& k) const {
+  size_t h = 1469598103934665603ull;
+  auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+  mix(k.m), mix(k.n), mix(k.k), mix(k.lda), mix(k.ldb), mix(k.ta), mix(k.tb);
+  mix(static_cast<uint64_t>(k.ab)), mix(static_cast<uint64_t>(k.c));
+  mix(k.align_a), mix(k.align_b), mix(k.align_c);
+  return h;
+}
+
+GemmCache::GemmCache(Context& ctx) : ctx_(ctx) {}
+GemmCache::~GemmCache() = default;
+
+namespace {
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::F32: return CUDA_R_32F;
+    case DType::BF16: return CUDA_R_16BF;
+    default: fail("gemm: unsupported dtype {}", dtype_name(t));
+  }
+}
+
+// Largest power of two (≤ 256) dividing the address: cuBLASLt assumes 256-byte alignment unless told.
+int alignment(const void* p) {
+  const auto v = reinterpret_cast<uintptr_t>(p);
+  int a = 256;
+  while (a > 1 && v % a) a >>= 1;
+  return a;
+}
+
+}  // namespace
+
+void GemmCache::run(cudaStream_t stream, const GemmArgs& g) {
+  // Row-major C [m, n] = op(A)·op(B) is column-major Cᵀ [n, m] = op(B)ᵀ·op(A)ᵀ: hand cuBLASLt B as
+  // its "A" and A as its "B"; a row-major [r, c] matrix is a column-major [c, r] one with ld = c.
+  Key key{g.m, g.n, g.k, g.lda, g.ldb, g.trans_a, g.trans_b, g.ab, g.c, alignment(g.a), alignment(g.b),
+          alignment(g.c_ptr)};
+  auto found = plans_.find(key);
+  if (found == plans_.end()) {
+    auto plan = std::make_unique<Plan>();
+    const cudaDataType_t ab = cuda_type(g.ab), ct = cuda_type(g.c);
+    // F32 stays true F32 (no TF32) so the F32 path matches the CPU reference to ~1e-6.
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t op_first = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;   // applies to B
+    const cublasOperation_t op_second = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;  // applies to A
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+    // B as stored: row-major [k, n] (or [n, k] when transposed) = column-major [n, k] (or [k, n]).
+    const uint64_t b_rows = g.trans_b ? g.k : g.n, b_cols = g.trans_b ? g.n : g.k;
+    const uint64_t a_rows = g.trans_a ? g.m : g.k, a_cols = g.trans_a ? g.k : g.m;
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, ab, b_rows, b_cols, g.ldb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, ab, a_rows, a_cols, g.lda));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, ct, g.n, g.m, g.n));
+    cublasLtMatmulPreference_t pref;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const size_t ws = ctx_.workspace_bytes();
+    const uint32_t al_first = key.align_b, al_second = key.align_a, al_c = key.align_c;
+    cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                             sizeof(ws));
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_first,
+                                                sizeof(al_first));
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_second,
+                                                sizeof(al_second));
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found_count = 0;
+    if (st == CUBLAS_STATUS_SUCCESS)
+      st = cublasLtMatmulAlgoGetHeuristic(ctx_.lt(), plan->op, plan->b, plan->a, plan->c, plan->c, pref, 1, &result,
+                                          &found_count);
+    cublasLtMatmulPreferenceDestroy(pref);
+    CUBLAS_CHECK(st);
+    if (found_count == 0)
+      fail("gemm: cuBLASLt has no algorithm for {}x{}x{} ({} inputs, {} output)", g.m, g.n, g.k, dtype_name(g.ab),
+           dtype_name(g.c));
+    plan->algo = result.algo;
+    found = plans_.emplace(key, std::move(plan)).first;
+  }
+  const Plan& plan = *found->second;
+  CUBLAS_CHECK(cublasLtMatmul(ctx_.lt(), plan.op, &g.alpha, g.b, plan.b, g.a, plan.a, &g.beta, g.c_ptr, plan.c,
+                              g.c_ptr, plan.c, &plan.algo, ctx_.workspace(), ctx_.workspace_bytes(), stream));
+}
+
+}  // namespace spindle::cuda

@@ -1,0 +1,199 @@
+// Throughput of the CUDA backend's heavy kernels on the current GPU, for docs/perf.md:
+//   attention forward/backward (TFLOP/s), cuBLASLt GEMM (TFLOP/s), elementwise bandwidth (TB/s).
+// FLOP counts: attention forward = 4·D·Hq per visible (query, key) pair (QKᵀ and PV), backward =
+// 2.5× forward (FlashAttention's convention; 5 GEMM-shaped products instead of 2); for a causal
+// sequence of T tokens the pairs are T(T+1)/2. GEMM = 2·M·N·K. Bandwidth = bytes read + written.
+// Inputs are random (zeros run faster than real data), times are medians of CUDA-event timings
+// after warm-up. Usage: bench_cuda [--quick]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "core/error.h"
+
+using namespace spindle;
+
+namespace {
+
+struct Row {
+  std::string what;
+  double ms, rate;
+  const char* unit;
+};
+std::vector<Row> rows;
+
+double median_ms(Backend& be, const std::function<void()>& fn, int warmup, int reps) {
+  auto st = static_cast<cudaStream_t>(be.default_stream().handle);
+  for (int i = 0; i < warmup; ++i) fn();
+  be.synchronize(be.default_stream());
+  std::vector<double> times;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(a, st);
+    fn();
+    cudaEventRecord(b, st);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    times.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  be.synchronize(be.default_stream());
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// Random values, uploaded as a repeating pattern of 4M + 7 values (rows never line up).
+void fill_random(Backend& be, Tensor& t, double scale, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(-scale, scale);
+  const int64_t period = (int64_t{4} << 20) + 7;
+  const int64_t n = t.numel();
+  const size_t es = dtype_size(t.dtype());
+  std::vector<unsigned char> host(static_cast<size_t>(std::min(n, period)) * es);
+  for (int64_t i = 0; i < std::min(n, period); ++i) {
+    const float v = dist(rng);
+    if (t.dtype() == DType::BF16) {
+      const uint16_t h = f32_to_bf16(v);
+      std::memcpy(&host[i * es], &h, 2);
+    } else {
+      std::memcpy(&host[i * es], &v, 4);
+    }
+  }
+  for (int64_t off = 0; off < n; off += period) {
+    const int64_t count = std::min(period, n - off);
+    Tensor part = t.flat(off, count);
+    be.copy_from_host(be.default_stream(), host.data(), part);
+  }
+}
+
+Tensor ints(Backend& be, const std::vector<int>& v) {
+  Tensor t = be.empty(Shape{static_cast<int64_t>(v.size())}, DType::I32);
+  be.copy_from_host(be.default_stream(), v.data(), t);
+  return t;
+}
+
+void bench_bandwidth(Backend& be) {
+  const int64_t n = int64_t{256} << 20;  // 256 Mi elements
+  Tensor x = be.empty(Shape{n}, DType::F32), y = be.empty(Shape{n}, DType::F32);
+  fill_random(be, x, 1.0, 1);
+  fill_random(be, y, 1.0, 2);
+  Stream s = be.default_stream();
+  double ms = median_ms(be, [&] { be.copy(s, x, y); }, 3, 20);
+  rows.push_back({"copy F32 1 GiB (cudaMemcpy D2D)", ms, 2.0 * n * 4 / ms / 1e9, "TB/s"});
+  ms = median_ms(be, [&] { be.scale(s, x, 1.0000001); }, 3, 20);
+  rows.push_back({"scale F32 1 GiB in place", ms, 2.0 * n * 4 / ms / 1e9, "TB/s"});
+  ms = median_ms(be, [&] { be.axpy(s, 1e-7, x, y); }, 3, 20);
+  rows.push_back({"axpy F32 2x1 GiB", ms, 3.0 * n * 4 / ms / 1e9, "TB/s"});
+  Tensor xb = be.empty(Shape{n}, DType::BF16), yb = be.empty(Shape{n}, DType::BF16);
+  fill_random(be, xb, 1.0, 3);
+  fill_random(be, yb, 1.0, 4);
+  ms = median_ms(be, [&] { be.axpy(s, 1e-3, xb, yb); }, 3, 20);
+  rows.push_back({"axpy BF16 2x512 MiB", ms, 3.0 * n * 2 / ms / 1e9, "TB/s"});
+  ms = median_ms(be, [&] { be.copy(s, x, xb); }, 3, 20);
+  rows.push_back({"convert F32 -> BF16 1 GiB", ms, 1.0 * n * 6 / ms / 1e9, "TB/s"});
+}
+
+void bench_gemm(Backend& be, int64_t m, int64_t n, int64_t k, bool ta, bool tb, const char* label) {
+  Tensor a = be.empty(ta ? Shape{k, m} : Shape{m, k}, DType::BF16);
+  Tensor b = be.empty(tb ? Shape{n, k} : Shape{k, n}, DType::BF16);
+  Tensor c = be.empty(Shape{m, n}, DType::BF16);
+  fill_random(be, a, 1.0, 5);
+  fill_random(be, b, 1.0, 6);
+  const double ms = median_ms(be, [&] { be.gemm(be.default_stream(), a, ta, b, tb, c, 1.0, 0.0); }, 3, 10);
+  rows.push_back({label, ms, 2.0 * m * n * k / ms / 1e9, "TFLOP/s"});
+}
+
+// Attention over a packed row of `docs` documents of `len` tokens each (docs = 1: one causal
+// sequence). full = every key visible to every query (non-causal).
+void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, int d, bool full, const char* impl) {
+  const int64_t t = docs * len;
+  std::vector<int> doc(t), pos(t);
+  for (int64_t i = 0; i < t; ++i) {
+    doc[i] = static_cast<int>(i / len);
+    pos[i] = full ? 0 : static_cast<int>(i % len);
+  }
+  AttentionMask mask{ints(be, doc), ints(be, pos), ints(be, doc), ints(be, pos)};
+  Tensor q = be.empty(Shape{t, hq, d}, DType::BF16), k = be.empty(Shape{t, hkv, d}, DType::BF16);
+  Tensor v = be.empty(Shape{t, hkv, d}, DType::BF16), dout = be.empty(Shape{t, hq, d}, DType::BF16);
+  fill_random(be, q, 2.0, 7);
+  fill_random(be, k, 2.0, 8);
+  fill_random(be, v, 1.0, 9);
+  fill_random(be, dout, 1.0, 10);
+  Tensor out = be.empty(q.shape(), DType::BF16), lse = be.empty(Shape{hq, t}, DType::F32);
+  Tensor dq = be.empty(q.shape(), DType::BF16), dk = be.empty(k.shape(), DType::BF16);
+  Tensor dv = be.empty(v.shape(), DType::BF16);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  Stream s = be.default_stream();
+  const int reps = t >= 32768 ? 5 : 10;
+  const double f_ms = median_ms(be, [&] { be.attention_forward(s, q, k, v, mask, scale, out, lse); }, 2, reps);
+  const double b_ms = median_ms(
+      be, [&] { be.attention_backward(s, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, false); }, 1, reps);
+  // Sanity: every lse finite (each row sees at least its own key).
+  std::vector<float> l(static_cast<size_t>(hq * t));
+  be.copy_to_host(s, lse, l.data());
+  int64_t bad = 0;
+  for (float x : l) bad += !std::isfinite(x);
+  const double pairs = full ? double(docs) * len * len : double(docs) * len * (len + 1) / 2.0;
+  const double fwd_flops = 4.0 * d * hq * pairs;
+  char label[200];
+  std::snprintf(label, sizeof label, "attn %s fwd T=%lld%s Hq=%d Hkv=%d D=%d %s%s", impl,
+                static_cast<long long>(t), docs > 1 ? (" docs=" + std::to_string(docs)).c_str() : "", hq, hkv, d,
+                full ? "full" : "causal", bad ? " NONFINITE-LSE" : "");
+  rows.push_back({label, f_ms, fwd_flops / f_ms / 1e9, "TFLOP/s"});
+  std::snprintf(label, sizeof label, "attn %s bwd T=%lld%s Hq=%d Hkv=%d D=%d %s", impl, static_cast<long long>(t),
+                docs > 1 ? (" docs=" + std::to_string(docs)).c_str() : "", hq, hkv, d, full ? "full" : "causal");
+  rows.push_back({label, b_ms, 2.5 * fwd_flops / b_ms / 1e9, "TFLOP/s"});
+  std::snprintf(label, sizeof label, "attn %s fwd+bwd T=%lld%s D=%d %s", impl, static_cast<long long>(t),
+                docs > 1 ? (" docs=" + std::to_string(docs)).c_str() : "", d, full ? "full" : "causal");
+  rows.push_back({label, f_ms + b_ms, 3.5 * fwd_flops / (f_ms + b_ms) / 1e9, "TFLOP/s"});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  if (cuda_device_count() == 0) {
+    std::printf("bench_cuda: no CUDA device\n");
+    return 0;
+  }
+  try {
+    cudaDeviceProp prop{};
+    cudaGetDeviceProperties(&prop, 0);
+    std::printf("device: %s, %d SMs, %.0f MiB, L2 %d MiB\n", prop.name, prop.multiProcessorCount,
+                prop.totalGlobalMem / 1048576.0, prop.l2CacheSize >> 20);
+    auto be = make_cuda_backend(0);
+    bench_bandwidth(*be);
+    bench_gemm(*be, 8192, 8192, 8192, false, false, "gemm BF16 8192^3");
+    bench_gemm(*be, 32768, 8960, 1536, false, true, "gemm BF16 x[32k,1536]·W[8960,1536]^T");
+    bench_gemm(*be, 1536, 8960, 32768, true, false, "gemm BF16 dW = x^T·dy (K=32k)");
+    bench_attention(*be, 1, 32768, 12, 2, 128, false, "mma");
+    if (!quick) {
+      bench_attention(*be, 1, 16384, 12, 2, 128, true, "mma");
+      bench_attention(*be, 8, 4096, 12, 2, 128, false, "mma");
+      bench_attention(*be, 1, 32768, 16, 4, 64, false, "mma");
+      setenv("SPINDLE_CUDA_ATTENTION", "simple", 1);
+      auto simple = make_cuda_backend(0);
+      unsetenv("SPINDLE_CUDA_ATTENTION");
+      bench_attention(*simple, 1, 4096, 12, 2, 128, false, "simple");
+    }
+  } catch (const Error& e) {
+    std::fprintf(stderr, "bench_cuda: %s\n", e.what());
+    return 1;
+  }
+  std::printf("\n%-58s %10s %10s\n", "kernel", "ms", "rate");
+  for (const Row& r : rows) std::printf("%-58s %10.3f %8.1f %s\n", r.what.c_str(), r.ms, r.rate, r.unit);
+  return 0;
+}

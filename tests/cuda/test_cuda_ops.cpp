@@ -1,0 +1,602 @@
+// Every op of the CUDA backend against the CPU reference (F64) on random inputs. Inputs are
+// rounded to the GPU dtype first, so the reference sees exactly what the GPU sees; outputs that an
+// op overwrites are poisoned with NaN first, so an unwritten element fails the comparison.
+// Tolerance: relative norm error 1e-5 for F32, 1e-2 for BF16 (its storage rounding is 2^-9).
+// With no CUDA device every test is skipped (CI compiles this binary but has no GPU).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/op_test_util.h"
+#include "core/error.h"
+
+using namespace spindle;
+using namespace spindle::test;
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+double tol_for(DType t) { return t == DType::F32 ? 1e-5 : 1e-2; }
+
+double round_to(DType t, double v) {
+  switch (t) {
+    case DType::BF16: return bf16_to_f32(f32_to_bf16(static_cast<float>(v)));
+    case DType::F32: return static_cast<float>(v);
+    default: return v;
+  }
+}
+
+class CudaOps : public ::testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override {
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
+    gpu = make_cuda_backend(0);
+    gs = gpu->default_stream();
+  }
+
+  // Random values already rounded to `t`.
+  std::vector<double> rand_values(int64_t n, DType t, double scale = 1.0) {
+    std::uniform_real_distribution<double> dist(-scale, scale);
+    std::vector<double> v(n);
+    for (double& x : v) {
+      do x = round_to(t, dist(rng));
+      while (x == 0.0);
+    }
+    return v;
+  }
+  Tensor on_gpu(const std::vector<double>& v, Shape shape, DType t) {
+    Tensor x = gpu->empty(shape, t);
+    from_host(*gpu, v, x);
+    return x;
+  }
+  Tensor on_cpu(const std::vector<double>& v, Shape shape, DType t = DType::F64) {
+    Tensor x = cpu->empty(shape, t);
+    from_host(*cpu, v, x);
+    return x;
+  }
+  Tensor gpu_ints(const std::vector<int>& v) { return int_tensor(*gpu, v); }
+  Tensor cpu_ints(const std::vector<int>& v) { return int_tensor(*cpu, v); }
+  Tensor poisoned(Shape shape, DType t) {
+    Tensor x = gpu->empty(shape, t);
+    gpu->fill(gs, x, std::nan(""));
+    return x;
+  }
+
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  std::unique_ptr<Backend> gpu;
+  Stream gs, cs{};
+  std::mt19937_64 rng{20261129};
+};
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaOps, ::testing::Values(DType::F32, DType::BF16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+TEST_P(CudaOps, CopyConvertsAndFillWritesEveryElement) {
+  const DType t = GetParam();
+  const int64_t n = 1001;  // odd: exercises the scalar tail of the vector loops
+  std::vector<double> src(n);
+  std::uniform_real_distribution<double> dist(-3, 3);
+  for (double& x : src) x = static_cast<float>(dist(rng));
+  Tensor a = on_gpu(src, Shape{n}, DType::F32);
+  Tensor b = poisoned(Shape{n}, t);
+  gpu->copy(gs, a, b);
+  auto got = to_host(*gpu, b);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], round_to(t, src[i])) << i;
+  Tensor c = poisoned(Shape{n}, DType::F32);
+  gpu->copy(gs, b, c);
+  EXPECT_EQ(to_host(*gpu, c), got);
+  Tensor ints = gpu->empty(Shape{n}, DType::I32);
+  gpu->copy(gs, a, ints);  // truncation toward zero, as the CPU backend
+  auto gi = to_host(*gpu, ints);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(gi[i], static_cast<double>(static_cast<int32_t>(static_cast<float>(src[i]))));
+  for (double value : {1.5, -2.25, 0.0}) {
+    Tensor f = poisoned(Shape{n}, t);
+    gpu->fill(gs, f, value);
+    for (double x : to_host(*gpu, f)) ASSERT_EQ(x, value);
+  }
+  Tensor z = gpu->zeros(Shape{7, 3}, t);
+  for (double x : to_host(*gpu, z)) ASSERT_EQ(x, 0.0);
+}
+
+TEST_P(CudaOps, ScaleAxpySumSquares) {
+  const DType t = GetParam();
+  const int64_t n = 100003;
+  auto xv = rand_values(n, t), yv = rand_values(n, t);
+  Tensor x = on_gpu(xv, Shape{n}, t), y = on_gpu(yv, Shape{n}, t);
+  Tensor cx = on_cpu(xv, Shape{n}), cy = on_cpu(yv, Shape{n});
+  gpu->scale(gs, x, -0.75);
+  cpu->scale(cs, cx, -0.75);
+  expect_close(to_host(*gpu, x), to_host(*cpu, cx), tol_for(t), "scale");
+  gpu->axpy(gs, 1.25, x, y);
+  cpu->axpy(cs, 1.25, cx, cy);
+  expect_close(to_host(*gpu, y), to_host(*cpu, cy), tol_for(t), "axpy");
+  // Unaligned views take the scalar path.
+  Tensor xs = x.flat(1, n - 2), ys = y.flat(1, n - 2);
+  Tensor cxs = cx.flat(1, n - 2), cys = cy.flat(1, n - 2);
+  gpu->axpy(gs, 0.5, xs, ys);
+  cpu->axpy(cs, 0.5, cxs, cys);
+  expect_close(to_host(*gpu, y), to_host(*cpu, cy), tol_for(t), "axpy unaligned");
+  Tensor acc = on_gpu({0.75}, Shape{1}, DType::F32);
+  Tensor cacc = on_cpu({0.75}, Shape{1});
+  gpu->sum_squares(gs, y, acc);
+  cpu->sum_squares(cs, cy, cacc);
+  EXPECT_NEAR(to_host(*gpu, acc)[0], to_host(*cpu, cacc)[0], 1e-5 * to_host(*cpu, cacc)[0]);
+}
+
+TEST_P(CudaOps, GemmAllTransposesMatchesCpu) {
+  const DType t = GetParam();
+  const int64_t m = 67, n = 45, k = 130;
+  for (int ta = 0; ta < 2; ++ta)
+    for (int tb = 0; tb < 2; ++tb)
+      for (DType ct : {t, DType::F32}) {
+        Shape sa = ta ? Shape{k, m} : Shape{m, k}, sb = tb ? Shape{n, k} : Shape{k, n};
+        auto av = rand_values(sa.numel(), t), bv = rand_values(sb.numel(), t), cv = rand_values(m * n, ct);
+        Tensor a = on_gpu(av, sa, t), b = on_gpu(bv, sb, t), c = on_gpu(cv, Shape{m, n}, ct);
+        Tensor ca = on_cpu(av, sa), cb = on_cpu(bv, sb), cc = on_cpu(cv, Shape{m, n});
+        gpu->gemm(gs, a, ta, b, tb, c, 0.5, 0.75);
+        cpu->gemm(cs, ca, ta, cb, tb, cc, 0.5, 0.75);
+        const std::string what = "gemm ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) + " C " +
+                                 std::string(dtype_name(ct));
+        expect_close(to_host(*gpu, c), to_host(*cpu, cc), tol_for(ct == DType::F32 && t == DType::F32 ? DType::F32 : DType::BF16) / (ct == DType::F32 ? 10 : 1), what.c_str());
+        // beta = 0 must ignore whatever C held, NaN included.
+        Tensor c0 = poisoned(Shape{m, n}, ct);
+        gpu->gemm(gs, a, ta, b, tb, c0, 1.0, 0.0);
+        cpu->gemm(cs, ca, ta, cb, tb, cc, 1.0, 0.0);
+        expect_close(to_host(*gpu, c0), to_host(*cpu, cc), t == DType::F32 ? 1e-5 : 1e-2, (what + " beta=0").c_str());
+      }
+}
+
+TEST_P(CudaOps, BiasAddAndBackward) {
+  const DType t = GetParam();
+  const int64_t rows = 600, n = 70;
+  auto yv = rand_values(rows * n, t), bv = rand_values(n, t), dbv = rand_values(n, t);
+  Tensor y = on_gpu(yv, Shape{rows, n}, t), b = on_gpu(bv, Shape{n}, t), db = on_gpu(dbv, Shape{n}, t);
+  Tensor cy = on_cpu(yv, Shape{rows, n}), cb = on_cpu(bv, Shape{n}), cdb = on_cpu(dbv, Shape{n});
+  gpu->add_bias(gs, y, b);
+  cpu->add_bias(cs, cy, cb);
+  expect_close(to_host(*gpu, y), to_host(*cpu, cy), tol_for(t), "add_bias");
+  gpu->bias_backward(gs, y, db);
+  cpu->bias_backward(cs, cy, cdb);
+  expect_close(to_host(*gpu, db), to_host(*cpu, cdb), tol_for(t), "bias_backward");
+}
+
+TEST_P(CudaOps, EmbeddingForwardBackwardWithRepeatedIds) {
+  const DType t = GetParam();
+  const int64_t vocab = 50, hidden = 72, tokens = 300;
+  std::vector<int> ids(tokens);
+  std::uniform_int_distribution<int> pick(0, 9);  // few distinct ids: many repeats
+  for (int& i : ids) i = pick(rng) * 5;
+  auto tv = rand_values(vocab * hidden, t), dv = rand_values(tokens * hidden, t), gv = rand_values(vocab * hidden, t);
+  Tensor table = on_gpu(tv, Shape{vocab, hidden}, t), out = poisoned(Shape{tokens, hidden}, t);
+  Tensor ctable = on_cpu(tv, Shape{vocab, hidden}), cout_ = cpu->empty(Shape{tokens, hidden}, DType::F64);
+  gpu->embedding_forward(gs, gpu_ints(ids), table, out);
+  cpu->embedding_forward(cs, cpu_ints(ids), ctable, cout_);
+  EXPECT_EQ(to_host(*gpu, out), to_host(*cpu, cout_));
+  Tensor dout = on_gpu(dv, Shape{tokens, hidden}, t), dtable = on_gpu(gv, Shape{vocab, hidden}, t);
+  Tensor cdout = on_cpu(dv, Shape{tokens, hidden}), cdtable = on_cpu(gv, Shape{vocab, hidden});
+  gpu->embedding_backward(gs, gpu_ints(ids), dout, dtable);
+  cpu->embedding_backward(cs, cpu_ints(ids), cdout, cdtable);
+  expect_close(to_host(*gpu, dtable), to_host(*cpu, cdtable), tol_for(t), "embedding_backward");
+  // A bad id is reported at the next synchronization with the CPU backend's message.
+  Tensor one = poisoned(Shape{1, hidden}, t);
+  gpu->embedding_forward(gs, gpu_ints({int(vocab)}), table, one);
+  try {
+    gpu->synchronize(gs);
+    FAIL() << "expected an error for a token id outside the vocabulary";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("outside the vocabulary"), std::string::npos) << e.what();
+  }
+  gpu->synchronize(gs);  // reported once, then cleared
+}
+
+TEST_P(CudaOps, GatherAndScatterRows) {
+  const DType t = GetParam();
+  for (int64_t width : {3, 64}) {  // 3: rows not a multiple of 16 bytes
+    const int64_t rows = 40, n = 90;
+    std::vector<int> idx(n);
+    std::uniform_int_distribution<int> pick(0, rows - 1);
+    for (int& i : idx) i = pick(rng);
+    auto sv = rand_values(rows * width, t);
+    Tensor src = on_gpu(sv, Shape{rows, width}, t), dst = poisoned(Shape{n, width}, t);
+    Tensor csrc = on_cpu(sv, Shape{rows, width}), cdst = cpu->empty(Shape{n, width}, DType::F64);
+    gpu->gather_rows(gs, src, gpu_ints(idx), dst);
+    cpu->gather_rows(cs, csrc, cpu_ints(idx), cdst);
+    EXPECT_EQ(to_host(*gpu, dst), to_host(*cpu, cdst));
+    auto av = rand_values(rows * width, t);
+    Tensor acc = on_gpu(av, Shape{rows, width}, t), cacc = on_cpu(av, Shape{rows, width});
+    gpu->scatter_add_rows(gs, dst, gpu_ints(idx), acc);
+    cpu->scatter_add_rows(cs, cdst, cpu_ints(idx), cacc);
+    expect_close(to_host(*gpu, acc), to_host(*cpu, cacc), tol_for(t), "scatter_add_rows");
+  }
+  // Integer rows gather too (any dtype moves as bytes).
+  Tensor ints = gpu_ints({10, 11, 12, 13, 14, 15});
+  Tensor picked = gpu->empty(Shape{2, 2}, DType::I32);
+  gpu->gather_rows(gs, ints.reshape(Shape{3, 2}), gpu_ints({2, 0}), picked);
+  EXPECT_EQ(to_host(*gpu, picked), (std::vector<double>{14, 15, 10, 11}));
+}
+
+TEST_P(CudaOps, RmsNormForwardBackward) {
+  const DType t = GetParam();
+  const int64_t rows = 37, c = 1000;
+  auto xv = rand_values(rows * c, t, 2.0), wv = rand_values(c, t), gv = rand_values(rows * c, t);
+  auto dxv = rand_values(rows * c, t), dwv = rand_values(c, t);
+  Tensor x = on_gpu(xv, Shape{rows, c}, t), w = on_gpu(wv, Shape{c}, t), y = poisoned(Shape{rows, c}, t);
+  Tensor rstd = poisoned(Shape{rows}, DType::F32);
+  Tensor cx = on_cpu(xv, Shape{rows, c}), cw = on_cpu(wv, Shape{c}), cy = cpu->empty(Shape{rows, c}, DType::F64);
+  Tensor crstd = cpu->empty(Shape{rows}, DType::F64);
+  gpu->rmsnorm_forward(gs, x, w, 1e-6, y, rstd);
+  cpu->rmsnorm_forward(cs, cx, cw, 1e-6, cy, crstd);
+  expect_close(to_host(*gpu, y), to_host(*cpu, cy), tol_for(t), "rmsnorm y");
+  expect_close(to_host(*gpu, rstd), to_host(*cpu, crstd), 1e-5, "rmsnorm rstd");
+  for (bool acc : {false, true}) {
+    Tensor dy = on_gpu(gv, Shape{rows, c}, t), cdy = on_cpu(gv, Shape{rows, c});
+    Tensor dx = acc ? on_gpu(dxv, Shape{rows, c}, t) : poisoned(Shape{rows, c}, t);
+    Tensor cdx = on_cpu(dxv, Shape{rows, c});
+    Tensor dw = on_gpu(dwv, Shape{c}, t), cdw = on_cpu(dwv, Shape{c});
+    gpu->rmsnorm_backward(gs, x, w, rstd, dy, dx, dw, acc);
+    cpu->rmsnorm_backward(cs, cx, cw, crstd, cdy, cdx, cdw, acc);
+    expect_close(to_host(*gpu, dx), to_host(*cpu, cdx), tol_for(t), acc ? "rmsnorm dx +=" : "rmsnorm dx");
+    expect_close(to_host(*gpu, dw), to_host(*cpu, cdw), tol_for(t), "rmsnorm dw");
+  }
+}
+
+TEST_P(CudaOps, RopeForwardAndInverseAtLongPositions) {
+  const DType t = GetParam();
+  const int64_t tokens = 50, heads = 3, d = 64;
+  std::vector<int> pos(tokens);
+  std::uniform_int_distribution<int> pick(0, 1 << 19);  // angles up to ~5e5 rad
+  for (int& p : pos) p = pick(rng);
+  pos[0] = 0;
+  std::vector<double> freq(d / 2);
+  for (int i = 0; i < d / 2; ++i) freq[i] = static_cast<float>(std::pow(1e6, -2.0 * i / d));
+  auto xv = rand_values(tokens * heads * d, t);
+  for (int sign : {1, -1}) {
+    Tensor x = on_gpu(xv, Shape{tokens, heads, d}, t), cx = on_cpu(xv, Shape{tokens, heads, d});
+    Tensor inv = on_gpu(freq, Shape{d / 2}, DType::F32), cinv = on_cpu(freq, Shape{d / 2}, DType::F32);
+    gpu->rope(gs, x, gpu_ints(pos), inv, 1.3, sign);
+    cpu->rope(cs, cx, cpu_ints(pos), cinv, 1.3, sign);
+    expect_close(to_host(*gpu, x), to_host(*cpu, cx), tol_for(t), sign > 0 ? "rope" : "rope inverse");
+  }
+}
+
+TEST_P(CudaOps, SwigluForwardBackward) {
+  const DType t = GetParam();
+  const int64_t n = 4099;
+  auto g = rand_values(n, t, 6.0), u = rand_values(n, t), d = rand_values(n, t);
+  Tensor gate = on_gpu(g, Shape{n}, t), up = on_gpu(u, Shape{n}, t), dout = on_gpu(d, Shape{n}, t);
+  Tensor cg = on_cpu(g, Shape{n}), cu = on_cpu(u, Shape{n}), cd = on_cpu(d, Shape{n});
+  Tensor out = poisoned(Shape{n}, t), cout_ = cpu->empty(Shape{n}, DType::F64);
+  gpu->swiglu_forward(gs, gate, up, out);
+  cpu->swiglu_forward(cs, cg, cu, cout_);
+  expect_close(to_host(*gpu, out), to_host(*cpu, cout_), tol_for(t), "swiglu");
+  Tensor dg = poisoned(Shape{n}, t), du = poisoned(Shape{n}, t);
+  Tensor cdg = cpu->empty(Shape{n}, DType::F64), cdu = cpu->empty(Shape{n}, DType::F64);
+  gpu->swiglu_backward(gs, gate, up, dout, dg, du);
+  cpu->swiglu_backward(cs, cg, cu, cd, cdg, cdu);
+  expect_close(to_host(*gpu, dg), to_host(*cpu, cdg), tol_for(t), "swiglu dgate");
+  expect_close(to_host(*gpu, du), to_host(*cpu, cdu), tol_for(t), "swiglu dup");
+}
+
+TEST_P(CudaOps, CrossEntropyValueGradientAndTokenLoss) {
+  const DType t = GetParam();
+  for (int64_t vocab : {1000, 50021}) {
+    const int64_t n = vocab > 10000 ? 5 : 37;
+    auto lv = rand_values(n * vocab, t, 8.0);
+    std::vector<int> tg(n);
+    std::uniform_int_distribution<int> pick(0, static_cast<int>(vocab) - 1);
+    for (int& x : tg) x = pick(rng);
+    auto wv = rand_values(n, DType::F32);
+    wv[1] = 0.0;  // an unsupervised row: zero gradient, no loss
+    Tensor logits = on_gpu(lv, Shape{n, vocab}, t), clogits = on_cpu(lv, Shape{n, vocab});
+    Tensor w = on_gpu(wv, Shape{n}, DType::F32), cw = on_cpu(wv, Shape{n});
+    Tensor loss = on_gpu({0.5}, Shape{1}, DType::F32), closs = on_cpu({0.5}, Shape{1});
+    Tensor ce = poisoned(Shape{n}, DType::F32), cce = cpu->empty(Shape{n}, DType::F64);
+    gpu->cross_entropy(gs, logits, gpu_ints(tg), w, 0.3, 0.7, loss, ce);
+    cpu->cross_entropy(cs, clogits, cpu_ints(tg), cw, 0.3, 0.7, closs, cce);
+    expect_close(to_host(*gpu, logits), to_host(*cpu, clogits), tol_for(t), "dlogits");
+    expect_close(to_host(*gpu, ce), to_host(*cpu, cce), 1e-5, "token_ce");
+    EXPECT_NEAR(to_host(*gpu, loss)[0], to_host(*cpu, closs)[0], 1e-5 * std::fabs(to_host(*cpu, closs)[0]));
+    Tensor none;  // token_ce is optional
+    gpu->cross_entropy(gs, logits, gpu_ints(tg), w, 1.0, 1.0, loss, none);
+    gpu->synchronize(gs);
+  }
+  Tensor logits = on_gpu(rand_values(8, t), Shape{2, 4}, t);
+  Tensor loss = gpu->zeros(Shape{1}, DType::F32), none;
+  gpu->cross_entropy(gs, logits, gpu_ints({1, 4}), on_gpu({1.0, 1.0}, Shape{2}, DType::F32), 1, 1, loss, none);
+  EXPECT_THROW(gpu->synchronize(gs), Error);
+}
+
+TEST_F(CudaOps, AdamWMatchesCpu) {
+  const int64_t n = 10007;
+  auto p = rand_values(n, DType::F32), g = rand_values(n, DType::F32), m = rand_values(n, DType::F32, 0.1);
+  auto v = rand_values(n, DType::F32, 0.01);
+  for (double& x : v) x = std::fabs(x);
+  Tensor gp = on_gpu(p, Shape{n}, DType::F32), gg = on_gpu(g, Shape{n}, DType::F32);
+  Tensor gm = on_gpu(m, Shape{n}, DType::F32), gv = on_gpu(v, Shape{n}, DType::F32);
+  Tensor cp = on_cpu(p, Shape{n}), cg = on_cpu(g, Shape{n}), cm = on_cpu(m, Shape{n}), cv = on_cpu(v, Shape{n});
+  Backend::AdamW hp{3e-3, 0.9, 0.95, 1e-8, 0.1, 7, 0.8};
+  for (int step = 0; step < 3; ++step, ++hp.step) {
+    gpu->adamw_step(gs, gp, gg, gm, gv, hp);
+    cpu->adamw_step(cs, cp, cg, cm, cv, hp);
+  }
+  expect_close(to_host(*gpu, gp), to_host(*cpu, cp), 1e-6, "param");
+  expect_close(to_host(*gpu, gm), to_host(*cpu, cm), 1e-6, "m");
+  expect_close(to_host(*gpu, gv), to_host(*cpu, cv), 1e-6, "v");
+}
+
+TEST_P(CudaOps, AttentionMergeIgnoresEmptyRows) {
+  const DType t = GetParam();
+  const int64_t tq = 33, hq = 3, d = 40;
+  auto ov = rand_values(tq * hq * d, DType::F32), obv = rand_values(tq * hq * d, t);
+  auto lv = rand_values(tq * hq, DType::F32, 5.0), lbv = rand_values(tq * hq, DType::F32, 5.0);
+  for (int64_t i = 0; i < tq * hq; i += 5) lv[i] = -kInf;   // accumulator empty
+  for (int64_t i = 0; i < tq * hq; i += 7) lbv[i] = -kInf;  // block empty (some rows: both)
+  Tensor out = on_gpu(ov, Shape{tq, hq, d}, DType::F32), lse = on_gpu(lv, Shape{hq, tq}, DType::F32);
+  Tensor ob = on_gpu(obv, Shape{tq, hq, d}, t), lb = on_gpu(lbv, Shape{hq, tq}, DType::F32);
+  Tensor cout_ = on_cpu(ov, Shape{tq, hq, d}), clse = on_cpu(lv, Shape{hq, tq});
+  Tensor cob = on_cpu(obv, Shape{tq, hq, d}), clb = on_cpu(lbv, Shape{hq, tq});
+  gpu->attention_merge(gs, out, lse, ob, lb);
+  cpu->attention_merge(cs, cout_, clse, cob, clb);
+  expect_close(to_host(*gpu, out), to_host(*cpu, cout_), 1e-6, "merged out");
+  auto gl = to_host(*gpu, lse), cl = to_host(*cpu, clse);
+  for (size_t i = 0; i < gl.size(); ++i) {
+    ASSERT_FALSE(std::isnan(gl[i])) << i;
+    if (std::isinf(cl[i])) EXPECT_EQ(gl[i], cl[i]) << i;
+    else EXPECT_NEAR(gl[i], cl[i], 1e-5 * std::max(1.0, std::fabs(cl[i]))) << i;
+  }
+}
+
+TEST_F(CudaOps, RejectsWrongDtypesWithAClearMessage) {
+  Tensor a = gpu->empty(Shape{2, 2}, DType::F16);
+  try {
+    gpu->gemm(gs, a, false, a, false, a, 1, 0);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("F32 or BF16"), std::string::npos) << e.what();
+  }
+  Tensor x = gpu->empty(Shape{4, 8}, DType::BF16), w = gpu->empty(Shape{8}, DType::BF16);
+  Tensor rstd64 = gpu->empty(Shape{4}, DType::F64);
+  EXPECT_THROW(gpu->rmsnorm_forward(gs, x, w, 1e-5, x, rstd64), Error);
+  Tensor on_host = cpu->empty(Shape{2, 2}, DType::F32);
+  EXPECT_THROW(gpu->scale(gs, on_host, 2.0), Error);
+}
+
+// ---- attention -------------------------------------------------------------------------------
+
+struct MaskSpec {
+  std::vector<int> q_doc, q_pos, k_doc, k_pos;
+};
+
+MaskSpec causal(int t) {
+  MaskSpec m;
+  for (int i = 0; i < t; ++i) {
+    m.q_doc.push_back(0);
+    m.q_pos.push_back(i);
+  }
+  m.k_doc = m.q_doc;
+  m.k_pos = m.q_pos;
+  return m;
+}
+
+// Packed documents with restarting positions; the last one is padding (its own document id).
+MaskSpec packed(const std::vector<int>& lengths, int padding) {
+  MaskSpec m;
+  for (size_t d = 0; d < lengths.size(); ++d)
+    for (int i = 0; i < lengths[d]; ++i) {
+      m.q_doc.push_back(static_cast<int>(d));
+      m.q_pos.push_back(i);
+    }
+  for (int i = 0; i < padding; ++i) {
+    m.q_doc.push_back(-1);
+    m.q_pos.push_back(i);
+  }
+  m.k_doc = m.q_doc;
+  m.k_pos = m.q_pos;
+  return m;
+}
+
+// Query positions [q0, q0 + tq), key positions [k0, k0 + tk) of one document (a ring block).
+MaskSpec block(int q0, int tq, int k0, int tk) {
+  MaskSpec m;
+  for (int i = 0; i < tq; ++i) {
+    m.q_doc.push_back(0);
+    m.q_pos.push_back(q0 + i);
+  }
+  for (int j = 0; j < tk; ++j) {
+    m.k_doc.push_back(0);
+    m.k_pos.push_back(k0 + j);
+  }
+  return m;
+}
+
+// Zigzag ring block: queries hold chunks {a, 2R-1-a}, keys chunks {b, 2R-1-b}, chunk size c.
+MaskSpec zigzag(int a, int b, int ring, int c) {
+  MaskSpec m;
+  for (int chunk : {a, 2 * ring - 1 - a})
+    for (int i = 0; i < c; ++i) {
+      m.q_doc.push_back(0);
+      m.q_pos.push_back(chunk * c + i);
+    }
+  for (int chunk : {b, 2 * ring - 1 - b})
+    for (int i = 0; i < c; ++i) {
+      m.k_doc.push_back(0);
+      m.k_pos.push_back(chunk * c + i);
+    }
+  return m;
+}
+
+struct AttnCase {
+  const char* name;
+  MaskSpec mask;
+  int hq, hkv;
+};
+
+std::vector<AttnCase> attention_cases() {
+  return {
+      {"causal", causal(200), 4, 2},
+      {"packed", packed({70, 1, 90, 25}, 14), 4, 4},
+      {"ring block above the diagonal (all rows empty)", block(0, 96, 96, 130), 2, 1},
+      {"partly empty rows", block(0, 150, 70, 100), 4, 2},
+      {"gqa group 3 zigzag block", zigzag(0, 1, 2, 70), 6, 2},
+      {"gqa group 3 zigzag block reversed", zigzag(1, 0, 2, 70), 6, 2},
+      {"ring block below the diagonal (all visible)", block(300, 80, 0, 140), 2, 2},
+  };
+}
+
+class CudaAttention : public ::testing::TestWithParam<std::tuple<DType, int>> {
+ protected:
+  void SetUp() override {
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
+    gpu = make_cuda_backend(0);
+  }
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  std::unique_ptr<Backend> gpu;
+  std::mt19937_64 rng{77};
+};
+
+std::vector<double> random_rounded(std::mt19937_64& rng, int64_t n, DType t, double scale) {
+  std::uniform_real_distribution<double> dist(-scale, scale);
+  std::vector<double> v(n);
+  for (double& x : v) {
+    do x = round_to(t, dist(rng));
+    while (x == 0.0);
+  }
+  return v;
+}
+
+// Runs one case on both backends and compares out, lse, dq, dk, dv; then the same backward with
+// accumulate = true on top of random gradients.
+void check_attention(Backend& cpu, Backend& gpu, std::mt19937_64& rng, const AttnCase& c, DType t, int d) {
+  SCOPED_TRACE(std::string(c.name) + " " + std::string(dtype_name(t)) + " d=" + std::to_string(d));
+  const int64_t tq = c.mask.q_doc.size(), tk = c.mask.k_doc.size();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  Stream gs = gpu.default_stream(), cs{};
+  auto qv = random_rounded(rng, tq * c.hq * d, t, 2.0), kv = random_rounded(rng, tk * c.hkv * d, t, 2.0);
+  auto vv = random_rounded(rng, tk * c.hkv * d, t, 1.0), dov = random_rounded(rng, tq * c.hq * d, t, 1.0);
+  auto up = [&](Backend& be, const std::vector<double>& v, Shape s, DType dt) {
+    Tensor x = be.empty(s, dt);
+    from_host(be, v, x);
+    return x;
+  };
+  const DType ct = DType::F64;
+  const Shape qs{tq, c.hq, d}, ks{tk, c.hkv, d};
+  AttentionMask gm{int_tensor(gpu, c.mask.q_doc), int_tensor(gpu, c.mask.q_pos), int_tensor(gpu, c.mask.k_doc),
+                   int_tensor(gpu, c.mask.k_pos)};
+  AttentionMask cm{int_tensor(cpu, c.mask.q_doc), int_tensor(cpu, c.mask.q_pos), int_tensor(cpu, c.mask.k_doc),
+                   int_tensor(cpu, c.mask.k_pos)};
+  Tensor q = up(gpu, qv, qs, t), k = up(gpu, kv, ks, t), v = up(gpu, vv, ks, t), dout = up(gpu, dov, qs, t);
+  Tensor cq = up(cpu, qv, qs, ct), ck = up(cpu, kv, ks, ct), cv = up(cpu, vv, ks, ct), cdout = up(cpu, dov, qs, ct);
+  Tensor out = gpu.empty(qs, t), lse = gpu.empty(Shape{c.hq, tq}, DType::F32);
+  gpu.fill(gs, out, std::nan(""));
+  gpu.fill(gs, lse, std::nan(""));
+  Tensor cout_ = cpu.empty(qs, ct), clse = cpu.empty(Shape{c.hq, tq}, ct);
+  gpu.attention_forward(gs, q, k, v, gm, scale, out, lse);
+  cpu.attention_forward(cs, cq, ck, cv, cm, scale, cout_, clse);
+  const double tol = tol_for(t);
+  expect_close(to_host(gpu, out), to_host(cpu, cout_), tol, "out");
+  auto gl = to_host(gpu, lse), cl = to_host(cpu, clse);
+  std::vector<double> glf, clf;
+  for (size_t i = 0; i < gl.size(); ++i) {
+    ASSERT_FALSE(std::isnan(gl[i])) << "lse " << i;
+    if (std::isinf(cl[i])) {
+      ASSERT_EQ(gl[i], cl[i]) << "lse " << i << " must be -inf for a row without keys";
+    } else {
+      glf.push_back(gl[i]);
+      clf.push_back(cl[i]);
+    }
+  }
+  expect_close(glf, clf, t == DType::F32 ? 1e-6 : 1e-4, "lse");
+  // The F32-output variant (ring partials) of the same forward.
+  if (t == DType::BF16) {
+    Tensor out32 = gpu.empty(qs, DType::F32);
+    gpu.fill(gs, out32, std::nan(""));
+    gpu.attention_forward(gs, q, k, v, gm, scale, out32, lse);
+    expect_close(to_host(gpu, out32), to_host(cpu, cout_), 5e-3, "out F32");
+  }
+
+  for (bool acc : {false, true}) {
+    SCOPED_TRACE(acc ? "accumulate" : "overwrite");
+    auto dq0 = random_rounded(rng, tq * c.hq * d, t, 1.0), dk0 = random_rounded(rng, tk * c.hkv * d, t, 1.0);
+    auto dv0 = random_rounded(rng, tk * c.hkv * d, t, 1.0);
+    Tensor dq = up(gpu, dq0, qs, t), dk = up(gpu, dk0, ks, t), dv = up(gpu, dv0, ks, t);
+    if (!acc) {
+      gpu.fill(gs, dq, std::nan(""));
+      gpu.fill(gs, dk, std::nan(""));
+      gpu.fill(gs, dv, std::nan(""));
+    }
+    Tensor cdq = up(cpu, dq0, qs, ct), cdk = up(cpu, dk0, ks, ct), cdv = up(cpu, dv0, ks, ct);
+    gpu.attention_backward(gs, q, k, v, out, dout, lse, gm, scale, dq, dk, dv, acc);
+    cpu.attention_backward(cs, cq, ck, cv, cout_, cdout, clse, cm, scale, cdq, cdk, cdv, acc);
+    expect_close(to_host(gpu, dq), to_host(cpu, cdq), tol, "dq");
+    expect_close(to_host(gpu, dk), to_host(cpu, cdk), tol, "dk");
+    expect_close(to_host(gpu, dv), to_host(cpu, cdv), tol, "dv");
+  }
+}
+
+TEST_P(CudaAttention, EveryMaskCaseMatchesCpu) {
+  const auto [t, d] = GetParam();
+  for (const AttnCase& c : attention_cases()) check_attention(*cpu, *gpu, rng, c, t, d);
+}
+
+// BF16 with d 64/128 runs the tensor-core kernels; F32 and d = 96 run the simple kernels.
+INSTANTIATE_TEST_SUITE_P(Kernels, CudaAttention,
+                         ::testing::Values(std::make_tuple(DType::BF16, 64), std::make_tuple(DType::BF16, 128),
+                                           std::make_tuple(DType::BF16, 96), std::make_tuple(DType::F32, 128),
+                                           std::make_tuple(DType::F32, 40)),
+                         [](const auto& info) {
+                           return std::string(dtype_name(std::get<0>(info.param))) + "_d" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
+
+// The simple kernels forced on BF16 d = 128 (the tensor-core kernels' shape) also match the CPU,
+// and the two GPU implementations agree with each other at a size the CPU would take long for.
+TEST(CudaAttentionImpls, SimpleAndTensorCoreKernelsAgree) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
+  setenv("SPINDLE_CUDA_ATTENTION", "simple", 1);
+  auto simple = make_cuda_backend(0);
+  setenv("SPINDLE_CUDA_ATTENTION", "mma", 1);
+  auto mma = make_cuda_backend(0);
+  unsetenv("SPINDLE_CUDA_ATTENTION");
+  auto cpu = make_cpu_backend();
+  std::mt19937_64 rng(5);
+  check_attention(*cpu, *simple, rng, {"causal", causal(150), 4, 2}, DType::BF16, 128);
+
+  const int64_t t = 2304, hq = 12, hkv = 2, d = 128;  // 36 tiles; documents of 1000, 1200, 104
+  MaskSpec m = packed({1000, 1200}, 104);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  Stream ss = simple->default_stream(), ms = mma->default_stream();
+  auto make = [&](Backend& be, Shape s) {
+    std::vector<double> v = random_rounded(rng, s.numel(), DType::BF16, 2.0);
+    Tensor x = be.empty(s, DType::BF16);
+    from_host(be, v, x);
+    return x;
+  };
+  Tensor q = make(*mma, Shape{t, hq, d}), k = make(*mma, Shape{t, hkv, d}), v = make(*mma, Shape{t, hkv, d});
+  Tensor dout = make(*mma, Shape{t, hq, d});
+  AttentionMask mask{int_tensor(*mma, m.q_doc), int_tensor(*mma, m.q_pos), int_tensor(*mma, m.k_doc),
+                     int_tensor(*mma, m.k_pos)};
+  Tensor o1 = mma->empty(q.shape(), DType::BF16), l1 = mma->empty(Shape{hq, t}, DType::F32);
+  Tensor o2 = mma->empty(q.shape(), DType::BF16), l2 = mma->empty(Shape{hq, t}, DType::F32);
+  mma->attention_forward(ms, q, k, v, mask, scale, o1, l1);
+  simple->attention_forward(ss, q, k, v, mask, scale, o2, l2);
+  expect_close(to_host(*mma, o1), to_host(*simple, o2), 1e-2, "out");
+  expect_close(to_host(*mma, l1), to_host(*simple, l2), 1e-4, "lse");
+  Tensor g1[3] = {mma->empty(q.shape(), DType::BF16), mma->empty(k.shape(), DType::BF16),
+                  mma->empty(v.shape(), DType::BF16)};
+  Tensor g2[3] = {mma->empty(q.shape(), DType::BF16), mma->empty(k.shape(), DType::BF16),
+                  mma->empty(v.shape(), DType::BF16)};
+  mma->attention_backward(ms, q, k, v, o1, dout, l1, mask, scale, g1[0], g1[1], g1[2], false);
+  simple->attention_backward(ss, q, k, v, o1, dout, l1, mask, scale, g2[0], g2[1], g2[2], false);
+  const char* names[3] = {"dq", "dk", "dv"};
+  for (int i = 0; i < 3; ++i) expect_close(to_host(*mma, g1[i]), to_host(*simple, g2[i]), 1e-2, names[i]);
+}
+
+}  // namespace
