@@ -5,6 +5,7 @@
 #                 first, while the local build runs (saves device time when they run there)
 #   BUILD=0       skip the local build (only with PREBUILT)
 #   BENCH=0|quick|full (default full)   GTEST_FILTER as usual
+#   SANITIZE=filter   also run those tests under compute-sanitizer memcheck
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-$root/out}"
@@ -32,7 +33,7 @@ fi
 # run_tests <binary> <tag>: gtest with a time limit; records "tag: N passed, M failed [names]".
 run_tests() {
   local bin="$1" tag="$2" log="$out/test_$2.log"
-  timeout 300 "$bin" --gtest_color=no ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} > "$log" 2>&1
+  timeout 200 "$bin" --gtest_color=no ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} > "$log" 2>&1
   local rc=$?
   local passed failed
   passed=$(grep -c '^\[       OK \]' "$log")
@@ -40,12 +41,20 @@ run_tests() {
   summary+=("tests ($tag): rc=$rc, $passed passed${failed:+, FAILED: $failed}")
 }
 
+run_sanitizer() {
+  local bin="$1"
+  [[ -z "${SANITIZE:-}" ]] && return
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin" --gtest_color=no --gtest_filter="$SANITIZE" \
+    > "$out/sanitize.log" 2>&1
+  summary+=("memcheck ($SANITIZE): rc=$? $(grep -E 'ERROR SUMMARY' "$out/sanitize.log" | tail -1)")
+}
+
 run_bench() {
   local bin="$1" tag="$2"
   [[ "${BENCH:-full}" == 0 ]] && return
   local arg=""
   [[ "${BENCH:-full}" == quick ]] && arg=--quick
-  timeout 300 "$bin" $arg > "$out/bench_$tag.log" 2>&1
+  timeout 150 "$bin" $arg > "$out/bench_$tag.log" 2>&1
   summary+=("bench ($tag): rc=$?")
 }
 
@@ -53,6 +62,7 @@ if [[ -n "${PREBUILT:-}" && -x "$PREBUILT/tests/cuda/test_cuda_ops" ]]; then
   if "$PREBUILT/tests/cuda/test_cuda_ops" --gtest_list_tests > "$out/prebuilt_list.log" 2>&1; then
     run_tests "$PREBUILT/tests/cuda/test_cuda_ops" prebuilt
     run_bench "$PREBUILT/tests/cuda/bench_cuda" prebuilt
+    run_sanitizer "$PREBUILT/tests/cuda/test_cuda_ops"
   else
     summary+=("prebuilt binaries do not run here (see prebuilt_list.log)")
   fi
@@ -68,6 +78,7 @@ if [[ -n "$build_pid" ]]; then
     if [[ -z "${PREBUILT:-}" || "${RUN_LOCAL:-0}" == 1 ]]; then
       run_tests "$build_dir/tests/cuda/test_cuda_ops" local
       run_bench "$build_dir/tests/cuda/bench_cuda" local
+      run_sanitizer "$build_dir/tests/cuda/test_cuda_ops"
     fi
   else
     tail -30 "$out/build.log"
