@@ -4,6 +4,7 @@
 #include <pcre2.h>
 
 #include <algorithm>
+#include <cctype>
 
 #include <nlohmann/json.hpp>
 
@@ -183,11 +184,26 @@ std::string translate_oniguruma_pattern(const std::string& pattern) {
   return out;
 }
 
+namespace {
+
+// PCRE2_LITERAL cannot be combined with PCRE2_UTF, so a literal is escaped instead.
+std::string escape_literal(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x80 && !std::isalnum(byte)) out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
 Regex::Regex(const std::string& pattern, bool literal) : pattern_(pattern) {
-  const std::string source = literal ? pattern : translate_oniguruma_pattern(pattern);
+  const std::string source = literal ? escape_literal(pattern) : translate_oniguruma_pattern(pattern);
   int error_code = 0;
   PCRE2_SIZE error_offset = 0;
-  const uint32_t options = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+  const uint32_t options = PCRE2_UTF | PCRE2_UCP;
   pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(source.data()), source.size(), options,
                                    &error_code, &error_offset, nullptr);
   if (!code)

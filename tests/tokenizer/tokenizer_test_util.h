@@ -1,0 +1,99 @@
+// Shared helpers of the tokenizer tests: the shipped tokenizer folders, loaded once per process,
+// and the HF `tokenizers` oracle (tests/tokenizer/hf_oracle.py) run as a subprocess.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "data/tokenizer/tokenizer.h"
+
+namespace spindle::test {
+
+inline std::string find_shipped(const std::string& name) {
+  for (const std::string& root : {std::string(SPINDLE_SOURCE_DIR) + "/../shared/tokenizers/",
+                                  std::string("/work/shared/tokenizers/")}) {
+    if (std::filesystem::exists(root + name + "/tokenizer.json")) return root + name;
+  }
+  return {};
+}
+
+// Loading a real tokenizer.json takes a while; tests share one instance per folder.
+inline const Tokenizer& cached_tokenizer(const std::string& dir) {
+  static std::mutex mutex;
+  static std::map<std::string, std::unique_ptr<Tokenizer>> loaded;
+  std::lock_guard lock(mutex);
+  auto& slot = loaded[dir];
+  if (!slot) slot = std::make_unique<Tokenizer>(Tokenizer::load(dir));
+  return *slot;
+}
+
+inline std::filesystem::path scratch_dir(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() /
+             ("spindle_tokenizer_test_" + std::to_string(::getpid()) + "_" + name);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+inline std::string oracle_script() { return std::string(SPINDLE_SOURCE_DIR) + "/tests/tokenizer/hf_oracle.py"; }
+
+// Runs a shell command; returns its exit status.
+inline int run_shell(const std::string& command) {
+  const int status = std::system(command.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// nullopt when Python or its `tokenizers` package is missing (the caller skips).
+inline std::optional<std::vector<nlohmann::json>> oracle_encode(const std::string& tokenizer_dir,
+                                                                const std::vector<std::string>& texts,
+                                                                const std::string& tag) {
+  const auto dir = scratch_dir(tag);
+  const auto input = dir / "texts.jsonl", output = dir / "expected.jsonl";
+  {
+    std::ofstream out(input, std::ios::binary);
+    for (const std::string& text : texts) out << nlohmann::json({{"text", text}}).dump() << "\n";
+  }
+  const int rc = run_shell("python3 " + oracle_script() + " encode --tokenizer '" + tokenizer_dir + "' < '" +
+                           input.string() + "' > '" + output.string() + "'");
+  if (rc == 3 || rc == 127) return std::nullopt;
+  EXPECT_EQ(rc, 0) << "hf_oracle.py encode failed for " << tokenizer_dir;
+  std::vector<nlohmann::json> expected;
+  std::ifstream in(output, std::ios::binary);
+  std::string line;
+  while (std::getline(in, line)) expected.push_back(nlohmann::json::parse(line));
+  std::filesystem::remove_all(dir);
+  return expected;
+}
+
+// A tokenizer folder made by the oracle from a shipped one with one feature changed; empty when
+// the oracle is unavailable.
+inline std::string oracle_variant(const std::string& base_dir, const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("spindle_tokenizer_variant_" + std::to_string(::getpid()) + "_" + name);
+  if (std::filesystem::exists(dir / "tokenizer.json")) return dir.string();
+  const int rc = run_shell("python3 " + oracle_script() + " variant --base '" + base_dir + "' --name " + name +
+                           " --out '" + dir.string() + "'");
+  if (rc == 3 || rc == 127) return {};
+  EXPECT_EQ(rc, 0) << "hf_oracle.py variant " << name << " failed";
+  return dir.string();
+}
+
+inline bool python_tokenizers_available() {
+  static const bool available = run_shell("python3 -c 'import tokenizers' 2>/dev/null") == 0;
+  return available;
+}
+
+}  // namespace spindle::test
