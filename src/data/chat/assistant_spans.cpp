@@ -36,7 +36,20 @@ nlohmann::ordered_json with_sentinel_content(const nlohmann::ordered_json& messa
 class SpanDeriver {
  public:
   SpanDeriver(const ChatTemplate& t, const nlohmann::ordered_json& context, const RenderOptions& options)
-      : template_(t), context_(context), options_(options), messages_(context["messages"]) {}
+      : template_(t), context_(context), options_(options), messages_(context["messages"]) {
+    // Text some templates append after the last message whatever it is (the shipped Llama 3
+    // template always ends with the assistant header): it belongs to no turn.
+    try {
+      nlohmann::ordered_json empty = context_;
+      empty["messages"] = nlohmann::ordered_json::array();
+      empty["add_generation_prompt"] = false;
+      std::string without_prompt = template_.render(empty, options_);
+      empty["add_generation_prompt"] = true;
+      if (template_.render(empty, options_) == without_prompt) unconditional_trailer_ = without_prompt;
+    } catch (const Error&) {
+      // Templates that require messages have no such trailer to detect; nothing to strip.
+    }
+  }
 
   AssistantSpans run() {
     AssistantSpans result;
@@ -109,9 +122,13 @@ class SpanDeriver {
     std::string ending_perturbed = render_messages(head(i + 1, &sentinel), false, i);
     size_t ending_prefix = common_prefix(ending, ending_perturbed);
     size_t tail = common_suffix(ending, ending_perturbed, std::min(ending.size(), ending_perturbed.size()) - ending_prefix);
-    if (content_end + tail > full.size() || full.compare(content_end, tail, ending, ending.size() - tail, tail) != 0)
+    size_t tail_begin = ending.size() - tail;
+    const std::string& trailer = unconditional_trailer_;
+    if (!trailer.empty() && tail >= trailer.size() && ending.compare(ending.size() - trailer.size(), trailer.size(), trailer) == 0)
+      tail -= trailer.size();
+    if (content_end + tail > full.size() || full.compare(content_end, tail, ending, tail_begin, tail) != 0)
       fail_at(i, "the end of its turn (\"{}\") does not follow its content in the full rendering",
-              ending.substr(ending.size() - tail));
+              ending.substr(tail_begin, tail));
     ByteSpan span{begin, content_end + tail};
     if (span.begin > span.end) fail_at(i, "its derived start lies after its end");
     return span;
@@ -121,6 +138,7 @@ class SpanDeriver {
   const nlohmann::ordered_json& context_;
   const RenderOptions& options_;
   const nlohmann::ordered_json& messages_;
+  std::string unconditional_trailer_;
 };
 
 }  // namespace
