@@ -45,7 +45,11 @@ class Backend {
   // ---- memory ---------------------------------------------------------------------------------
   // Uninitialised memory; callers fill or overwrite it.
   virtual Tensor empty(Shape shape, DType dtype) = 0;
-  Tensor zeros(Shape shape, DType dtype);  // empty + fill(0) on the default stream
+  Tensor zeros(Shape shape, DType dtype) {  // empty + fill(0) on the default stream
+    Tensor t = empty(shape, dtype);
+    fill(default_stream(), t, 0.0);
+    return t;
+  }
   virtual void copy_from_host(Stream stream, const void* src, Tensor& dst) = 0;  // dst.bytes() read
   virtual void copy_to_host(Stream stream, const Tensor& src, void* dst) = 0;    // synchronous
   // dst = src converted to dst's dtype (same element count; shapes may differ).
@@ -115,7 +119,7 @@ class Backend {
   virtual void scatter_add_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) = 0;
 
   // ---- loss ------------------------------------------------------------------------------------
-  // Cross-entropy on a chunk of logits [N, V], in place: logits become
+  // Cross-entropy on a chunk of logits [N, V] (weights: stat dtype, F32 or F64), in place: logits become
   // dlogits = grad_scale · weight[n] · (softmax − onehot(target[n])).
   // loss_sum (one F32/F64 element) += Σ_n weight[n] · CE_n · loss_scale.
   // token_ce (F32 [N], optional: pass an undefined Tensor) gets the unweighted CE_n.

@@ -1,0 +1,64 @@
+#include "model/batch.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace spindle {
+
+namespace {
+Tensor upload_i32(Backend& backend, const std::vector<int32_t>& values) {
+  Tensor t = backend.empty(Shape{static_cast<int64_t>(values.size())}, DType::I32);
+  if (!values.empty()) backend.copy_from_host(backend.default_stream(), values.data(), t);
+  return t;
+}
+}  // namespace
+
+MicroBatch make_micro_batch(Backend& backend, const std::vector<PackedRow>& rows, DType model_dtype) {
+  std::vector<int32_t> ids, positions, docs, selected, targets;
+  std::vector<double> weights;
+  int32_t doc_offset = 0;
+  int64_t num_items = 0;
+  for (const PackedRow& row : rows) {
+    const int64_t base = static_cast<int64_t>(ids.size());
+    const size_t n = row.input_ids.size();
+    if (row.positions.size() != n || row.doc_ids.size() != n || row.targets.size() != n || row.weights.size() != n)
+      fail("packed row arrays differ in length ({} tokens)", n);
+    int32_t max_doc = -1;
+    for (size_t i = 0; i < n; ++i) {
+      ids.push_back(row.input_ids[i]);
+      positions.push_back(row.positions[i]);
+      docs.push_back(row.doc_ids[i] < 0 ? -1 : row.doc_ids[i] + doc_offset);
+      max_doc = std::max(max_doc, row.doc_ids[i]);
+      if (row.targets[i] == kIgnoreIndex) continue;
+      ++num_items;
+      if (row.weights[i] == 0.0f) continue;  // counted in the denominator, contributes nothing
+      selected.push_back(static_cast<int32_t>(base + static_cast<int64_t>(i)));
+      targets.push_back(row.targets[i]);
+      weights.push_back(row.weights[i]);
+    }
+    doc_offset += max_doc + 1;
+  }
+  MicroBatch b;
+  b.num_tokens = static_cast<int64_t>(ids.size());
+  b.num_selected = static_cast<int64_t>(selected.size());
+  b.num_items = num_items;
+  b.input_ids = upload_i32(backend, ids);
+  b.positions = upload_i32(backend, positions);
+  b.doc_ids = upload_i32(backend, docs);
+  b.selected = upload_i32(backend, selected);
+  b.targets = upload_i32(backend, targets);
+  const DType wd = stat_dtype(model_dtype);
+  b.weights = backend.empty(Shape{b.num_selected}, wd);
+  if (b.num_selected) {
+    if (wd == DType::F64) {
+      backend.copy_from_host(backend.default_stream(), weights.data(), b.weights);
+    } else {
+      std::vector<float> w(weights.begin(), weights.end());
+      backend.copy_from_host(backend.default_stream(), w.data(), b.weights);
+    }
+  }
+  return b;
+}
+
+}  // namespace spindle

@@ -1,0 +1,31 @@
+// One forward pass worth of tokens on the device: packed rows laid end to end.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "backend/backend.h"
+#include "data/document.h"
+
+namespace spindle {
+
+struct MicroBatch {
+  Tensor input_ids;  // I32 [T]
+  Tensor positions;  // I32 [T] position inside the token's own document (RoPE and the mask)
+  Tensor doc_ids;    // I32 [T] document id, unique across the micro-batch; padding −1
+  Tensor selected;   // I32 [N] token indices whose target is supervised with nonzero weight
+  Tensor targets;    // I32 [N] the token each selected position predicts
+  Tensor weights;    // [N] stat dtype (F32, F64 for F64 models): loss weight of each target
+  int64_t num_tokens = 0;
+  int64_t num_selected = 0;
+  int64_t num_items = 0;  // supervised targets (the denominator's share of this micro-batch)
+};
+
+// Statistics (rstd, lse, loss, target weights) are F32, or F64 when the model computes in F64.
+inline DType stat_dtype(DType model_dtype) { return model_dtype == DType::F64 ? DType::F64 : DType::F32; }
+
+// Concatenates rows (document ids made unique across rows) and selects the supervised positions
+// on the host, where the data already is; uploads the result.
+MicroBatch make_micro_batch(Backend& backend, const std::vector<PackedRow>& rows, DType model_dtype);
+
+}  // namespace spindle

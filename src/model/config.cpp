@@ -1,0 +1,176 @@
+#include "model/config.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace spindle {
+namespace {
+
+using nlohmann::json;
+
+int64_t require_int(const json& j, const char* key, const std::string& source) {
+  if (!j.contains(key) || j[key].is_null()) fail("{}: missing \"{}\"; is this a Hugging Face config.json?", source, key);
+  if (!j[key].is_number_integer() || j[key].get<int64_t>() <= 0)
+    fail("{}: \"{}\" must be a positive integer, got {}", source, key, j[key].dump());
+  return j[key].get<int64_t>();
+}
+
+double number_or(const json& j, const char* key, double fallback, const std::string& source) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  if (!j[key].is_number()) fail("{}: \"{}\" must be a number, got {}", source, key, j[key].dump());
+  return j[key].get<double>();
+}
+
+bool bool_or(const json& j, const char* key, bool fallback, const std::string& source) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  if (!j[key].is_boolean()) fail("{}: \"{}\" must be true or false, got {}", source, key, j[key].dump());
+  return j[key].get<bool>();
+}
+
+// transformers 4 writes rope_theta at the top and rope_scaling (with "type" or "rope_type");
+// transformers 5 writes rope_parameters holding rope_theta, possibly one entry per layer type.
+RopeConfig parse_rope(const json& j, const std::string& source) {
+  RopeConfig rope;
+  rope.theta = number_or(j, "rope_theta", 10000.0, source);
+  json params = json::object();
+  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) params = j["rope_parameters"];
+  else if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) params = j["rope_scaling"];
+  if (!params.is_object()) fail("{}: rope settings must be an object, got {}", source, params.dump());
+  if (params.contains("full_attention") && params["full_attention"].is_object()) {
+    for (auto& [layer_type, value] : params.items())
+      if (value != params["full_attention"])
+        fail("{}: per-layer-type RoPE settings differ ({}); spindle supports one RoPE for all layers", source,
+             layer_type);
+    params = json(params["full_attention"]);
+  }
+  rope.theta = number_or(params, "rope_theta", rope.theta, source);
+  std::string type = "default";
+  if (params.contains("rope_type") && params["rope_type"].is_string()) type = params["rope_type"];
+  else if (params.contains("type") && params["type"].is_string()) type = params["type"];
+  if (type != "default" && type != "linear" && type != "llama3")
+    fail("{}: RoPE scaling \"{}\" is not supported; spindle supports default, linear and llama3", source, type);
+  rope.type = type;
+  if (type != "default") {
+    rope.factor = number_or(params, "factor", 0.0, source);
+    if (!(rope.factor > 0)) fail("{}: RoPE scaling \"{}\" needs a positive \"factor\"", source, type);
+  }
+  if (type == "llama3") {
+    rope.low_freq_factor = number_or(params, "low_freq_factor", 0.0, source);
+    rope.high_freq_factor = number_or(params, "high_freq_factor", 0.0, source);
+    rope.original_max_position_embeddings =
+        static_cast<int64_t>(number_or(params, "original_max_position_embeddings", 0.0, source));
+    if (!(rope.low_freq_factor > 0) || !(rope.high_freq_factor > rope.low_freq_factor) ||
+        rope.original_max_position_embeddings <= 0)
+      fail("{}: llama3 RoPE scaling needs low_freq_factor > 0, high_freq_factor > low_freq_factor and "
+           "original_max_position_embeddings > 0",
+           source);
+  }
+  if (!(rope.theta > 0)) fail("{}: rope_theta must be positive", source);
+  return rope;
+}
+
+}  // namespace
+
+ModelConfig ModelConfig::from_json(const json& j, const std::string& source) {
+  if (!j.is_object()) fail("{}: expected a JSON object", source);
+  ModelConfig c;
+  if (!j.contains("model_type") || !j["model_type"].is_string())
+    fail("{}: missing \"model_type\"; spindle supports llama, qwen2 and qwen3", source);
+  c.model_type = j["model_type"];
+  if (c.model_type != "llama" && c.model_type != "qwen2" && c.model_type != "qwen3")
+    fail("{}: model_type \"{}\" is not supported; spindle supports llama, qwen2 and qwen3", source, c.model_type);
+  c.vocab_size = require_int(j, "vocab_size", source);
+  c.hidden_size = require_int(j, "hidden_size", source);
+  c.intermediate_size = require_int(j, "intermediate_size", source);
+  c.num_layers = require_int(j, "num_hidden_layers", source);
+  c.num_heads = require_int(j, "num_attention_heads", source);
+  c.num_kv_heads = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null()
+                       ? require_int(j, "num_key_value_heads", source)
+                       : c.num_heads;
+  if (j.contains("head_dim") && !j["head_dim"].is_null()) c.head_dim = require_int(j, "head_dim", source);
+  else {
+    if (c.hidden_size % c.num_heads) fail("{}: hidden_size {} is not divisible by num_attention_heads {}; set head_dim", source, c.hidden_size, c.num_heads);
+    c.head_dim = c.hidden_size / c.num_heads;
+  }
+  if (c.head_dim % 2) fail("{}: head_dim {} must be even for RoPE", source, c.head_dim);
+  if (c.num_heads % c.num_kv_heads)
+    fail("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", source, c.num_heads, c.num_kv_heads);
+  c.max_position_embeddings = j.contains("max_position_embeddings") && j["max_position_embeddings"].is_number_integer()
+                                  ? j["max_position_embeddings"].get<int64_t>()
+                                  : 0;
+  c.rms_norm_eps = number_or(j, "rms_norm_eps", 1e-6, source);
+  c.tie_word_embeddings = bool_or(j, "tie_word_embeddings", false, source);  // the default of all three config classes
+  const bool attention_bias = bool_or(j, "attention_bias", false, source);
+  c.qkv_bias = c.model_type == "qwen2" ? true : attention_bias;
+  c.o_bias = c.model_type == "qwen2" ? false : attention_bias;
+  c.qk_norm = c.model_type == "qwen3";
+  if (j.contains("hidden_act") && j["hidden_act"] != "silu")
+    fail("{}: hidden_act {} is not supported; spindle implements SwiGLU with silu", source, j["hidden_act"].dump());
+  if (bool_or(j, "mlp_bias", false, source)) fail("{}: mlp_bias = true is not supported", source);
+  if (bool_or(j, "use_sliding_window", false, source))
+    fail("{}: use_sliding_window = true is not supported; spindle trains with full attention", source);
+  if (j.contains("pretraining_tp") && j["pretraining_tp"].is_number_integer() && j["pretraining_tp"].get<int>() != 1)
+    fail("{}: pretraining_tp {} is not supported (set it to 1)", source, j["pretraining_tp"].get<int>());
+  c.rope = parse_rope(j, source);
+  return c;
+}
+
+ModelConfig ModelConfig::from_file(const std::string& path) {
+  std::filesystem::path p(path);
+  if (std::filesystem::is_directory(p)) p /= "config.json";
+  std::ifstream in(p);
+  if (!in) fail("cannot open {}: pass --model a Hugging Face model folder holding config.json", p.string());
+  json j;
+  try {
+    in >> j;
+  } catch (const json::exception& e) {
+    fail("{}: not valid JSON ({})", p.string(), e.what());
+  }
+  return from_json(j, p.string());
+}
+
+int64_t ModelConfig::parameter_count() const {
+  const int64_t h = hidden_size;
+  int64_t per_layer = 2 * h + h * q_dim() + 2 * h * kv_dim() + q_dim() * h + 3 * h * intermediate_size;
+  if (qkv_bias) per_layer += q_dim() + 2 * kv_dim();
+  if (o_bias) per_layer += h;
+  if (qk_norm) per_layer += 2 * head_dim;
+  return vocab_size * h * (tie_word_embeddings ? 1 : 2) + h + num_layers * per_layer;
+}
+
+std::vector<float> rope_inverse_frequencies(const ModelConfig& config) {
+  const RopeConfig& rope = config.rope;
+  const int64_t dim = config.head_dim;
+  std::vector<float> inv(dim / 2);
+  const float base = static_cast<float>(rope.theta);
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    const float exponent = static_cast<float>(2 * i) / static_cast<float>(dim);
+    inv[i] = 1.0f / std::pow(base, exponent);
+  }
+  if (rope.type == "linear") {
+    for (float& f : inv) f = f / static_cast<float>(rope.factor);
+  } else if (rope.type == "llama3") {
+    // Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    const double old_len = static_cast<double>(rope.original_max_position_embeddings);
+    const double low_wavelen = old_len / rope.low_freq_factor, high_wavelen = old_len / rope.high_freq_factor;
+    const float factor = static_cast<float>(rope.factor);
+    for (float& f : inv) {
+      const float wavelen = 2.0f * static_cast<float>(M_PI) / f;
+      const float scaled = wavelen > low_wavelen ? f / factor : f;
+      if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) {
+        const float smooth = (static_cast<float>(old_len) / wavelen - static_cast<float>(rope.low_freq_factor)) /
+                             static_cast<float>(rope.high_freq_factor - rope.low_freq_factor);
+        f = (1.0f - smooth) * scaled / factor + smooth * scaled;
+      } else {
+        f = scaled;
+      }
+    }
+  }
+  return inv;
+}
+
+}  // namespace spindle

@@ -1,0 +1,50 @@
+// The model architecture, read from a Hugging Face config.json (llama, qwen2, qwen3).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace spindle {
+
+struct RopeConfig {
+  std::string type = "default";  // default | linear | llama3
+  double theta = 10000.0;
+  double factor = 1.0;                               // linear, llama3
+  double low_freq_factor = 1.0, high_freq_factor = 4.0;  // llama3
+  int64_t original_max_position_embeddings = 8192;   // llama3
+};
+
+struct ModelConfig {
+  std::string model_type;  // llama | qwen2 | qwen3
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;  // qwen2 always; llama/qwen3 when attention_bias
+  bool o_bias = false;    // llama/qwen3 when attention_bias
+  bool qk_norm = false;   // qwen3: RMSNorm over head_dim on q and k before RoPE
+  RopeConfig rope;
+
+  int64_t q_dim() const { return num_heads * head_dim; }
+  int64_t kv_dim() const { return num_kv_heads * head_dim; }
+  int64_t parameter_count() const;
+
+  // Parses and validates; `source` names the file in error messages.
+  static ModelConfig from_json(const nlohmann::json& j, const std::string& source);
+  static ModelConfig from_file(const std::string& path);  // a config.json or a folder holding one
+};
+
+// RoPE inverse frequencies [head_dim/2] with the configured scaling, computed in fp32 as
+// transformers does, so angles match it bit for bit.
+std::vector<float> rope_inverse_frequencies(const ModelConfig& config);
+
+}  // namespace spindle

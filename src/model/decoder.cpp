@@ -1,0 +1,262 @@
+#include "model/decoder.h"
+
+#include <cmath>
+
+#include "core/error.h"
+#include "loss/lm_head_loss.h"
+
+namespace spindle {
+
+namespace {
+
+// y[T, out] = x·Wᵀ (+ b) (+ s·(x·Aᵀ)·Bᵀ); xa [T, r] is kept for backward.
+void linear_forward(Backend& be, Stream st, const Linear& lin, const Tensor& x, Tensor& y, Tensor& xa) {
+  be.gemm(st, x, false, lin.weight->value, true, y, 1.0, 0.0);
+  if (lin.bias) be.add_bias(st, y, lin.bias->value);
+  if (lin.lora_a) {
+    be.gemm(st, x, false, lin.lora_a->value, true, xa, 1.0, 0.0);
+    be.gemm(st, xa, false, lin.lora_b->value, true, y, lin.lora_scaling, 1.0);
+  }
+}
+
+// Gradients of the projection: parameter grads accumulate when trainable; dx = or += dy·W (+ LoRA).
+void linear_backward(Backend& be, Stream st, const Linear& lin, const Tensor& x, const Tensor& dy, const Tensor& xa,
+                     Tensor* dx, bool accumulate_dx) {
+  if (lin.weight->trainable) be.gemm(st, dy, true, x, false, lin.weight->grad, 1.0, 1.0);
+  if (lin.bias && lin.bias->trainable) be.bias_backward(st, dy, lin.bias->grad);
+  if (dx) be.gemm(st, dy, false, lin.weight->value, false, *dx, 1.0, accumulate_dx ? 1.0 : 0.0);
+  if (lin.lora_a) {
+    const double s = lin.lora_scaling;
+    if (lin.lora_b->trainable) be.gemm(st, dy, true, xa, false, lin.lora_b->grad, s, 1.0);  // dB += s·dyᵀ·xa
+    Tensor dxa = be.empty(xa.shape(), xa.dtype());
+    be.gemm(st, dy, false, lin.lora_b->value, false, dxa, s, 0.0);                              // dxa = s·dy·B
+    if (lin.lora_a->trainable) be.gemm(st, dxa, true, x, false, lin.lora_a->grad, 1.0, 1.0);  // dA += dxaᵀ·x
+    if (dx) be.gemm(st, dxa, false, lin.lora_a->value, false, *dx, 1.0, 1.0);                 // dx += dxa·A
+  }
+}
+
+AttentionMask self_mask(const MicroBatch& b) { return {b.doc_ids, b.positions, b.doc_ids, b.positions}; }
+
+}  // namespace
+
+void LocalAttention::forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
+                             const Tensor& v, double scale, Tensor& out, Tensor& lse) {
+  backend.attention_forward(stream, q, k, v, self_mask(batch), scale, out, lse);
+}
+
+void LocalAttention::backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q,
+                              const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
+                              const Tensor& lse, double scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+  backend.attention_backward(stream, q, k, v, out, dout, lse, self_mask(batch), scale, dq, dk, dv, false);
+}
+
+Decoder::Decoder(Backend& backend, ModelWeights& weights, DecoderOptions options)
+    : backend_(backend), weights_(weights), options_(std::move(options)), stream_(backend.default_stream()),
+      attention_(&local_attention_) {
+  const ModelConfig& c = weights_.config;
+  if (!options_.recompute.empty() && static_cast<int64_t>(options_.recompute.size()) != c.num_layers)
+    fail("recompute policy names {} layers but the model has {}", options_.recompute.size(), c.num_layers);
+  std::vector<float> inv = rope_inverse_frequencies(c);
+  inv_freq_ = backend_.empty(Shape{static_cast<int64_t>(inv.size())}, DType::F32);
+  backend_.copy_from_host(stream_, inv.data(), inv_freq_);
+}
+
+void Decoder::allocate(LayerActivations& a, int64_t t, bool full) {
+  const ModelConfig& c = weights_.config;
+  const DType dt = weights_.dtype, st = stat_dtype(dt);
+  auto& be = backend_;
+  if (!a.x_in.defined() || a.x_in.dim(0) != t) a.x_in = be.empty(Shape{t, c.hidden_size}, dt);
+  if (!full) return;
+  if (a.xn1.defined() && a.xn1.dim(0) == t) return;
+  a.xn1 = be.empty(Shape{t, c.hidden_size}, dt);
+  a.rstd1 = be.empty(Shape{t}, st);
+  if (c.qk_norm) {
+    a.q_raw = be.empty(Shape{t, c.num_heads, c.head_dim}, dt);
+    a.k_raw = be.empty(Shape{t, c.num_kv_heads, c.head_dim}, dt);
+    a.q_rstd = be.empty(Shape{t * c.num_heads}, st);
+    a.k_rstd = be.empty(Shape{t * c.num_kv_heads}, st);
+  }
+  a.q = be.empty(Shape{t, c.num_heads, c.head_dim}, dt);
+  a.k = be.empty(Shape{t, c.num_kv_heads, c.head_dim}, dt);
+  a.v = be.empty(Shape{t, c.num_kv_heads, c.head_dim}, dt);
+  a.attn = be.empty(Shape{t, c.num_heads, c.head_dim}, dt);
+  a.lse = be.empty(Shape{c.num_heads, t}, st);
+  a.x_mid = be.empty(Shape{t, c.hidden_size}, dt);
+  a.xn2 = be.empty(Shape{t, c.hidden_size}, dt);
+  a.rstd2 = be.empty(Shape{t}, st);
+  a.gate = be.empty(Shape{t, c.intermediate_size}, dt);
+  a.up = be.empty(Shape{t, c.intermediate_size}, dt);
+  a.act = be.empty(Shape{t, c.intermediate_size}, dt);
+  if (weights_.lora.rank)
+    for (Tensor& xa : a.lora_xa) xa = be.empty(Shape{t, weights_.lora.rank}, dt);
+}
+
+Tensor Decoder::scratch_grad(const Parameter& p) { return backend_.empty(p.value.shape(), p.value.dtype()); }
+
+// x_out = x_mid + down(silu(gate(n2)) · up(n2)),  x_mid = x_in + o(attention(rope(q(n1)), rope(k(n1)), v(n1)))
+void Decoder::forward_layer(int64_t l, const MicroBatch& batch, LayerActivations& a, Tensor& x_out) {
+  const ModelConfig& c = weights_.config;
+  const LayerWeights& w = weights_.layers[l];
+  auto& be = backend_;
+  const Stream st = stream_;
+  const int64_t t = batch.num_tokens;
+  Tensor flat_q = a.q.reshape(Shape{t, c.q_dim()}), flat_k = a.k.reshape(Shape{t, c.kv_dim()}),
+         flat_v = a.v.reshape(Shape{t, c.kv_dim()});
+
+  be.rmsnorm_forward(st, a.x_in, w.input_norm->value, c.rms_norm_eps, a.xn1, a.rstd1);
+  if (c.qk_norm) {
+    Tensor raw_q = a.q_raw.reshape(Shape{t, c.q_dim()}), raw_k = a.k_raw.reshape(Shape{t, c.kv_dim()});
+    linear_forward(be, st, w.q, a.xn1, raw_q, a.lora_xa[0]);
+    linear_forward(be, st, w.k, a.xn1, raw_k, a.lora_xa[1]);
+    Tensor qr = a.q_raw.reshape(Shape{t * c.num_heads, c.head_dim}), qn = a.q.reshape(qr.shape());
+    Tensor kr = a.k_raw.reshape(Shape{t * c.num_kv_heads, c.head_dim}), kn = a.k.reshape(kr.shape());
+    be.rmsnorm_forward(st, qr, w.q_norm->value, c.rms_norm_eps, qn, a.q_rstd);
+    be.rmsnorm_forward(st, kr, w.k_norm->value, c.rms_norm_eps, kn, a.k_rstd);
+  } else {
+    linear_forward(be, st, w.q, a.xn1, flat_q, a.lora_xa[0]);
+    linear_forward(be, st, w.k, a.xn1, flat_k, a.lora_xa[1]);
+  }
+  linear_forward(be, st, w.v, a.xn1, flat_v, a.lora_xa[2]);
+  be.rope(st, a.q, batch.positions, inv_freq_, 1.0, +1);
+  be.rope(st, a.k, batch.positions, inv_freq_, 1.0, +1);
+  attention_->forward(be, st, batch, a.q, a.k, a.v, 1.0 / std::sqrt(static_cast<double>(c.head_dim)), a.attn, a.lse);
+
+  Tensor flat_attn = a.attn.reshape(Shape{t, c.q_dim()});
+  linear_forward(be, st, w.o, flat_attn, a.x_mid, a.lora_xa[3]);
+  be.axpy(st, 1.0, a.x_in, a.x_mid);
+
+  be.rmsnorm_forward(st, a.x_mid, w.post_norm->value, c.rms_norm_eps, a.xn2, a.rstd2);
+  linear_forward(be, st, w.gate, a.xn2, a.gate, a.lora_xa[4]);
+  linear_forward(be, st, w.up, a.xn2, a.up, a.lora_xa[5]);
+  be.swiglu_forward(st, a.gate, a.up, a.act);
+  linear_forward(be, st, w.down, a.act, x_out, a.lora_xa[6]);
+  be.axpy(st, 1.0, a.x_mid, x_out);
+}
+
+// d_res holds ∂L/∂x_out on entry and ∂L/∂x_in on exit (the residual path carries it through).
+void Decoder::backward_layer(int64_t l, const MicroBatch& batch, const LayerActivations& a, Tensor& d_res,
+                             bool need_input_grad) {
+  const ModelConfig& c = weights_.config;
+  const LayerWeights& w = weights_.layers[l];
+  auto& be = backend_;
+  const Stream st = stream_;
+  const int64_t t = batch.num_tokens;
+  const DType dt = weights_.dtype;
+
+  // MLP
+  Tensor d_act = be.empty(Shape{t, c.intermediate_size}, dt);
+  linear_backward(be, st, w.down, a.act, d_res, a.lora_xa[6], &d_act, false);
+  Tensor d_gate = be.empty(d_act.shape(), dt), d_up = be.empty(d_act.shape(), dt);
+  be.swiglu_backward(st, a.gate, a.up, d_act, d_gate, d_up);
+  Tensor d_xn2 = be.empty(Shape{t, c.hidden_size}, dt);
+  linear_backward(be, st, w.gate, a.xn2, d_gate, a.lora_xa[4], &d_xn2, false);
+  linear_backward(be, st, w.up, a.xn2, d_up, a.lora_xa[5], &d_xn2, true);
+  Tensor dw2 = w.post_norm->trainable ? w.post_norm->grad : scratch_grad(*w.post_norm);
+  be.rmsnorm_backward(st, a.x_mid, w.post_norm->value, a.rstd2, d_xn2, d_res, dw2, true);
+
+  // attention
+  Tensor d_attn = be.empty(Shape{t, c.num_heads, c.head_dim}, dt);
+  Tensor d_attn_flat = d_attn.reshape(Shape{t, c.q_dim()});
+  linear_backward(be, st, w.o, a.attn.reshape(Shape{t, c.q_dim()}), d_res, a.lora_xa[3], &d_attn_flat, false);
+  Tensor dq = be.empty(a.q.shape(), dt), dk = be.empty(a.k.shape(), dt), dv = be.empty(a.v.shape(), dt);
+  attention_->backward(be, st, batch, a.q, a.k, a.v, a.attn, d_attn, a.lse,
+                       1.0 / std::sqrt(static_cast<double>(c.head_dim)), dq, dk, dv);
+  be.rope(st, dq, batch.positions, inv_freq_, 1.0, -1);
+  be.rope(st, dk, batch.positions, inv_freq_, 1.0, -1);
+  if (c.qk_norm) {
+    Tensor dq_raw = be.empty(a.q.shape(), dt), dk_raw = be.empty(a.k.shape(), dt);
+    Tensor dqn = w.q_norm->trainable ? w.q_norm->grad : scratch_grad(*w.q_norm);
+    Tensor dkn = w.k_norm->trainable ? w.k_norm->grad : scratch_grad(*w.k_norm);
+    const Shape qs{t * c.num_heads, c.head_dim}, ks{t * c.num_kv_heads, c.head_dim};
+    Tensor dq_raw_rows = dq_raw.reshape(qs), dk_raw_rows = dk_raw.reshape(ks);
+    be.rmsnorm_backward(st, a.q_raw.reshape(qs), w.q_norm->value, a.q_rstd, dq.reshape(qs), dq_raw_rows, dqn, false);
+    be.rmsnorm_backward(st, a.k_raw.reshape(ks), w.k_norm->value, a.k_rstd, dk.reshape(ks), dk_raw_rows, dkn, false);
+    dq = dq_raw;
+    dk = dk_raw;
+  }
+  Tensor d_xn1 = be.empty(Shape{t, c.hidden_size}, dt);
+  linear_backward(be, st, w.q, a.xn1, dq.reshape(Shape{t, c.q_dim()}), a.lora_xa[0], &d_xn1, false);
+  linear_backward(be, st, w.k, a.xn1, dk.reshape(Shape{t, c.kv_dim()}), a.lora_xa[1], &d_xn1, true);
+  linear_backward(be, st, w.v, a.xn1, dv.reshape(Shape{t, c.kv_dim()}), a.lora_xa[2], &d_xn1, true);
+  Tensor dw1 = w.input_norm->trainable ? w.input_norm->grad : scratch_grad(*w.input_norm);
+  if (need_input_grad || w.input_norm->trainable)
+    be.rmsnorm_backward(st, a.x_in, w.input_norm->value, a.rstd1, d_xn1, d_res, dw1, true);
+}
+
+void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum, bool backward, Tensor* token_ce) {
+  const ModelConfig& c = weights_.config;
+  auto& be = backend_;
+  const Stream st = stream_;
+  const int64_t t = batch.num_tokens, n = batch.num_selected, layers = c.num_layers;
+  const DType dt = weights_.dtype;
+  if (t == 0) return;
+  auto recompute = [&](int64_t l) { return !backward || (!options_.recompute.empty() && options_.recompute[l]); };
+
+  // Forward. Kept layers own their activations; recomputed layers keep only their input and run
+  // in a shared scratch set (also used for every layer when there is no backward).
+  std::vector<LayerActivations> acts(layers);
+  LayerActivations scratch;
+  Tensor x_final = be.empty(Shape{t, c.hidden_size}, dt);
+  if (layers) allocate(acts[0], t, !recompute(0));
+  be.embedding_forward(st, batch.input_ids, weights_.embed->value, layers ? acts[0].x_in : x_final);
+  for (int64_t l = 0; l < layers; ++l) {
+    if (l + 1 < layers) allocate(acts[l + 1], t, !recompute(l + 1));
+    LayerActivations* a = &acts[l];
+    if (recompute(l)) {
+      allocate(scratch, t, true);
+      scratch.x_in = acts[l].x_in;
+      a = &scratch;
+    }
+    Tensor& out = l + 1 < layers ? acts[l + 1].x_in : x_final;
+    forward_layer(l, batch, *a, out);
+    if (!backward) acts[l].x_in = Tensor();  // evaluation keeps nothing behind it
+  }
+
+  // Final norm and loss on the selected positions only.
+  const DType sd = stat_dtype(dt);
+  Tensor h = be.empty(Shape{n, c.hidden_size}, dt), hn = be.empty(Shape{n, c.hidden_size}, dt);
+  Tensor rstd = be.empty(Shape{n}, sd);
+  if (n) {
+    be.gather_rows(st, x_final, batch.selected, h);
+    be.rmsnorm_forward(st, h, weights_.final_norm->value, c.rms_norm_eps, hn, rstd);
+  }
+  Tensor dhn;
+  if (backward) dhn = be.empty(Shape{n, c.hidden_size}, dt);
+  LmHeadLossArgs loss;
+  loss.hidden = &hn;
+  loss.weight = &weights_.lm_head->value;
+  loss.targets = &batch.targets;
+  loss.weights = &batch.weights;
+  loss.loss_scale = loss_scale;
+  loss.chunk_rows = lm_head_chunk_rows(c.vocab_size, dt, options_.logits_budget_bytes);
+  loss.loss_sum = &loss_sum;
+  loss.token_ce = token_ce;
+  loss.dhidden = backward ? &dhn : nullptr;
+  loss.dweight = backward && weights_.lm_head->trainable ? &weights_.lm_head->grad : nullptr;
+  lm_head_cross_entropy(be, st, loss);
+  if (!backward) return;
+
+  // Backward.
+  Tensor d_res = be.zeros(Shape{t, c.hidden_size}, dt);
+  if (n) {
+    Tensor dh = be.empty(h.shape(), dt);
+    Tensor dnorm = weights_.final_norm->trainable ? weights_.final_norm->grad : scratch_grad(*weights_.final_norm);
+    be.rmsnorm_backward(st, h, weights_.final_norm->value, rstd, dhn, dh, dnorm, false);
+    be.scatter_add_rows(st, dh, batch.selected, d_res);
+  }
+  for (int64_t l = layers - 1; l >= 0; --l) {
+    const LayerActivations* a = &acts[l];
+    if (recompute(l)) {
+      allocate(scratch, t, true);
+      scratch.x_in = acts[l].x_in;
+      Tensor discard = be.empty(Shape{t, c.hidden_size}, dt);
+      forward_layer(l, batch, scratch, discard);
+      a = &scratch;
+    }
+    backward_layer(l, batch, *a, d_res, l > 0 || weights_.embed->trainable);
+    if (l + 1 < layers) acts[l + 1] = LayerActivations();  // free what backward no longer needs
+  }
+  if (weights_.embed->trainable) be.embedding_backward(st, batch.input_ids, d_res, weights_.embed->grad);
+}
+
+}  // namespace spindle

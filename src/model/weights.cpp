@@ -1,0 +1,230 @@
+#include "model/weights.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+
+#include "core/error.h"
+#include "io/checkpoint.h"
+#include "io/load_tensor.h"
+
+namespace spindle {
+
+namespace {
+const char* const kLoraTargets[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+
+std::string module_path(int64_t layer, const std::string& module) {
+  const bool attention = module == "q_proj" || module == "k_proj" || module == "v_proj" || module == "o_proj";
+  return fmt::format("model.layers.{}.{}.{}", layer, attention ? "self_attn" : "mlp", module);
+}
+
+void fill_host(Backend& backend, Tensor& t, const std::vector<double>& values) {
+  // Host doubles -> t's dtype through an F64 staging tensor on the backend.
+  Tensor staging = make_cpu_backend(1)->empty(t.shape(), DType::F64);
+  std::copy(values.begin(), values.end(), staging.data_as<double>());
+  if (backend.device().kind == DeviceKind::CPU) {
+    backend.copy(backend.default_stream(), staging, t);
+    return;
+  }
+  Tensor dev = backend.empty(t.shape(), DType::F64);
+  backend.copy_from_host(backend.default_stream(), staging.data(), dev);
+  backend.copy(backend.default_stream(), dev, t);
+}
+}  // namespace
+
+Linear* LayerWeights::by_name(const std::string& module) {
+  if (module == "q_proj") return &q;
+  if (module == "k_proj") return &k;
+  if (module == "v_proj") return &v;
+  if (module == "o_proj") return &o;
+  if (module == "gate_proj") return &gate;
+  if (module == "up_proj") return &up;
+  if (module == "down_proj") return &down;
+  return nullptr;
+}
+
+double LoraConfig::scaling() const {
+  return rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / static_cast<double>(rank);
+}
+
+Parameter& ModelWeights::add(Backend& backend, const std::string& name, Shape shape) {
+  Parameter& p = params_.emplace_back();
+  p.name = name;
+  p.value = backend.empty(shape, dtype);
+  return p;
+}
+
+Parameter* ModelWeights::find(const std::string& name) {
+  for (Parameter& p : params_)
+    if (p.name == name) return &p;
+  return nullptr;
+}
+
+void ModelWeights::wire(Backend& backend) {
+  const ModelConfig& c = config;
+  const int64_t h = c.hidden_size;
+  embed = &add(backend, "model.embed_tokens.weight", Shape{c.vocab_size, h});
+  layers.resize(c.num_layers);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    LayerWeights& L = layers[l];
+    const std::string pre = fmt::format("model.layers.{}.", l);
+    L.input_norm = &add(backend, pre + "input_layernorm.weight", Shape{h});
+    auto linear = [&](Linear& lin, const std::string& module, int64_t out, int64_t in, bool bias) {
+      lin.weight = &add(backend, module_path(l, module) + ".weight", Shape{out, in});
+      if (bias) lin.bias = &add(backend, module_path(l, module) + ".bias", Shape{out});
+    };
+    linear(L.q, "q_proj", c.q_dim(), h, c.qkv_bias);
+    linear(L.k, "k_proj", c.kv_dim(), h, c.qkv_bias);
+    linear(L.v, "v_proj", c.kv_dim(), h, c.qkv_bias);
+    linear(L.o, "o_proj", h, c.q_dim(), c.o_bias);
+    if (c.qk_norm) {
+      L.q_norm = &add(backend, pre + "self_attn.q_norm.weight", Shape{c.head_dim});
+      L.k_norm = &add(backend, pre + "self_attn.k_norm.weight", Shape{c.head_dim});
+    }
+    L.post_norm = &add(backend, pre + "post_attention_layernorm.weight", Shape{h});
+    linear(L.gate, "gate_proj", c.intermediate_size, h, false);
+    linear(L.up, "up_proj", c.intermediate_size, h, false);
+    linear(L.down, "down_proj", h, c.intermediate_size, false);
+  }
+  final_norm = &add(backend, "model.norm.weight", Shape{h});
+  lm_head = c.tie_word_embeddings ? embed : &add(backend, "lm_head.weight", Shape{c.vocab_size, h});
+}
+
+ModelWeights ModelWeights::load(Backend& backend, const ModelConfig& config, const io::Checkpoint& checkpoint,
+                                DType dtype) {
+  ModelWeights w;
+  w.config = config;
+  w.dtype = dtype;
+  w.wire(backend);
+  for (Parameter& p : w.params_) io::load_tensor_into(backend, checkpoint.require(p.name, p.value.shape()), p.value);
+  return w;
+}
+
+ModelWeights ModelWeights::random(Backend& backend, const ModelConfig& config, DType dtype, uint64_t seed) {
+  ModelWeights w;
+  w.config = config;
+  w.dtype = dtype;
+  w.wire(backend);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 0.02);
+  for (Parameter& p : w.params_) {
+    std::vector<double> values(p.value.numel());
+    const bool norm = p.name.find("norm") != std::string::npos;
+    for (double& v : values) v = norm ? 1.0 : normal(rng);
+    fill_host(backend, p.value, values);
+  }
+  return w;
+}
+
+void ModelWeights::make_trainable(Backend& backend, Parameter& p) {
+  p.trainable = true;
+  if (!p.grad.defined()) p.grad = backend.zeros(p.value.shape(), p.value.dtype());
+}
+
+void ModelWeights::train_all(Backend& backend) {
+  for (Parameter& p : params_) make_trainable(backend, p);
+}
+
+void ModelWeights::zero_grads(Backend& backend) {
+  for (Parameter& p : params_)
+    if (p.grad.defined()) backend.fill(backend.default_stream(), p.grad, 0.0);
+}
+
+void ModelWeights::add_lora(Backend& backend, const LoraConfig& lora_config, uint64_t seed) {
+  if (lora.rank) fail("this model already has LoRA adapters");
+  if (lora_config.rank <= 0) fail("LoRA rank must be positive, got {}", lora_config.rank);
+  if (lora_config.targets.empty()) fail("LoRA needs at least one target module");
+  lora = lora_config;
+  std::mt19937_64 rng(seed);
+  for (int64_t l = 0; l < config.num_layers; ++l)
+    for (const std::string& target : lora.targets) {
+      Linear* lin = layers[l].by_name(target);
+      if (!lin)
+        fail("LoRA target \"{}\" is not a projection of this model; choose from q_proj k_proj v_proj o_proj "
+             "gate_proj up_proj down_proj",
+             target);
+      const std::string base = module_path(l, target);
+      Parameter& a = add(backend, "base_model.model." + base + ".lora_A.weight", Shape{lora.rank, lin->in_features()});
+      Parameter& b = add(backend, "base_model.model." + base + ".lora_B.weight", Shape{lin->out_features(), lora.rank});
+      // PEFT's default: A ~ Kaiming-uniform with a = sqrt(5), i.e. U(±1/sqrt(in)); B = 0 so training starts at the base model.
+      const double bound = 1.0 / std::sqrt(static_cast<double>(lin->in_features()));
+      std::uniform_real_distribution<double> uniform(-bound, bound);
+      std::vector<double> values(a.value.numel());
+      for (double& v : values) v = uniform(rng);
+      fill_host(backend, a.value, values);
+      backend.fill(backend.default_stream(), b.value, 0.0);
+      lin->lora_a = &a;
+      lin->lora_b = &b;
+      lin->lora_scaling = lora.scaling();
+      make_trainable(backend, a);
+      make_trainable(backend, b);
+    }
+}
+
+void ModelWeights::load_peft_adapter(Backend& backend, const std::string& dir) {
+  namespace fs = std::filesystem;
+  const fs::path config_path = fs::path(dir) / "adapter_config.json";
+  std::ifstream in(config_path);
+  if (!in) fail("cannot open {}: --adapter must be a PEFT adapter folder", config_path.string());
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: not valid JSON ({})", config_path.string(), e.what());
+  }
+  const std::string src = config_path.string();
+  auto unsupported_if = [&](bool cond, const std::string& what) {
+    if (cond) fail("{}: {} is not supported by spindle's LoRA", src, what);
+  };
+  unsupported_if(j.value("peft_type", "LORA") != "LORA", "peft_type " + j.value("peft_type", std::string()));
+  unsupported_if(j.value("use_dora", false), "use_dora = true");
+  unsupported_if(j.value("fan_in_fan_out", false), "fan_in_fan_out = true");
+  unsupported_if(j.contains("bias") && j["bias"] != "none", "bias = " + j["bias"].dump());
+  unsupported_if(j.contains("modules_to_save") && !j["modules_to_save"].is_null() && !j["modules_to_save"].empty(),
+                 "modules_to_save");
+  unsupported_if(j.contains("layers_to_transform") && !j["layers_to_transform"].is_null(), "layers_to_transform");
+  unsupported_if(j.contains("rank_pattern") && !j["rank_pattern"].empty(), "rank_pattern");
+  unsupported_if(j.contains("alpha_pattern") && !j["alpha_pattern"].empty(), "alpha_pattern");
+  if (!j.contains("r") || !j["r"].is_number_integer()) fail("{}: missing integer \"r\"", src);
+  LoraConfig lc;
+  lc.rank = j["r"].get<int64_t>();
+  lc.alpha = j.value("lora_alpha", 8.0);
+  lc.rslora = j.value("use_rslora", false);
+  const auto& targets = j.value("target_modules", nlohmann::json());
+  if (targets.is_string() && targets == "all-linear") {
+    lc.targets.assign(std::begin(kLoraTargets), std::end(kLoraTargets));
+  } else if (targets.is_array()) {
+    for (const auto& t : targets) lc.targets.push_back(t.get<std::string>());
+  } else {
+    fail("{}: target_modules must be a list of module names or \"all-linear\", got {}", src, targets.dump());
+  }
+  // Keep the canonical projection order so parameters come out in a stable order.
+  std::vector<std::string> ordered;
+  for (const char* t : kLoraTargets)
+    if (std::find(lc.targets.begin(), lc.targets.end(), t) != lc.targets.end()) ordered.push_back(t);
+  for (const std::string& t : lc.targets)
+    if (std::find(std::begin(kLoraTargets), std::end(kLoraTargets), t) == std::end(kLoraTargets))
+      fail("{}: LoRA target \"{}\" is not supported; spindle adapts q/k/v/o/gate/up/down_proj", src, t);
+  lc.targets = ordered;
+
+  add_lora(backend, lc, 0);
+  const fs::path weights_path = fs::path(dir) / "adapter_model.safetensors";
+  if (!fs::exists(weights_path))
+    fail("{} is missing: spindle reads adapters saved with safetensors (PEFT's default)", weights_path.string());
+  io::Checkpoint file(weights_path.string());
+  std::set<std::string> used;
+  for (Parameter& p : params_) {
+    if (p.name.rfind("base_model.model.", 0) != 0) continue;
+    io::load_tensor_into(backend, file.require(p.name, p.value.shape()), p.value);
+    used.insert(p.name);
+  }
+  for (const std::string& name : file.names())
+    if (!used.count(name))
+      fail("{}: tensor \"{}\" does not belong to a LoRA target of adapter_config.json; spindle cannot apply it",
+           weights_path.string(), name);
+}
+
+}  // namespace spindle
