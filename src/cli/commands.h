@@ -15,6 +15,7 @@ using CommandList = std::vector<Command>;
 
 // Each cmd_*.cpp defines one add_*_command; register_all (commands.cpp) calls them all.
 void add_eval_command(CLI::App& app, CommandList& commands);
+void add_prepare_command(CLI::App&, CommandList&);
 void add_tokenize_command(CLI::App&, CommandList&);
 
 void register_all(CLI::App& app, CommandList& commands);
