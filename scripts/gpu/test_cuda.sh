@@ -6,6 +6,7 @@
 #   BUILD=0       skip the local build (only with PREBUILT)
 #   BENCH=0|quick|full (default full)   GTEST_FILTER as usual
 #   SANITIZE=filter   also run those tests under compute-sanitizer memcheck
+#   TORCH=1           also time PyTorch SDPA (cuDNN, FlashAttention-2) on the same shape
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-$root/out}"
@@ -85,6 +86,11 @@ if [[ -n "$build_pid" ]]; then
   fi
 fi
 
+if [[ "${TORCH:-0}" == 1 ]]; then
+  PYTHONUNBUFFERED=1 timeout 120 python3 "$root/scripts/gpu/bench_torch_attention.py" > "$out/bench_torch.log" 2>&1
+  summary+=("torch sdpa: rc=$?")
+fi
+
 echo "==== summary ===="
 cat "$out/host.txt" | head -4
 for s in "${summary[@]}"; do echo "$s"; done
@@ -92,5 +98,7 @@ for f in "$out"/test_*.log; do
   [[ -f "$f" ]] && grep -A5 -E 'Failure$' "$f" | head -80
 done
 for f in "$out"/bench_*.log; do
-  [[ -f "$f" ]] && { echo "-- $(basename "$f")"; sed -n '/^kernel/,$p' "$f"; grep -i -E 'error|device:' "$f"; }
+  [[ -f "$f" ]] || continue
+  echo "-- $(basename "$f")"
+  if [[ "$f" == *torch* ]]; then cat "$f"; else sed -n '/^kernel/,$p' "$f"; grep -i -E 'error|device:' "$f"; fi
 done

@@ -118,7 +118,9 @@ void bench_gemm(Backend& be, int64_t m, int64_t n, int64_t k, bool ta, bool tb, 
 
 // Attention over a packed row of `docs` documents of `len` tokens each (docs = 1: one causal
 // sequence). full = every key visible to every query (non-causal).
-void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, int d, bool full, const char* impl) {
+// which: 3 = forward and backward, 1 = forward only, 2 = backward only.
+void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, int d, bool full, const char* impl,
+                     int which = 3) {
   const int64_t t = docs * len;
   std::vector<int> doc(t), pos(t);
   for (int64_t i = 0; i < t; ++i) {
@@ -138,9 +140,13 @@ void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, in
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   Stream s = be.default_stream();
   const int reps = t >= 32768 ? 5 : 10;
-  const double f_ms = median_ms(be, [&] { be.attention_forward(s, q, k, v, mask, scale, out, lse); }, 2, reps);
-  const double b_ms = median_ms(
-      be, [&] { be.attention_backward(s, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, false); }, 1, reps);
+  double f_ms = median_ms(be, [&] { be.attention_forward(s, q, k, v, mask, scale, out, lse); }, 2,
+                          which & 1 ? reps : 1);
+  const double b_ms =
+      which & 2 ? median_ms(
+                      be, [&] { be.attention_backward(s, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, false); },
+                      1, reps)
+                : 0.0;
   // Sanity: every lse finite (each row sees at least its own key).
   std::vector<float> l(static_cast<size_t>(hq * t));
   be.copy_to_host(s, lse, l.data());
@@ -152,10 +158,12 @@ void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, in
   std::snprintf(label, sizeof label, "attn %s fwd T=%lld%s Hq=%d Hkv=%d D=%d %s%s", impl,
                 static_cast<long long>(t), docs > 1 ? (" docs=" + std::to_string(docs)).c_str() : "", hq, hkv, d,
                 full ? "full" : "causal", bad ? " NONFINITE-LSE" : "");
-  rows.push_back({label, f_ms, fwd_flops / f_ms / 1e9, "TFLOP/s"});
+  if (which & 1) rows.push_back({label, f_ms, fwd_flops / f_ms / 1e9, "TFLOP/s"});
+  if (!(which & 2)) return;
   std::snprintf(label, sizeof label, "attn %s bwd T=%lld%s Hq=%d Hkv=%d D=%d %s", impl, static_cast<long long>(t),
                 docs > 1 ? (" docs=" + std::to_string(docs)).c_str() : "", hq, hkv, d, full ? "full" : "causal");
   rows.push_back({label, b_ms, 2.5 * fwd_flops / b_ms / 1e9, "TFLOP/s"});
+  if (!(which & 1)) return;
   std::snprintf(label, sizeof label, "attn %s fwd+bwd T=%lld%s D=%d %s", impl, static_cast<long long>(t),
                 docs > 1 ? (" docs=" + std::to_string(docs)).c_str() : "", d, full ? "full" : "causal");
   rows.push_back({label, f_ms + b_ms, 3.5 * fwd_flops / (f_ms + b_ms) / 1e9, "TFLOP/s"});
@@ -180,6 +188,15 @@ int main(int argc, char** argv) {
     bench_gemm(*be, 32768, 8960, 1536, false, true, "gemm BF16 x[32k,1536]·W[8960,1536]^T");
     bench_gemm(*be, 1536, 8960, 32768, true, false, "gemm BF16 dW = x^T·dy (K=32k)");
     bench_attention(*be, 1, 32768, 12, 2, 128, false, "mma");
+    // Kernel variants (tuning knobs read per call), same shape.
+    for (const char* tile : {"64x64", "128x64", "128x32"}) {
+      setenv("SPINDLE_CUDA_ATTN_FWD_TILE", tile, 1);
+      bench_attention(*be, 1, 32768, 12, 2, 128, false, (std::string("mma tile ") + tile).c_str(), 1);
+    }
+    unsetenv("SPINDLE_CUDA_ATTN_FWD_TILE");
+    setenv("SPINDLE_CUDA_ATTN_BWD", "split", 1);
+    bench_attention(*be, 1, 32768, 12, 2, 128, false, "mma split-dq", 2);
+    unsetenv("SPINDLE_CUDA_ATTN_BWD");
     if (!quick) {
       bench_attention(*be, 1, 16384, 12, 2, 128, true, "mma");
       bench_attention(*be, 8, 4096, 12, 2, 128, false, "mma");

@@ -4,10 +4,12 @@
 // heads summed in registers). Per tile, with warp w owning keys 16·(w%4).. and queries 32·(w/4)..:
 //   Sᵀ = K Qᵀ, dPᵀ = V dOᵀ (registers) -> Pᵀ = exp(Sᵀ − lse), dSᵀ = Pᵀ∘(dPᵀ − delta)
 //   dV += Pᵀ dO, dK += dSᵀ Q (registers, f32)
-//   dS -> shared memory, then dQ_tile = dS K, added to an f32 dq buffer with float2 atomics.
+//   dS -> shared memory, then dQ_tile = dS K, added to an f32 dq buffer with float4 atomics.
 // Q/dO tiles go through a two-stage cp.async pipeline. The two query halves' dK/dV partials are
 // summed through shared memory at the end. FLOPs per (query, visible key) pair: 10·D.
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/device_util.cuh"
@@ -59,7 +61,7 @@ __device__ __forceinline__ void load_tile(bf16* dst, const bf16* x, int64_t row0
 }
 
 // grid (ceil(tk / 64), hkv); key tile 0 (the most work under a causal mask) starts first.
-template <int D>
+template <int D, bool kWithDq>
 __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const BwdParams p) {
   constexpr int S = Smem<D>::kStride;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -206,42 +208,49 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const BwdParams p
         mma_bf16(dk[db + 1], da, b[2], b[3]);
       }
     }
-    // dS [query][key] to shared memory for dQ = dS K.
+    if constexpr (kWithDq) {
+      // dS [query][key] to shared memory for dQ = dS K.
 #pragma unroll
-    for (int nb = 0; nb < 4; ++nb)
+      for (int nb = 0; nb < 4; ++nb)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int qc = qh * 32 + nb * 8 + 2 * t + (c & 1);
-        const int kc = kw * 16 + g + 8 * (c >> 1);
-        sdS[qc * kDsStride + kc] = __float2bfloat16_rn(dpt[nb][c]);
-      }
-    __syncthreads();
-    {
-      // Warp w: queries 16·(w%4).., head-dim half w/4.
-      const int r0 = (warp & 3) * 16, c0 = (warp >> 2) * (D / 2);
-      float dq[D / 16][4];
-#pragma unroll
-      for (int i = 0; i < D / 16; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < kBc / 16; ++ks) {
-        uint32_t a[4];
-        ldmatrix_x4(a, a_frag_addr(sdS, kDsStride, r0, ks * 16, lane));
-#pragma unroll
-        for (int db = 0; db < D / 16; db += 2) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, b_frag_addr_kn(sK, S, ks * 16, c0 + db * 8, lane));
-          mma_bf16(dq[db], a, b[0], b[1]);
-          mma_bf16(dq[db + 1], a, b[2], b[3]);
+        for (int c = 0; c < 4; ++c) {
+          const int qc = qh * 32 + nb * 8 + 2 * t + (c & 1);
+          const int kc = kw * 16 + g + 8 * (c >> 1);
+          sdS[qc * kDsStride + kc] = __float2bfloat16_rn(dpt[nb][c]);
         }
-      }
+      __syncthreads();
+      {
+        // Warp w: queries 16·(w%4).., head-dim half w/4.
+        const int r0 = (warp & 3) * 16, c0 = (warp >> 2) * (D / 2);
+        float dq[D / 16][4];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t i = i0 + r0 + g + 8 * r;
-        if (i >= sh.tq) continue;
-        float* dst = p.dq_acc + (i * sh.hq + h) * D + c0 + 2 * t;
+        for (int i = 0; i < D / 16; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
 #pragma unroll
-        for (int db = 0; db < D / 16; ++db)
-          atomicAdd(reinterpret_cast<float2*>(dst + db * 8), make_float2(dq[db][2 * r], dq[db][2 * r + 1]));
+        for (int ks = 0; ks < kBc / 16; ++ks) {
+          uint32_t a[4];
+          ldmatrix_x4(a, a_frag_addr(sdS, kDsStride, r0, ks * 16, lane));
+#pragma unroll
+          for (int db = 0; db < D / 16; db += 2) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, b_frag_addr_kn(sK, S, ks * 16, c0 + db * 8, lane));
+            mma_bf16(dq[db], a, b[0], b[1]);
+            mma_bf16(dq[db + 1], a, b[2], b[3]);
+          }
+        }
+        // Lanes t and t^1 swap halves so that each adds 4 consecutive floats of one row with a
+        // single 16-byte atomic (sm_90): even t takes row g, cols 2t..2t+3; odd t row g+8, cols
+        // 2t-2..2t+1. Half the atomics of float2 adds; the L2 atomic rate limits this pass.
+        const bool odd = t & 1;
+        const int64_t i = i0 + r0 + g + (odd ? 8 : 0);
+        float* dst = p.dq_acc + (i * sh.hq + h) * D + c0 + 2 * (t & ~1);
+#pragma unroll
+        for (int db = 0; db < D / 16; ++db) {
+          const float send0 = odd ? dq[db][0] : dq[db][2], send1 = odd ? dq[db][1] : dq[db][3];
+          const float recv0 = __shfl_xor_sync(0xffffffffu, send0, 1), recv1 = __shfl_xor_sync(0xffffffffu, send1, 1);
+          const float4 v = odd ? make_float4(recv0, recv1, dq[db][2], dq[db][3])
+                               : make_float4(dq[db][0], dq[db][1], recv0, recv1);
+          if (i < sh.tq) atomicAdd(reinterpret_cast<float4*>(dst + db * 8), v);
+        }
       }
     }
     cp_async_wait<0>();
@@ -293,13 +302,191 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const BwdParams p
   }
 }
 
+// dQ without atomics (the "split" backward): a block of 4 warps owns 64 query rows of one head
+// (16 per warp) and walks the visible 64-key tiles, recomputing S = Q Kᵀ and dP = dO Vᵀ:
+//   P = exp(S − lse), dS = P∘(dP − delta), dQ += dS K (registers, f32).
+// 3 of the backward's 5 products again, in exchange for no atomics and no dS round trip through
+// shared memory in the dK/dV kernel. grid (ceil(tq / 64), hq); heaviest (last) query tiles first.
+constexpr int kDqThreads = 128;
+
 template <int D>
+struct DqSmem {
+  static constexpr int kStride = D + 8;
+  // sQ, sdO [kBr][S]; sK, sV [2][kBc][S]; k doc / pos [2][kBc] i32
+  static constexpr size_t kBytes = static_cast<size_t>(2 * kBr + 4 * kBc) * kStride * 2 + 4 * kBc * 4;
+};
+
+template <int D>
+__global__ void __launch_bounds__(kDqThreads, 2) dq_kernel(const BwdParams p, bf16* dq_out) {
+  constexpr int S = DqSmem<D>::kStride;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
+  bf16* sdO = sQ + kBr * S;
+  bf16* sK = sdO + kBr * S;  // [2][kBc][S]
+  bf16* sV = sK + 2 * kBc * S;
+  int* s_kdoc = reinterpret_cast<int*>(sV + 2 * kBc * S);
+  int* s_kpos = s_kdoc + 2 * kBc;
+
+  const AttentionShape& sh = p.sh;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int q_tile = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, hk = h / (sh.hq / sh.hkv);
+  const int64_t q0 = static_cast<int64_t>(q_tile) * kBr;
+  const TileRange qr = load_range(p.q_ranges + q_tile);
+  const int nk = static_cast<int>((sh.tk + kBc - 1) / kBc);
+
+  auto tile_class = [&](int j) {
+    return classify_tile(qr, load_range(p.k_ranges + j), static_cast<int64_t>(j + 1) * kBc <= sh.tk);
+  };
+  auto next_active = [&](int from) {
+    for (int j = from; j < nk; ++j)
+      if (tile_class(j) != kTileSkip) return j;
+    return nk;
+  };
+  auto load_kv = [&](int j, int stage) {
+    const int64_t j0 = static_cast<int64_t>(j) * kBc;
+    load_tile<D, kBc, kDqThreads>(sK + stage * kBc * S, p.k, j0, sh.tk, sh.hkv, hk);
+    load_tile<D, kBc, kDqThreads>(sV + stage * kBc * S, p.v, j0, sh.tk, sh.hkv, hk);
+    if (threadIdx.x < kBc) {
+      const int64_t jj = j0 + threadIdx.x;
+      s_kdoc[stage * kBc + threadIdx.x] = jj < sh.tk ? p.mask.k_doc[jj] : 0;
+      s_kpos[stage * kBc + threadIdx.x] = jj < sh.tk ? p.mask.k_pos[jj] : 0;
+    }
+  };
+
+  load_tile<D, kBr, kDqThreads>(sQ, p.q, q0, sh.tq, sh.hq, h);
+  load_tile<D, kBr, kDqThreads>(sdO, p.dout, q0, sh.tq, sh.hq, h);
+  int kt = next_active(0);
+  if (kt < nk) load_kv(kt, 0);
+  cp_async_commit();
+
+  // This thread's two rows (r = 0: row g of the warp's 16, r = 1: row g + 8).
+  int qdoc[2], qpos[2];
+  float lse2[2], dl[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = q0 + warp * 16 + g + 8 * r;
+    const bool ok = i < sh.tq;
+    qdoc[r] = ok ? p.mask.q_doc[i] : 0;
+    qpos[r] = ok ? p.mask.q_pos[i] : 0;
+    const float l = ok ? p.lse[static_cast<int64_t>(h) * sh.tq + i] : INFINITY;
+    lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;  // no key seen: P = 0
+    dl[r] = ok ? p.delta[static_cast<int64_t>(h) * sh.tq + i] : 0.f;
+  }
+  float dq[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+
+  cp_async_wait<0>();
+  __syncthreads();
+  int stage = 0;
+  while (kt < nk) {
+    const int next = next_active(kt + 1);
+    if (next < nk) load_kv(next, stage ^ 1);
+    cp_async_commit();
+    const int cls = tile_class(kt);
+    const bf16* cK = sK + stage * kBc * S;
+    const bf16* cV = sV + stage * kBc * S;
+    float sc[kBc / 8][4], dp[kBc / 8][4];
+#pragma unroll
+    for (int i = 0; i < kBc / 8; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) sc[i][c] = dp[i][c] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t qa[4], da[4];
+      ldmatrix_x4(qa, a_frag_addr(sQ, S, warp * 16, ks * 16, lane));
+      ldmatrix_x4(da, a_frag_addr(sdO, S, warp * 16, ks * 16, lane));
+#pragma unroll
+      for (int nb = 0; nb < kBc / 8; nb += 2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, b_frag_addr_nk(cK, S, nb * 8, ks * 16, lane));
+        mma_bf16(sc[nb], qa, b[0], b[1]);
+        mma_bf16(sc[nb + 1], qa, b[2], b[3]);
+        ldmatrix_x4(b, b_frag_addr_nk(cV, S, nb * 8, ks * 16, lane));
+        mma_bf16(dp[nb], da, b[0], b[1]);
+        mma_bf16(dp[nb + 1], da, b[2], b[3]);
+      }
+    }
+    const int* kdoc = s_kdoc + stage * kBc;
+    const int* kpos = s_kpos + stage * kBc;
+    const int64_t j0 = static_cast<int64_t>(kt) * kBc;
+#pragma unroll
+    for (int nb = 0; nb < kBc / 8; ++nb)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int col = nb * 8 + 2 * t + (c & 1), r = c >> 1;
+        const bool vis =
+            cls == kTileFull || (j0 + col < sh.tk && kdoc[col] == qdoc[r] && kpos[col] <= qpos[r]);
+        const float pv = vis ? exp2f(sc[nb][c] * p.scale_log2 - lse2[r]) : 0.f;
+        dp[nb][c] = pv * (dp[nb][c] - dl[r]);  // dS (scale applied at the end)
+      }
+    // dQ += dS K: dS repacked as A fragments, K [key][d] is B with k = key.
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = pack_bf16(dp[2 * kk][0], dp[2 * kk][1]);
+      a[1] = pack_bf16(dp[2 * kk][2], dp[2 * kk][3]);
+      a[2] = pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+      a[3] = pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+#pragma unroll
+      for (int db = 0; db < D / 8; db += 2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, b_frag_addr_kn(cK, S, kk * 16, db * 8, lane));
+        mma_bf16(dq[db], a, b[0], b[1]);
+        mma_bf16(dq[db + 1], a, b[2], b[3]);
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    stage ^= 1;
+    kt = next;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t i = q0 + warp * 16 + g + 8 * r;
+    if (i >= sh.tq) continue;
+    bf16* row = dq_out + (i * sh.hq + h) * D + 2 * t;
+#pragma unroll
+    for (int db = 0; db < D / 8; ++db) {
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(row + db * 8);
+      float a = dq[db][2 * r] * p.scale, b = dq[db][2 * r + 1] * p.scale;
+      if (p.accumulate) {
+        const float2 old = __bfloat1622float2(*o);
+        a += old.x;
+        b += old.y;
+      }
+      *o = __floats2bfloat162_rn(a, b);
+    }
+  }
+}
+
+template <int D, bool kWithDq>
 void launch_backward(cudaStream_t s, const BwdParams& p, int64_t k_tiles) {
-  auto kernel = backward_kernel<D>;
+  auto kernel = backward_kernel<D, kWithDq>;
   const size_t smem = Smem<D>::kBytes;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   kernel<<<dim3(static_cast<unsigned>(k_tiles), static_cast<unsigned>(p.sh.hkv)), kThreads, smem, s>>>(p);
   CUDA_CHECK_LAUNCH();
+}
+
+template <int D>
+void launch_dq(cudaStream_t s, const BwdParams& p, int64_t q_tiles, void* dq) {
+  auto kernel = dq_kernel<D>;
+  const size_t smem = DqSmem<D>::kBytes;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<dim3(static_cast<unsigned>(q_tiles), static_cast<unsigned>(p.sh.hq)), kDqThreads, smem, s>>>(
+      p, static_cast<bf16*>(dq));
+  CUDA_CHECK_LAUNCH();
+}
+
+// Which backward, for measurements: SPINDLE_CUDA_ATTN_BWD = atomic (dQ by atomics from the dK/dV
+// kernel, 5 products) | split (separate dQ kernel, 7 products, no atomics). Default: atomic.
+bool split_backward() {
+  const char* v = std::getenv("SPINDLE_CUDA_ATTN_BWD");
+  if (!v || !std::strcmp(v, "atomic")) return false;
+  if (!std::strcmp(v, "split")) return true;
+  throw_message("SPINDLE_CUDA_ATTN_BWD", "must be atomic or split");
 }
 
 }  // namespace
@@ -307,13 +494,17 @@ void launch_backward(cudaStream_t s, const BwdParams& p, int64_t k_tiles) {
 void attention_backward_mma(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
                             const void* out, const void* dout, const float* lse, const AttentionMaskPtrs& mask,
                             float scale, void* dq, void* dk, void* dv, bool accumulate) {
+  if (sh.d != 64 && sh.d != 128) throw_message("attention_backward", "mma kernels need head dim 64 or 128");
   const int64_t q_tiles = (sh.tq + kBr - 1) / kBr, k_tiles = (sh.tk + kBc - 1) / kBc;
   const int64_t dq_elems = sh.tq * sh.hq * sh.d;
-  if (static_cast<int64_t>(sh.hq / sh.hkv) * q_tiles > 0x7fffffff) throw_message("attention_backward", "too many query tiles");
-  Scratch dq_acc(s, static_cast<size_t>(dq_elems) * sizeof(float));
+  if (static_cast<int64_t>(sh.hq / sh.hkv) * q_tiles > 0x7fffffff || k_tiles > 0x7fffffff || sh.hq > 65535)
+    throw_message("attention_backward", "too many tiles or heads");
+  const bool split = split_backward();
+  Scratch dq_acc(s, split ? 0 : static_cast<size_t>(dq_elems) * sizeof(float));
   Scratch delta(s, static_cast<size_t>(sh.tq * sh.hq) * sizeof(float));
   Scratch ranges(s, static_cast<size_t>(q_tiles + k_tiles + 1) * sizeof(TileRange));
-  if (dq_elems) CUDA_CHECK(cudaMemsetAsync(dq_acc.as<float>(), 0, static_cast<size_t>(dq_elems) * sizeof(float), s));
+  if (dq_elems && !split)
+    CUDA_CHECK(cudaMemsetAsync(dq_acc.as<float>(), 0, static_cast<size_t>(dq_elems) * sizeof(float), s));
   tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, kBr, ranges.as<TileRange>());
   tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, kBc, ranges.as<TileRange>() + q_tiles);
   attention_delta(s, DType::BF16, out, dout, sh.tq, sh.hq, sh.d, delta.as<float>());
@@ -334,12 +525,14 @@ void attention_backward_mma(cudaStream_t s, const AttentionShape& sh, const void
               static_cast<bf16*>(dv),
               accumulate};
   if (k_tiles > 0) {
-    if (k_tiles > 0x7fffffff) throw_message("attention_backward", "too many key tiles");
-    if (sh.d == 64) launch_backward<64>(s, p, k_tiles);
-    else if (sh.d == 128) launch_backward<128>(s, p, k_tiles);
-    else throw_message("attention_backward", "mma kernels need head dim 64 or 128");
+    if (sh.d == 64) split ? launch_backward<64, false>(s, p, k_tiles) : launch_backward<64, true>(s, p, k_tiles);
+    else split ? launch_backward<128, false>(s, p, k_tiles) : launch_backward<128, true>(s, p, k_tiles);
   }
-  attention_dq_finish(s, DType::BF16, dq_acc.as<float>(), scale, dq, dq_elems, accumulate);
+  if (split) {
+    if (q_tiles > 0) sh.d == 64 ? launch_dq<64>(s, p, q_tiles, dq) : launch_dq<128>(s, p, q_tiles, dq);
+  } else {
+    attention_dq_finish(s, DType::BF16, dq_acc.as<float>(), scale, dq, dq_elems, accumulate);
+  }
 }
 
 }  // namespace spindle::cuda
