@@ -194,8 +194,10 @@ int main(int argc, char** argv) {
       bench_attention(*be, 1, 32768, 12, 2, 128, false, (std::string("mma tile ") + tile).c_str(), 1);
     }
     unsetenv("SPINDLE_CUDA_ATTN_FWD_TILE");
-    setenv("SPINDLE_CUDA_ATTN_BWD", "split", 1);
-    bench_attention(*be, 1, 32768, 12, 2, 128, false, "mma split-dq", 2);
+    for (const char* bwd : {"wide", "atomic", "split"}) {
+      setenv("SPINDLE_CUDA_ATTN_BWD", bwd, 1);
+      bench_attention(*be, 1, 32768, 12, 2, 128, false, (std::string("mma bwd ") + bwd).c_str(), 2);
+    }
     unsetenv("SPINDLE_CUDA_ATTN_BWD");
     if (!quick) {
       bench_attention(*be, 1, 16384, 12, 2, 128, true, "mma");

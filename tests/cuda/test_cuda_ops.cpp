@@ -564,7 +564,7 @@ TEST(CudaAttentionImpls, EveryTensorCoreVariantMatchesCpu) {
   auto cpu = make_cpu_backend();
   std::mt19937_64 rng(9);
   for (const char* tile : {"64x64", "128x64", "128x32"})
-    for (const char* bwd : {"atomic", "split"}) {
+    for (const char* bwd : {"wide", "atomic", "split"}) {
       SCOPED_TRACE(std::string("tile ") + tile + " bwd " + bwd);
       setenv("SPINDLE_CUDA_ATTN_FWD_TILE", tile, 1);
       setenv("SPINDLE_CUDA_ATTN_BWD", bwd, 1);

@@ -71,4 +71,11 @@ __device__ __forceinline__ uint32_t b_frag_addr_kn(const __nv_bfloat16* base, in
   return smem_addr(base + (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) * stride + n0 + (lane >> 4) * 8);
 }
 
+// A fragment (16x16 of a row-major A) at (row0 = m, col0 = k) read from the TRANSPOSED tile
+// stored [k][m] (ldmatrix_x4_trans): the same lane addresses as b_frag_addr_nk with rows = k.
+__device__ __forceinline__ uint32_t a_frag_addr_trans(const __nv_bfloat16* base, int stride, int k0, int m0,
+                                                      int lane) {
+  return smem_addr(base + (k0 + (lane & 7) + ((lane >> 4) << 3)) * stride + m0 + ((lane >> 3) & 1) * 8);
+}
+
 }  // namespace spindle::cuda::mma
