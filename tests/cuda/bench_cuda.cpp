@@ -4,7 +4,9 @@
 // 2.5× forward (FlashAttention's convention; 5 GEMM-shaped products instead of 2); for a causal
 // sequence of T tokens the pairs are T(T+1)/2. GEMM = 2·M·N·K. Bandwidth = bytes read + written.
 // Inputs are random (zeros run faster than real data), times are medians of CUDA-event timings
-// after warm-up. Usage: bench_cuda [--quick]
+// after warm-up. Usage: bench_cuda [--quick | --profile]
+// --profile runs the default attention forward and backward once each at 8k causal (Hq=12, Hkv=2,
+// D=128), for a profiler (scripts/gpu/profile_attention.sh).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -30,6 +32,7 @@ struct Row {
   const char* unit;
 };
 std::vector<Row> rows;
+bool g_profile = false;  // one warm-up and one timed launch per kernel
 
 double median_ms(Backend& be, const std::function<void()>& fn, int warmup, int reps) {
   auto st = static_cast<cudaStream_t>(be.default_stream().handle);
@@ -139,7 +142,7 @@ void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, in
   Tensor dv = be.empty(v.shape(), DType::BF16);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   Stream s = be.default_stream();
-  const int reps = t >= 32768 ? 5 : 10;
+  const int reps = g_profile ? 1 : t >= 32768 ? 5 : 10;
   double f_ms = median_ms(be, [&] { be.attention_forward(s, q, k, v, mask, scale, out, lse); }, 2,
                           which & 1 ? reps : 1);
   const double b_ms =
@@ -173,6 +176,7 @@ void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, in
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  const bool profile = argc > 1 && std::strcmp(argv[1], "--profile") == 0;
   if (cuda_device_count() == 0) {
     std::printf("bench_cuda: no CUDA device\n");
     return 0;
@@ -183,6 +187,11 @@ int main(int argc, char** argv) {
     std::printf("device: %s, %d SMs, %.0f MiB, L2 %d MiB\n", prop.name, prop.multiProcessorCount,
                 prop.totalGlobalMem / 1048576.0, prop.l2CacheSize >> 20);
     auto be = make_cuda_backend(0);
+    if (profile) {
+      g_profile = true;
+      bench_attention(*be, 1, 8192, 12, 2, 128, false, "mma", 3);
+      return 0;
+    }
     bench_bandwidth(*be);
     bench_gemm(*be, 8192, 8192, 8192, false, false, "gemm BF16 8192^3");
     bench_gemm(*be, 32768, 8960, 1536, false, true, "gemm BF16 x[32k,1536]·W[8960,1536]^T");
