@@ -176,6 +176,8 @@ struct VariantCase {
   std::string base;
   std::string variant;
 };
+// Readable test names in ctest instead of a byte dump.
+void PrintTo(const VariantCase& c, std::ostream* os) { *os << c.base << "/" << c.variant; }
 
 class VariantTokenizer : public ::testing::TestWithParam<VariantCase> {};
 
