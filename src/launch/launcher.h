@@ -1,0 +1,43 @@
+// spindle's own launcher: `spindle <command> ... --nproc-per-node N` runs N processes of the same
+// command on this machine, torchrun-style. Each child gets RANK, WORLD_SIZE, LOCAL_RANK,
+// LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT (a free port) and SPINDLE_LAUNCHER=1.
+// Every output line of every child is forwarded with a "[rank N] " prefix (none when N = 1). When a
+// child fails (non-zero exit or a signal) the others get SIGTERM, then SIGKILL after a grace
+// period, and the launcher returns the failing child's status. docs/parallelism.md has the rules.
+#pragma once
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace spindle {
+
+struct LaunchOptions {
+  std::string executable = "/proc/self/exe";  // the program each child runs
+  std::chrono::milliseconds grace_period = std::chrono::seconds(10);  // SIGTERM → SIGKILL
+};
+
+// Runs `nproc` processes of `arguments` (arguments[0] becomes each child's argv[0]) and waits for
+// all of them. Returns 0 when all succeed; otherwise the first failure's exit code (128 + signal
+// for a signal) after a message on stderr naming the rank and how it died.
+int launch_local(int nproc, const std::vector<std::string>& arguments, const LaunchOptions& options = {});
+
+// Called first thing in main. With `--nproc-per-node N` (or `=N`, or torchrun's
+// `--nproc_per_node`) in argv: launches the command without the flag and returns the exit code.
+// Without it: returns nullopt (in a child of the launcher it also line-buffers stdout, so output
+// arrives as it is printed). Throws spindle::Error for a malformed flag or when this process is
+// already one rank of a larger job.
+std::optional<int> launch_if_requested(int argc, char** argv);
+
+// The argv without the launcher flag, and the process count it gave (nullopt when absent).
+struct LauncherFlag {
+  std::optional<int> nproc_per_node;
+  std::vector<std::string> remaining_arguments;
+};
+LauncherFlag extract_launcher_flag(const std::vector<std::string>& arguments);
+
+// A TCP port nobody listens on right now (the kernel's pick), for MASTER_PORT.
+int pick_free_port();
+
+}  // namespace spindle
