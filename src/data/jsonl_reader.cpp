@@ -15,7 +15,7 @@ bool is_blank(std::string_view line) {
 
 // nlohmann's messages start with "[json.exception.parse_error.101] parse error at line 1, ...";
 // the bracketed id means nothing to a user and the line is always 1 (we parse one line).
-std::string describe_parse_error(const nlohmann::json::parse_error& e) {
+std::string describe_parse_error(const nlohmann::json::exception& e) {
   std::string message = e.what();
   if (auto pos = message.find("] "); pos != std::string::npos) message.erase(0, pos + 2);
   if (auto pos = message.find("parse error at line 1, "); pos == 0)
@@ -127,15 +127,17 @@ nlohmann::json parse_jsonl_line(std::string_view line) {
     sample = nlohmann::json::parse(line.begin(), line.end());
   } catch (const nlohmann::json::parse_error& e) {
     bad_sample("not valid JSON ({}); every line must be one JSON object", describe_parse_error(e));
+  } catch (const nlohmann::json::exception& e) {  // e.g. a number too large for a double
+    bad_sample("not valid JSON ({})", describe_parse_error(e));
   }
   if (!sample.is_object())
     bad_sample("expected a JSON object ({{\"field\": ...}}), found a JSON {}", sample.type_name());
   return sample;
 }
 
-void for_each_jsonl_sample(const std::filesystem::path& path, const ReadOptions& options,
-                           ReadStats& stats,
-                           const std::function<void(const nlohmann::json&, int64_t)>& handle) {
+void for_each_jsonl_line(const std::filesystem::path& path, const ReadOptions& options,
+                         ReadStats& stats,
+                         const std::function<void(std::string_view, int64_t)>& handle) {
   JsonlReader reader(path);
   std::string_view line;
   int64_t bytes_before = 0;
@@ -148,7 +150,7 @@ void for_each_jsonl_sample(const std::filesystem::path& path, const ReadOptions&
       continue;
     }
     try {
-      handle(parse_jsonl_line(line), reader.line_number());
+      handle(line, reader.line_number());
       ++stats.samples;
     } catch (const BadSample& e) {
       std::string reason = fmt::format("{}: {}", reader.location(), e.what());
@@ -157,6 +159,14 @@ void for_each_jsonl_sample(const std::filesystem::path& path, const ReadOptions&
       stats.record_skip(std::move(reason));
     }
   }
+}
+
+void for_each_jsonl_sample(const std::filesystem::path& path, const ReadOptions& options,
+                           ReadStats& stats,
+                           const std::function<void(const nlohmann::json&, int64_t)>& handle) {
+  for_each_jsonl_line(path, options, stats, [&](std::string_view line, int64_t line_number) {
+    handle(parse_jsonl_line(line), line_number);
+  });
 }
 
 }  // namespace spindle

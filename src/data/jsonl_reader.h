@@ -101,6 +101,12 @@ void for_each_jsonl_sample(const std::filesystem::path& path, const ReadOptions&
                            ReadStats& stats,
                            const std::function<void(const nlohmann::json&, int64_t)>& handle);
 
+// The same loop one level lower: handle(line, line_number) gets each non-blank line as text (for
+// parsers that do not need a JSON tree); parse it with parse_jsonl_line where needed.
+void for_each_jsonl_line(const std::filesystem::path& path, const ReadOptions& options,
+                         ReadStats& stats,
+                         const std::function<void(std::string_view, int64_t)>& handle);
+
 // "12,345,678": counts in user-facing messages.
 std::string with_thousands(int64_t value);
 

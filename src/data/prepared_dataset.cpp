@@ -13,6 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/pretokenized.h"
+
 namespace spindle {
 
 static_assert(std::endian::native == std::endian::little,
@@ -341,18 +343,32 @@ PrepareReport prepare_dataset(const PrepareOptions& options, const TextEncoder* 
   if (options.encode.format == SampleFormat::kPreference) kind = DatasetKind::kPreferencePairs;
   else if (options.encode.format != SampleFormat::kAuto) kind = DatasetKind::kDocuments;
 
-  for_each_jsonl_sample(options.data, options.encode.read, report.read,
-                        [&](const nlohmann::json& sample, int64_t line) {
+  const bool may_be_pretokenized = options.encode.format == SampleFormat::kAuto ||
+                                   options.encode.format == SampleFormat::kPretokenized;
+  for_each_jsonl_line(options.data, options.encode.read, report.read,
+                      [&](std::string_view line, int64_t line_number) {
+    const std::string origin = fmt::format("{}:{}", options.data.string(), line_number);
+    auto add_document = [&](const Document& doc) {
+      if (!writer) writer = std::make_unique<PreparedDatasetWriter>(report.file, *kind);
+      if (auto view = fitted(doc, options.fit, report.fit, origin)) writer->add(*view);
+    };
+    // Pre-tokenized lines skip the JSON tree (the slow part); anything else takes the full path.
+    if (may_be_pretokenized && kind != DatasetKind::kPreferencePairs) {
+      if (auto doc = parse_pretokenized_line(line, encoder.read_options())) {
+        kind = DatasetKind::kDocuments;
+        add_document(*doc);
+        return;
+      }
+    }
+    const nlohmann::json sample = parse_jsonl_line(line);
     if (!kind)  // the first sample decides; later samples of the other kind are errors
       kind = encoder.format_of(sample) == SampleFormat::kPreference ? DatasetKind::kPreferencePairs
                                                                      : DatasetKind::kDocuments;
-    if (!writer) writer = std::make_unique<PreparedDatasetWriter>(report.file, *kind);
-    const std::string origin = fmt::format("{}:{}", options.data.string(), line);
     if (*kind == DatasetKind::kDocuments) {
-      Document doc = encoder.encode(sample);
-      if (auto view = fitted(doc, options.fit, report.fit, origin)) writer->add(*view);
+      add_document(encoder.encode(sample));
       return;
     }
+    if (!writer) writer = std::make_unique<PreparedDatasetWriter>(report.file, *kind);
     PreferenceDocuments pair = encoder.encode_preference(sample);
     auto chosen = fitted(pair.chosen, options.fit, report.fit, origin + " (chosen)");
     auto rejected = fitted(pair.rejected, options.fit, report.fit, origin + " (rejected)");

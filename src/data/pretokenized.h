@@ -11,6 +11,8 @@
 #pragma once
 
 #include <filesystem>
+#include <optional>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -28,6 +30,13 @@ bool is_pretokenized(const nlohmann::json& sample);
 // [0, vocab_size), labels other than -100 or the id at the same position, a loss_mask entry other
 // than 0/1, a negative or non-finite loss_scale, both `labels` and `loss_mask`.
 Document parse_pretokenized(const nlohmann::json& sample, const ReadOptions& options = {});
+
+// The same from the text of one JSONL line, without building a JSON tree (about ten times faster).
+// Returns nullopt when the line is not in the plain pre-tokenized shape it reads (other fields of
+// unusual content, another format, malformed JSON): parse the line as JSON and call
+// parse_pretokenized then. When it returns a document, it is the one parse_pretokenized gives; when
+// it throws BadSample, parse_pretokenized throws the same.
+std::optional<Document> parse_pretokenized_line(std::string_view line, const ReadOptions& options = {});
 
 // Reads a whole pre-tokenized JSONL file into memory (use for_each_jsonl_sample to stream).
 std::vector<Document> read_pretokenized_jsonl(const std::filesystem::path& path,

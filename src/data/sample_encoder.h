@@ -61,6 +61,9 @@ class SampleEncoder {
 
   PreferenceDocuments encode_preference(const nlohmann::json& sample) const;
 
+  // Pre-tokenized validation in effect (vocab_size filled in from the tokenizer).
+  const ReadOptions& read_options() const { return options_.read; }
+
  private:
   const TextEncoder& require_text_encoder(SampleFormat format) const;
   std::vector<int32_t> encode_text(std::string_view text, bool add_special_tokens) const;

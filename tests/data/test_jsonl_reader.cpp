@@ -74,6 +74,7 @@ TEST(ForEachJsonlSample, SkipPolicyCountsEveryKindOfBadLine) {
                         "   \n"
                         "{\"text\": \"\xff\xfe\"}\n"  // invalid UTF-8 inside a string
                         "{\"other\": 1}\n"            // rejected by the handler
+                        "{\"text\": 1e400}\n"         // number overflow
                         "{\"text\": \"fine\"}");
   ReadOptions options;
   options.on_bad_sample = BadSamplePolicy::kSkip;
@@ -83,18 +84,20 @@ TEST(ForEachJsonlSample, SkipPolicyCountsEveryKindOfBadLine) {
     if (!sample.contains("text")) bad_sample("missing field 'text'");
     accepted.emplace_back(sample["text"].get<std::string>(), line);
   });
-  EXPECT_EQ(accepted, (std::vector<std::pair<std::string, int64_t>>{{"ok", 1}, {"fine", 7}}));
-  EXPECT_EQ(stats.lines, 7);
+  EXPECT_EQ(accepted, (std::vector<std::pair<std::string, int64_t>>{{"ok", 1}, {"fine", 8}}));
+  EXPECT_EQ(stats.lines, 8);
   EXPECT_EQ(stats.blank_lines, 1);
   EXPECT_EQ(stats.samples, 2);
-  EXPECT_EQ(stats.skipped, 4);
-  ASSERT_EQ(stats.skip_examples.size(), 4u);
+  EXPECT_EQ(stats.skipped, 5);
+  ASSERT_EQ(stats.skip_examples.size(), 5u);
   EXPECT_NE(stats.skip_examples[0].find("mixed.jsonl:2: not valid JSON"), std::string::npos);
   EXPECT_NE(stats.skip_examples[1].find("mixed.jsonl:3: expected a JSON object"), std::string::npos);
   EXPECT_NE(stats.skip_examples[2].find("mixed.jsonl:5:"), std::string::npos);
   EXPECT_NE(stats.skip_examples[2].find("UTF-8"), std::string::npos) << stats.skip_examples[2];
   EXPECT_NE(stats.skip_examples[3].find("mixed.jsonl:6: missing field 'text'"), std::string::npos);
-  EXPECT_NE(stats.summary().find("skipped 4 bad samples"), std::string::npos) << stats.summary();
+  EXPECT_NE(stats.skip_examples[4].find("mixed.jsonl:7: not valid JSON (number overflow"), std::string::npos)
+      << stats.skip_examples[4];
+  EXPECT_NE(stats.summary().find("skipped 5 bad samples"), std::string::npos) << stats.summary();
 }
 
 TEST(ForEachJsonlSample, OtherErrorsAreNeverSkipped) {
