@@ -2,7 +2,7 @@
 BUILD ?= build
 JOBS ?= $(shell nproc)
 DEB_PACKAGES := cmake ninja-build g++ pkg-config nlohmann-json3-dev libcli11-dev libyaml-cpp-dev libfmt-dev \
-                libgtest-dev libgmock-dev libopenblas-dev libpcre2-dev libutf8proc-dev libopenmpi-dev openmpi-bin \
+                libgtest-dev libgmock-dev libopenblas-dev libpcre2-dev libutf8proc-dev libopenmpi-dev openmpi-bin libgloo-dev \
                 python3 python3-pip
 PY_PACKAGES := numpy safetensors tokenizers jinja2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

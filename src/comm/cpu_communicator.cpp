@@ -308,7 +308,7 @@ class GlooCommunicator final : public Communicator {
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      std::string who = peer >= 0 ? fmt::format("rank {} of this group", peer) : std::string("another rank");
+      std::string who = peer >= 0 ? fmt::format("Rank {} of this group", peer) : std::string("Another rank");
       fail("{} on group '{}' ({} ranks; this is rank {}) failed: {}. {} probably exited or stopped responding "
            "(timeout {} s); its own output says why",
            call, name_, size_, rank_, e.what(), who, job_->options.timeout.count() / 1000.0);

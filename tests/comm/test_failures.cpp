@@ -57,7 +57,7 @@ TEST(Failures, PeerThatDiesBeforeAnSendRecvIsNamed) {
     } catch (const Error& e) {
       std::string message = e.what();
       require(message.find("send_recv on group 'world' (2 ranks; this is rank 0) failed") != std::string::npos &&
-                  message.find("rank 1 of this group probably exited") != std::string::npos,
+                  message.find("Rank 1 of this group probably exited") != std::string::npos,
               "unexpected message: {}", message);
       return;
     }
