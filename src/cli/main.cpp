@@ -7,9 +7,18 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "launch/launcher.h"
 
 int main(int argc, char** argv) {
+  // `--nproc-per-node N` on any command re-runs it as N local processes (src/launch/launcher.h).
+  try {
+    if (auto exit_code = spindle::launch_if_requested(argc, argv)) return *exit_code;
+  } catch (const spindle::Error& e) {
+    std::fprintf(stderr, "spindle: error: %s\n", e.what());
+    return 2;
+  }
   CLI::App app{"spindle: long-context fine-tuning of Hugging Face decoder LLMs"};
+  app.footer("Any command: --nproc-per-node N runs it as N processes on this machine (docs/parallelism.md).");
   app.require_subcommand(1);
   spindle::cli::CommandList commands;
   spindle::cli::register_all(app, commands);
