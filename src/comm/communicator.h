@@ -44,6 +44,9 @@ class Communicator {
   // in [size·n, ...]: chunk j goes to rank j; out [size·n, ...]: chunk i is what rank i sent here.
   virtual void all_to_all(Stream stream, const Tensor& in, Tensor& out) = 0;
 
+  // data ← root's data on every rank (same initial weights, a shared random seed, ...).
+  virtual void broadcast(Stream stream, Tensor& data, int root) = 0;
+
   // Point to point; peer is a rank of this group.
   virtual void send(Stream stream, const Tensor& data, int peer) = 0;
   virtual void recv(Stream stream, Tensor& data, int peer) = 0;

@@ -13,6 +13,7 @@
 #include <gloo/allgather.h>
 #include <gloo/alltoall.h>
 #include <gloo/barrier.h>
+#include <gloo/broadcast.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
@@ -143,6 +144,20 @@ class GlooCommunicator final : public Communicator {
       source = staging.data();
     }
     guarded("all_to_all", [&] { alltoall_bytes(source, out.data(), in.bytes()); });
+  }
+
+  void broadcast(Stream, Tensor& data, int root) override {
+    check_peer(*this, root, "broadcast");
+    check_host(data, "broadcast");
+    if (size_ == 1 || data.bytes() == 0) return;
+    guarded("broadcast", [&] {
+      gloo::BroadcastOptions options(context_);
+      options.setOutput(static_cast<char*>(data.data()), data.bytes());
+      options.setRoot(root);
+      options.setTag(next_tag());
+      options.setTimeout(job_->options.timeout);
+      gloo::broadcast(options);
+    });
   }
 
   void send(Stream, const Tensor& data, int peer) override {

@@ -194,6 +194,23 @@ TEST_P(Collectives, AllToAll) {
   }));
 }
 
+TEST_P(Collectives, BroadcastFromEveryRoot) {
+  const int n = GetParam();
+  expect_all_succeeded(run_ranks(n, [n](const ProcessGroupInfo& info) {
+    auto world = connect_cpu_world(info, test_options());
+    Host host;
+    for (DType dtype : kDtypes) {
+      for (int root = 0; root < n; ++root) {
+        Shape shape{9, 7};
+        Tensor data = host.tensor(shape, dtype, random_bytes(dtype, shape.numel(), seed_for(7, dtype, info.rank)));
+        world->broadcast(Stream{}, data, root);
+        require_equal_bytes(host.bytes(data), random_bytes(dtype, shape.numel(), seed_for(7, dtype, root)),
+                            fmt::format("broadcast {} from {}", dtype_name(dtype), root));
+      }
+    }
+  }));
+}
+
 TEST_P(Collectives, SendRecvRingPassesEveryBlockAround) {
   const int n = GetParam();
   expect_all_succeeded(run_ranks(n, [n](const ProcessGroupInfo& info) {
