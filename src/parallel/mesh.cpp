@@ -41,11 +41,12 @@ void check_model(int world_size, int q, int kv) {
          q, kv);
 }
 
-void check_sp_divides_world(int sp, int world_size, const char* how) {
+// `given` says where sp came from: "--sp 3", or "--ulysses 3 (so sp = 3)" when it was inferred.
+void check_sp_divides_world(int sp, int world_size, const std::string& given) {
   if (world_size % sp != 0)
-    fail("{} {} does not divide the {} processes of this job (world = dp × sp); valid --sp: {} (or start a "
-         "multiple of {} processes)",
-         how, sp, world_size, list(divisors(world_size)), sp);
+    fail("{} does not divide the {} processes of this job (world = dp × sp); valid --sp: {} (or start a multiple "
+         "of {} processes)",
+         given, world_size, list(divisors(world_size)), sp);
 }
 
 void check_ulysses_heads(int ulysses, int sp, int q, int kv) {
@@ -74,7 +75,7 @@ void validate(const MeshConfig& c, int world_size, int q, int kv) {
   check_positive(c.ulysses, "--ulysses");
   check_positive(c.ring, "--ring");
   check_model(world_size, q, kv);
-  check_sp_divides_world(c.sp, world_size, "--sp");
+  check_sp_divides_world(c.sp, world_size, fmt::format("--sp {}", c.sp));
   if (c.dp * c.sp != world_size)
     fail("--dp {} × --sp {} = {}, but this job has {} processes; with --sp {} use --dp {} (or leave --dp out)", c.dp,
          c.sp, c.dp * c.sp, world_size, c.sp, world_size / c.sp);
@@ -96,17 +97,18 @@ MeshConfig resolve_mesh(const MeshFlags& flags, int world_size, int q, int kv) {
     c.sp = *flags.sp;
   } else if (flags.ulysses || flags.ring) {
     c.sp = flags.ulysses.value_or(1) * flags.ring.value_or(1);
-    check_sp_divides_world(c.sp, world_size,
-                           flags.ulysses && flags.ring ? "--ulysses × --ring ="
-                           : flags.ulysses             ? "--ulysses"
-                                                       : "--ring");
+    std::string given = flags.ulysses && flags.ring
+                            ? fmt::format("--ulysses {} × --ring {}", *flags.ulysses, *flags.ring)
+                            : flags.ulysses ? fmt::format("--ulysses {}", *flags.ulysses)
+                                            : fmt::format("--ring {}", *flags.ring);
+    check_sp_divides_world(c.sp, world_size, fmt::format("{} (so sp = {})", given, c.sp));
   } else if (flags.dp) {
     if (world_size % *flags.dp != 0)
       fail("--dp {} does not divide the {} processes of this job (world = dp × sp); valid --dp: {}", *flags.dp,
            world_size, list(divisors(world_size)));
     c.sp = world_size / *flags.dp;
   }
-  check_sp_divides_world(c.sp, world_size, "--sp");
+  check_sp_divides_world(c.sp, world_size, fmt::format("--sp {}", c.sp));
 
   if (flags.ulysses) {
     c.ulysses = *flags.ulysses;

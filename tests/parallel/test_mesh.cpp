@@ -68,8 +68,11 @@ TEST(MeshErrors, EachMessageNamesTheFlagsAndTheValidChoices) {
             "--sp 3 does not divide the 4 processes of this job (world = dp × sp); valid --sp: 1, 2, 4 (or start a "
             "multiple of 3 processes)");
   EXPECT_EQ(resolve_error({.ulysses = 3}, 4, 12, 4),
-            "--ulysses 3 does not divide the 4 processes of this job (world = dp × sp); valid --sp: 1, 2, 4 (or start "
-            "a multiple of 3 processes)");
+            "--ulysses 3 (so sp = 3) does not divide the 4 processes of this job (world = dp × sp); valid --sp: 1, 2, "
+            "4 (or start a multiple of 3 processes)");
+  EXPECT_EQ(resolve_error({.ulysses = 2, .ring = 3}, 4, 12, 4),
+            "--ulysses 2 × --ring 3 (so sp = 6) does not divide the 4 processes of this job (world = dp × sp); valid "
+            "--sp: 1, 2, 4 (or start a multiple of 6 processes)");
   EXPECT_EQ(resolve_error({.dp = 3}, 4, 12, 4),
             "--dp 3 does not divide the 4 processes of this job (world = dp × sp); valid --dp: 1, 2, 4");
   EXPECT_EQ(resolve_error({.dp = 2, .sp = 4}, 4, 12, 4),
