@@ -1,5 +1,7 @@
 #include "comm/cpu_communicator.h"
 
+#include <signal.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -339,6 +341,15 @@ class GlooCommunicator final : public Communicator {
   uint32_t tag_ = 0;
 };
 
+// Gloo writes to its sockets without MSG_NOSIGNAL, so a write to a peer that just died raises
+// SIGPIPE, which kills this process without a word (Python, Gloo's usual host, ignores SIGPIPE).
+// Ignored, the write fails with EPIPE and surfaces as an error naming the call. A handler the
+// program installed itself is left alone.
+void ignore_sigpipe() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
+}
+
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host.starts_with("127.") || host == "::1";
 }
@@ -349,6 +360,7 @@ std::unique_ptr<Communicator> connect_cpu_world(const ProcessGroupInfo& info, co
   auto job = std::make_shared<Job>();
   job->options = options;
   if (!info.distributed()) return std::make_unique<GlooCommunicator>(job, nullptr, 0, 1, "world", "world");
+  ignore_sigpipe();
   job->store = std::make_shared<TcpStore>(info.master_addr, info.store_port, info.rank == 0, options.timeout);
   gloo::transport::tcp::attr attr;
   if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME"); iface && *iface)

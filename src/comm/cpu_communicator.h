@@ -14,7 +14,8 @@ bool cpu_communicator_available();
 
 // Collective over all processes of the job: rank 0 hosts the rendezvous store at
 // info.master_addr:info.store_port, every rank connects to every other. A single process needs no
-// network. GLOO_SOCKET_IFNAME picks the network interface on multi-node jobs.
+// network. GLOO_SOCKET_IFNAME picks the network interface on multi-node jobs. Sets SIGPIPE to
+// ignored (unless the program handles it) so a dead peer is an error, not a silent death.
 std::unique_ptr<Communicator> connect_cpu_world(const ProcessGroupInfo& info, const CommOptions& options = {});
 
 }  // namespace spindle::comm

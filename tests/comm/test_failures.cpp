@@ -12,6 +12,7 @@
 namespace spindle::comm {
 namespace {
 
+using spindle::testing::expect_all_succeeded;
 using spindle::testing::require;
 using spindle::testing::run_ranks;
 using Clock = std::chrono::steady_clock;
@@ -41,8 +42,7 @@ TEST(Failures, PeerThatExitsMakesTheOthersFailWithAMessage) {
     }
     throw std::runtime_error("no error although rank 2 exited");
   });
-  EXPECT_TRUE(outcomes[0].succeeded()) << outcomes[0].message;
-  EXPECT_TRUE(outcomes[1].succeeded()) << outcomes[1].message;
+  expect_all_succeeded({outcomes[0], outcomes[1]});
   EXPECT_TRUE(WIFEXITED(outcomes[2].status) && WEXITSTATUS(outcomes[2].status) == 7);
 }
 
@@ -63,7 +63,7 @@ TEST(Failures, PeerThatDiesBeforeAnSendRecvIsNamed) {
     }
     throw std::runtime_error("no error although rank 1 exited");
   });
-  EXPECT_TRUE(outcomes[0].succeeded()) << outcomes[0].message;
+  expect_all_succeeded({outcomes[0]});
 }
 
 TEST(Failures, StuckPeerTimesOut) {
@@ -86,7 +86,7 @@ TEST(Failures, StuckPeerTimesOut) {
     }
     throw std::runtime_error("barrier passed without rank 1");
   });
-  EXPECT_TRUE(outcomes[0].succeeded()) << outcomes[0].message;
+  expect_all_succeeded({outcomes[0]});
 }
 
 TEST(Failures, MissingRankAtRendezvousTimesOut) {
@@ -106,7 +106,7 @@ TEST(Failures, MissingRankAtRendezvousTimesOut) {
     }
     throw std::runtime_error("connected without rank 1");
   });
-  EXPECT_TRUE(outcomes[0].succeeded()) << outcomes[0].message;
+  expect_all_succeeded({outcomes[0]});
 }
 
 }  // namespace
