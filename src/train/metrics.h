@@ -1,0 +1,90 @@
+// Per-step training metrics and the --metrics-file log: JSON Lines, one object per optimizer step,
+// flushed as each line is written so `tail -f` and a crashed run both see every finished step.
+// A resumed run first truncates the log back to the step it resumes from, so the file never holds
+// the killed run's steps twice (docs/usage.md, "Metrics").
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace spindle::train {
+
+struct StepMetrics {
+  int64_t step = 0;                 // optimizer steps finished, counting from 1
+  double epoch = 0;                 // fractional: passes over the training data so far
+  double loss = 0;                  // mean over the supervised tokens of the whole optimizer step
+  double grad_norm = 0;             // global L2 norm before clipping
+  double lr = 0;                    // learning rate the step was taken with
+  int64_t num_items = 0;            // supervised (loss-bearing) tokens in the step
+  int64_t tokens = 0;               // all tokens the step processed, supervised or not
+  int64_t total_tokens = 0;         // tokens over the whole run so far, resumed sessions included
+  double tokens_per_s = 0;          // tokens / step_seconds
+  double step_seconds = 0;          // wall time of the step: forward, backward, optimizer
+  int64_t peak_memory_bytes = 0;    // memory high-water mark during the step
+  double elapsed_seconds = 0;       // wall time since the run started, resumed sessions included
+  std::optional<double> eval_loss;  // set on steps after which the eval set was scored
+  std::optional<int64_t> eval_num_items;  // supervised tokens the eval loss averages over
+};
+
+// JSON text of one log line (no newline). Non-finite numbers are written as null, since JSON has
+// no NaN; reading turns null back into NaN.
+std::string metrics_to_json_line(const StepMetrics& metrics);
+StepMetrics metrics_from_json_line(std::string_view line);
+
+// Every record of a metrics file in order. A last line without its newline is the torn write of a
+// killed process and is ignored; any other unreadable line is an error naming the file and line.
+std::vector<StepMetrics> read_metrics_file(const std::filesystem::path& path);
+
+// Replaces the file's contents with `contents` so that a reader (or a crash) sees either the old
+// file or the new one, never a mix: written to a temporary beside it, fsynced, renamed into place.
+void write_file_atomically(const std::filesystem::path& path, std::string_view contents);
+
+class MetricsLog {
+ public:
+  // A new run: the file is created, or emptied if an earlier run left one.
+  static MetricsLog start_new(const std::filesystem::path& path);
+  // A run resumed from a checkpoint taken after `resumed_step`: lines of later steps (written by
+  // the interrupted run after that checkpoint) are dropped and logging continues after the rest.
+  static MetricsLog resume(const std::filesystem::path& path, int64_t resumed_step);
+
+  MetricsLog(MetricsLog&&) = default;
+  MetricsLog& operator=(MetricsLog&&) = default;
+
+  // One line, flushed to the OS before returning.
+  void append(const StepMetrics& metrics);
+  // Atomically rewrites the file keeping only lines with step <= `step`, then reopens it for
+  // appending. Kept lines are copied byte for byte.
+  void truncate_after(int64_t step);
+  std::vector<StepMetrics> read() const { return read_metrics_file(path_); }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  explicit MetricsLog(std::filesystem::path path);
+  void open_for_append();
+
+  std::filesystem::path path_;
+  std::ofstream stream_;
+};
+
+// Exponential moving average of the loss with TensorBoard's bias correction, so the first values
+// are not dragged towards zero. Non-finite losses are left out rather than poisoning the average.
+// `weight` in [0, 1): how much of the previous average each new loss keeps (0: no smoothing).
+class LossSmoother {
+ public:
+  explicit LossSmoother(double weight = 0.9) : weight_(weight) {}
+  void add(double loss);
+  std::optional<double> value() const;
+
+ private:
+  double weight_;
+  double biased_average_ = 0;
+  double correction_ = 1;  // weight^n after n finite losses
+  int64_t count_ = 0;
+};
+
+}  // namespace spindle::train
