@@ -30,5 +30,9 @@ build: deps $(BUILD)/build.ninja
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
+# A real fine-tune of a tiny random-init model on the CPU in about a minute (see demo/run_demo.py).
+demo: build
+	python3 demo/run_demo.py --spindle $(BUILD)/src/cli/spindle
+
 clean:
 	rm -rf $(BUILD)
