@@ -360,7 +360,8 @@ PrepareReport prepare_dataset(const PrepareOptions& options, const TextEncoder* 
         return;
       }
     }
-    const nlohmann::json sample = parse_jsonl_line(line);
+    // Key order kept: chat templates print tool schemas and arguments in the data's order.
+    const nlohmann::ordered_json sample = SampleEncoder::parse_sample(line);
     if (!kind)  // the first sample decides; later samples of the other kind are errors
       kind = encoder.format_of(sample) == SampleFormat::kPreference ? DatasetKind::kPreferencePairs
                                                                      : DatasetKind::kDocuments;

@@ -1,5 +1,6 @@
 #include "data/sample_encoder.h"
 
+#include "data/chat/chat_template.h"
 #include "data/pretokenized.h"
 
 namespace spindle {
@@ -14,14 +15,74 @@ void append(Document& doc, const std::vector<int32_t>& ids, bool supervised) {
     doc.labels.insert(doc.labels.end(), ids.size(), kIgnoreIndex);
 }
 
-[[noreturn]] void conversations_unavailable(SampleFormat format) {
-  fail("{} samples are rendered with the model's chat template, and rendering conversations is not "
-       "available in dataset preparation yet; convert the data to prompt/completion, text or "
-       "pre-tokenized form (input_ids + labels) meanwhile",
-       sample_format_name(format));
+bool has_tools(const nlohmann::ordered_json& variables) {
+  auto it = variables.find("tools");
+  return it != variables.end() && !it->is_null();
+}
+
+// The training document of a rendered conversation: assistant turns from `first_trained` on are
+// supervised with their message's loss_scale (0 leaves them unsupervised); loss_scale stays empty
+// when every supervised weight is 1.
+Document conversation_document(const ChatEncoding& encoding, const std::vector<ChatMessage>& messages,
+                               size_t first_trained) {
+  for (size_t i = 0; i < messages.size(); ++i)
+    if (messages[i].role != "assistant" && messages[i].loss_scale && *messages[i].loss_scale > 0)
+      bad_sample("message {} ({}) has loss_scale {}, but only assistant turns are supervised (the spans the chat "
+                 "template gives them); set it on assistant messages only",
+                 i, messages[i].role, *messages[i].loss_scale);
+  // Tokens of {% generation %} blocks that are not one per assistant message cannot be tied to a
+  // message; they take the assistant messages' loss_scale when all agree.
+  std::optional<float> shared_scale;
+  bool scales_agree = true;
+  for (size_t i = first_trained; i < messages.size(); ++i) {
+    if (messages[i].role != "assistant") continue;
+    const float scale = messages[i].effective_loss_scale();
+    if (shared_scale && *shared_scale != scale) scales_agree = false;
+    shared_scale = scale;
+  }
+
+  Document doc;
+  const size_t n = encoding.ids.size();
+  doc.input_ids = encoding.ids;
+  doc.labels.assign(n, kIgnoreIndex);
+  doc.loss_scale.assign(n, 0.0f);
+  bool weighted = false;
+  for (size_t k = 0; k < n; ++k) {
+    const int32_t turn = encoding.turn_of_token[k];
+    if (turn == kPromptToken) continue;
+    float scale;
+    if (turn == kUnattributedTurn) {
+      if (first_trained > 0 || !scales_agree)
+        bad_sample("the chat template's {{% generation %}} blocks do not correspond one to one to the assistant "
+                   "messages, so {} cannot be told apart; give the assistant messages one loss_scale",
+                   first_trained > 0 ? "the answer's tokens and the history's" : "the messages' loss_scale");
+      scale = shared_scale.value_or(1.0f);
+    } else {
+      if (static_cast<size_t>(turn) < first_trained) continue;
+      scale = messages[turn].effective_loss_scale();
+    }
+    if (scale == 0) continue;
+    doc.labels[k] = doc.input_ids[k];
+    doc.loss_scale[k] = scale;
+    weighted |= scale != 1.0f;
+  }
+  if (!weighted) doc.loss_scale.clear();
+  return doc;
 }
 
 }  // namespace
+
+nlohmann::ordered_json SampleEncoder::parse_sample(std::string_view line) {
+  nlohmann::ordered_json sample;
+  try {
+    sample = nlohmann::ordered_json::parse(line.begin(), line.end());
+  } catch (const nlohmann::json::exception&) {
+    parse_jsonl_line(line);  // throws BadSample with the parser's description of the problem
+    throw;
+  }
+  if (!sample.is_object()) parse_jsonl_line(line);  // throws BadSample naming the JSON type found
+  return sample;
+}
 
 SampleEncoder::SampleEncoder(const TextEncoder* text_encoder, EncodeOptions options)
     : text_encoder_(text_encoder), options_(std::move(options)) {
@@ -31,6 +92,11 @@ SampleEncoder::SampleEncoder(const TextEncoder* text_encoder, EncodeOptions opti
 SampleFormat SampleEncoder::format_of(const nlohmann::json& sample) const {
   if (!sample.is_object()) bad_sample("expected a JSON object, found a JSON {}", sample.type_name());
   return options_.format == SampleFormat::kAuto ? detect_sample_format(sample) : options_.format;
+}
+
+SampleFormat SampleEncoder::format_of(const nlohmann::ordered_json& sample) const {
+  if (!sample.is_object()) bad_sample("expected a JSON object, found a JSON {}", sample.type_name());
+  return options_.format == SampleFormat::kAuto ? detect_sample_format(nlohmann::json(sample)) : options_.format;
 }
 
 const TextEncoder& SampleEncoder::require_text_encoder(SampleFormat format) const {
@@ -44,8 +110,55 @@ std::vector<int32_t> SampleEncoder::encode_text(std::string_view text, bool add_
   return text_encoder_->encode(text, add_special_tokens);
 }
 
-Document SampleEncoder::encode(const nlohmann::json& sample) const {
+ConversationEncoding SampleEncoder::encode_messages(const nlohmann::ordered_json& variables,
+                                                   const std::vector<ChatMessage>& messages, size_t first_trained_message,
+                                                   bool add_generation_prompt) const {
+  const TextEncoder& text_encoder = require_text_encoder(SampleFormat::kMessages);
+  const chat::ModelChatTemplate& model = text_encoder.chat_template(has_tools(variables));
+  nlohmann::ordered_json context = chat::transformers_context(variables, model.special_tokens);
+  context["add_generation_prompt"] = add_generation_prompt;
+  ConversationEncoding result;
+  try {
+    result.chat = encode_chat(
+        model.chat_template, context,
+        [&](std::string_view text, std::vector<int32_t>& ids, std::vector<chat::ByteSpan>& offsets) {
+          text_encoder.encode_with_offsets(text, ids, offsets);
+        },
+        options_.chat_render);
+  } catch (const chat::TemplateError& e) {
+    bad_sample("{} (in {})", e.what(), model.origin);
+  } catch (const BadSample&) {
+    throw;
+  } catch (const Error& e) {
+    // Spans that cannot be derived for this conversation, text the tokenizer refuses: this sample's problem.
+    throw BadSample(e.what());
+  }
+  if (result.chat.ids.empty()) bad_sample("the conversation renders to no tokens");
+  result.document = conversation_document(result.chat, messages, first_trained_message);
+  return result;
+}
+
+ConversationEncoding SampleEncoder::encode_conversation(const nlohmann::ordered_json& sample,
+                                                        bool add_generation_prompt) const {
   const SampleFormat format = format_of(sample);
+  if (format != SampleFormat::kMessages && format != SampleFormat::kAlpaca)
+    fail("expected a conversation (messages, ShareGPT conversations or Alpaca) but this sample is {} data",
+         sample_format_name(format));
+  require_text_encoder(format);
+  const nlohmann::json plain(sample);
+  const Conversation conversation = format == SampleFormat::kAlpaca ? parse_alpaca(plain) : parse_conversation(plain);
+  return encode_messages(chat_template_variables(sample, format, conversation), conversation.messages, 0,
+                         add_generation_prompt);
+}
+
+Document SampleEncoder::encode(const nlohmann::json& sample) const {
+  if (!sample.is_object()) bad_sample("expected a JSON object, found a JSON {}", sample.type_name());
+  return encode(nlohmann::ordered_json(sample));
+}
+
+Document SampleEncoder::encode(const nlohmann::ordered_json& ordered_sample) const {
+  const SampleFormat format = format_of(ordered_sample);
+  const nlohmann::json sample(ordered_sample);
   Document doc;
   switch (format) {
     case SampleFormat::kPretokenized:
@@ -64,11 +177,8 @@ Document SampleEncoder::encode(const nlohmann::json& sample) const {
       break;
     }
     case SampleFormat::kAlpaca:
-      parse_alpaca(sample);  // bad content is reported as such before the missing renderer
-      conversations_unavailable(format);
     case SampleFormat::kMessages:
-      parse_conversation(sample);
-      conversations_unavailable(format);
+      return encode_conversation(ordered_sample).document;
     case SampleFormat::kPreference:
       fail("this sample is a preference pair (chosen/rejected); prepare it for DPO, or pass "
            "--format to read it as another format");
@@ -85,14 +195,30 @@ Document SampleEncoder::encode(const nlohmann::json& sample) const {
 }
 
 PreferenceDocuments SampleEncoder::encode_preference(const nlohmann::json& sample) const {
-  const SampleFormat format = format_of(sample);
+  if (!sample.is_object()) bad_sample("expected a JSON object, found a JSON {}", sample.type_name());
+  return encode_preference(nlohmann::ordered_json(sample));
+}
+
+PreferenceDocuments SampleEncoder::encode_preference(const nlohmann::ordered_json& ordered_sample) const {
+  const SampleFormat format = format_of(ordered_sample);
   if (format != SampleFormat::kPreference)
     fail("expected preference pairs (chosen/rejected) but this sample is {} data; pass --format to "
          "override detection",
          sample_format_name(format));
-  const PreferencePair pair = parse_preference(sample);
-  if (pair.conversational) conversations_unavailable(format);
+  const PreferencePair pair = parse_preference(nlohmann::json(ordered_sample));
   require_text_encoder(format);
+  if (pair.conversational) {
+    // Each side continues the shared history; only the side's own assistant turns are supervised.
+    auto side = [&](const std::vector<ChatMessage>& answer) {
+      Conversation conversation;
+      conversation.messages = pair.prompt.messages;
+      conversation.messages.insert(conversation.messages.end(), answer.begin(), answer.end());
+      const nlohmann::ordered_json variables =
+          chat_template_variables(ordered_sample, SampleFormat::kPreference, conversation);
+      return encode_messages(variables, conversation.messages, pair.prompt.messages.size(), false).document;
+    };
+    return PreferenceDocuments{side(pair.chosen), side(pair.rejected)};
+  }
   const std::vector<int32_t> prompt = encode_text(pair.prompt_text, true);
   const auto eos = text_encoder_->eos_token_id();
   auto side = [&](const std::string& answer) {

@@ -5,6 +5,7 @@
 
 #include "data/pretokenized.h"
 #include "data/prepared_dataset.h"
+#include "byte_text_encoder.h"
 #include "data_test_util.h"
 
 using namespace spindle;
@@ -31,15 +32,9 @@ std::vector<std::string> files_in(const fs::path& dir) {
   return names;
 }
 
-class ByteEncoder final : public TextEncoder {
- public:
-  std::vector<int32_t> encode(std::string_view text, bool add_special_tokens) const override {
-    std::vector<int32_t> ids;
-    for (unsigned char c : text) ids.push_back(c + 10);
-    return ids;
-  }
-  std::optional<int32_t> eos_token_id() const override { return 2; }
-  int64_t vocab_size() const override { return 266; }
+// Without BOS, so that a text sample's ids are its bytes and EOS.
+struct ByteEncoder : spindle::testing::ByteTextEncoder {
+  ByteEncoder() : ByteTextEncoder(/*adds_bos=*/false) {}
 };
 
 }  // namespace

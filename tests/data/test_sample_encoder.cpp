@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "data/sample_encoder.h"
+#include "byte_text_encoder.h"
 #include "data_test_util.h"
 
 using namespace spindle;
@@ -12,18 +13,7 @@ namespace {
 
 constexpr int32_t X = kIgnoreIndex;
 
-// One token per byte (id = byte value + 10); BOS 1 when special tokens are added; EOS 2.
-class ByteEncoder final : public TextEncoder {
- public:
-  std::vector<int32_t> encode(std::string_view text, bool add_special_tokens) const override {
-    std::vector<int32_t> ids;
-    if (add_special_tokens) ids.push_back(1);
-    for (unsigned char c : text) ids.push_back(c + 10);
-    return ids;
-  }
-  std::optional<int32_t> eos_token_id() const override { return 2; }
-  int64_t vocab_size() const override { return 266; }
-};
+using ByteEncoder = spindle::testing::ByteTextEncoder;
 
 int32_t t(char c) { return static_cast<unsigned char>(c) + 10; }
 
@@ -62,15 +52,17 @@ TEST(SampleEncoder, PretokenizedNeedsNoTokenizerButIsCheckedAgainstItsVocabulary
                     "--tokenizer");
 }
 
-TEST(SampleEncoder, ConversationsSayRenderingIsNotAvailableYetAfterCheckingContent) {
+TEST(SampleEncoder, ConversationsAreRenderedWithTheChatTemplateAndBadContentIsABadSample) {
   ByteEncoder bytes;
   SampleEncoder encoder(&bytes, {});
-  EXPECT_THROW_WITH(encoder.encode(json::parse(R"({"messages": [{"role": "user", "content": "q"}]})")),
-                    Error, "messages samples are rendered with the model's chat template",
-                    "not available");
+  const Document d = encoder.encode(json::parse(R"({"messages": [{"role": "user", "content": "q"},
+                                                                {"role": "assistant", "content": "a"}]})"));
+  const std::string text = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n";
+  ASSERT_EQ(d.input_ids, bytes.encode(text, false)) << "no BOS or EOS added: the template writes the turns";
+  const size_t answer = text.find("a<|im_end|>");
+  for (size_t i = 0; i < text.size(); ++i) EXPECT_EQ(d.labels[i], i >= answer ? d.input_ids[i] : X) << i;
   EXPECT_THROW_WITH(encoder.encode(json::parse(R"({"messages": []})")), BadSample, "empty conversation");
-  EXPECT_THROW_WITH(encoder.encode(json::parse(R"({"instruction": "q", "output": "a"})")), Error,
-                    "alpaca samples");
+  EXPECT_EQ(encoder.encode(json::parse(R"({"instruction": "q", "output": "a"})")).input_ids, d.input_ids);
 }
 
 TEST(SampleEncoder, ForcedFormatAndPreferenceMismatch) {
