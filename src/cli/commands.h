@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace spindle::cli {
@@ -15,9 +16,15 @@ using CommandList = std::vector<Command>;
 
 // Each cmd_*.cpp defines one add_*_command; register_all (commands.cpp) calls them all.
 void add_eval_command(CLI::App& app, CommandList& commands);
+void add_generate_command(CLI::App&, CommandList&);
 void add_prepare_command(CLI::App&, CommandList&);
 void add_tokenize_command(CLI::App&, CommandList&);
 
+void add_sft_command(CLI::App& app, CommandList& commands);
+
 void register_all(CLI::App& app, CommandList& commands);
+
+// `sft --config FILE.yaml ...` → the file's options as flags (command-line flags win).
+std::vector<std::string> expand_config_file(CLI::App& app, const std::vector<std::string>& args);
 
 }  // namespace spindle::cli

@@ -2,7 +2,10 @@
 // registers itself here; errors reach the user as one line saying what to change.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
+#include <string>
+#include <vector>
 #include <exception>
 
 #include "cli/commands.h"
@@ -23,9 +26,15 @@ int main(int argc, char** argv) {
   spindle::cli::CommandList commands;
   spindle::cli::register_all(app, commands);
   try {
-    app.parse(argc, argv);
+    std::vector<std::string> args(argv + 1, argv + argc);
+    args = spindle::cli::expand_config_file(app, args);  // `--config FILE.yaml` becomes flags
+    std::reverse(args.begin(), args.end());              // CLI11 consumes a vector from the back
+    app.parse(args);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const spindle::Error& e) {
+    std::fprintf(stderr, "spindle: error: %s\n", e.what());
+    return 2;
   }
   try {
     for (auto& command : commands)

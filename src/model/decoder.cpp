@@ -183,20 +183,19 @@ void Decoder::backward_layer(int64_t l, const MicroBatch& batch, const LayerActi
     be.rmsnorm_backward(st, a.x_in, w.input_norm->value, a.rstd1, d_xn1, d_res, dw1, true);
 }
 
-void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum, bool backward, Tensor* token_ce) {
+// Forward through every layer: returns the last layer's output [T, H]. With keep, each layer's
+// activations (or, for recomputed layers, only its input) are left in acts for backward.
+Tensor Decoder::forward(const MicroBatch& batch, bool keep, std::vector<LayerActivations>& acts) {
   const ModelConfig& c = weights_.config;
   auto& be = backend_;
   const Stream st = stream_;
-  const int64_t t = batch.num_tokens, n = batch.num_selected, layers = c.num_layers;
-  const DType dt = weights_.dtype;
-  if (t == 0) return;
-  auto recompute = [&](int64_t l) { return !backward || (!options_.recompute.empty() && options_.recompute[l]); };
-
-  // Forward. Kept layers own their activations; recomputed layers keep only their input and run
-  // in a shared scratch set (also used for every layer when there is no backward).
-  std::vector<LayerActivations> acts(layers);
+  const int64_t t = batch.num_tokens, layers = c.num_layers;
+  auto recompute = [&](int64_t l) { return !keep || (!options_.recompute.empty() && options_.recompute[l]); };
+  // Kept layers own their activations; recomputed layers keep only their input and run in a shared
+  // scratch set (also used for every layer when nothing is kept).
+  acts.assign(layers, LayerActivations());
   LayerActivations scratch;
-  Tensor x_final = be.empty(Shape{t, c.hidden_size}, dt);
+  Tensor x_final = be.empty(Shape{t, c.hidden_size}, weights_.dtype);
   if (layers) allocate(acts[0], t, !recompute(0));
   be.embedding_forward(st, batch.input_ids, weights_.embed->value, layers ? acts[0].x_in : x_final);
   for (int64_t l = 0; l < layers; ++l) {
@@ -209,8 +208,35 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
     }
     Tensor& out = l + 1 < layers ? acts[l + 1].x_in : x_final;
     forward_layer(l, batch, *a, out);
-    if (!backward) acts[l].x_in = Tensor();  // evaluation keeps nothing behind it
+    if (!keep) acts[l].x_in = Tensor();  // evaluation keeps nothing behind it
   }
+  return x_final;
+}
+
+void Decoder::logits(const MicroBatch& batch, const Tensor& rows, Tensor& out) {
+  const ModelConfig& c = weights_.config;
+  const int64_t n = rows.numel();
+  SPINDLE_CHECK(out.rank() == 2 && out.dim(0) == n && out.dim(1) == c.vocab_size, "logits out {}", out.describe());
+  std::vector<LayerActivations> acts;
+  Tensor x_final = forward(batch, false, acts);
+  Tensor h = backend_.empty(Shape{n, c.hidden_size}, weights_.dtype), hn = backend_.empty(h.shape(), weights_.dtype);
+  Tensor rstd = backend_.empty(Shape{n}, stat_dtype(weights_.dtype));
+  backend_.gather_rows(stream_, x_final, rows, h);
+  backend_.rmsnorm_forward(stream_, h, weights_.final_norm->value, c.rms_norm_eps, hn, rstd);
+  backend_.gemm(stream_, hn, false, weights_.lm_head->value, true, out, 1.0, 0.0);
+}
+
+void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum, bool backward, Tensor* token_ce) {
+  const ModelConfig& c = weights_.config;
+  auto& be = backend_;
+  const Stream st = stream_;
+  const int64_t t = batch.num_tokens, n = batch.num_selected, layers = c.num_layers;
+  const DType dt = weights_.dtype;
+  if (t == 0) return;
+  auto recompute = [&](int64_t l) { return !backward || (!options_.recompute.empty() && options_.recompute[l]); };
+  std::vector<LayerActivations> acts;
+  LayerActivations scratch;
+  Tensor x_final = forward(batch, backward, acts);
 
   // Final norm and loss on the selected positions only.
   const DType sd = stat_dtype(dt);

@@ -68,10 +68,15 @@ class Decoder {
   // token_ce (optional, F32 [num_selected]) receives each selected target's unweighted CE.
   void step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum, bool backward, Tensor* token_ce = nullptr);
 
+  // Logits [n, V] at the token indices `rows` (I32 [n]) of the batch, forward only: for
+  // generation and checks. Training never materialises logits (see step).
+  void logits(const MicroBatch& batch, const Tensor& rows, Tensor& out);
+
   void set_attention(AttentionStrategy* attention) { attention_ = attention ? attention : &local_attention_; }
   const ModelWeights& weights() const { return weights_; }
 
  private:
+  Tensor forward(const MicroBatch& batch, bool keep, std::vector<LayerActivations>& acts);
   void forward_layer(int64_t layer, const MicroBatch& batch, LayerActivations& a, Tensor& x_out);
   void backward_layer(int64_t layer, const MicroBatch& batch, const LayerActivations& a, Tensor& d_res,
                       bool need_input_grad);

@@ -1,0 +1,166 @@
+// spindle sft: supervised fine-tuning, configured by flags and/or a YAML file (--config). A YAML
+// key is a flag's name without the dashes ('-' or '_' both work); flags given on the command line
+// override the file. Unknown keys and wrong types are errors before any work starts.
+#include <yaml-cpp/yaml.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "train/trainer.h"
+
+namespace spindle::cli {
+
+namespace {
+
+std::string option_name(std::string key) {
+  for (char& c : key)
+    if (c == '_') c = '-';
+  return key;
+}
+
+// The YAML file as command-line arguments; keys whose flag is also on the command line are left
+// out, so the command line wins (whole lists included).
+std::vector<std::string> yaml_to_args(const std::string& path, CLI::App& cmd, const std::vector<std::string>& given) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::Exception& e) {
+    fail("--config {}: not valid YAML ({})", path, e.what());
+  }
+  if (!root.IsMap()) fail("--config {}: expected a mapping of option names to values", path);
+  std::vector<std::string> args;
+  for (const auto& entry : root) {
+    const std::string key = entry.first.as<std::string>();
+    const std::string flag = "--" + option_name(key);
+    if (flag == "--config") fail("--config {}: a config file cannot name another config file", path);
+    CLI::Option* opt = nullptr;
+    try {
+      opt = cmd.get_option(flag);
+    } catch (const CLI::OptionNotFound&) {
+      std::string known;
+      for (const CLI::Option* o : cmd.get_options())
+        if (!o->get_lnames().empty() && o->get_lnames()[0] != "help" && o->get_lnames()[0] != "config")
+          known += " " + o->get_lnames()[0];
+      fail("--config {}: unknown key \"{}\"; known keys:{}", path, key, known);
+    }
+    const YAML::Node& value = entry.second;
+    bool on_command_line = false;
+    for (const std::string& a : given) on_command_line |= a == flag || a.rfind(flag + "=", 0) == 0;
+    if (on_command_line) continue;
+    if (opt->get_expected_min() == 0) {  // a flag
+      bool on = false;
+      try {
+        on = value.as<bool>();
+      } catch (const YAML::Exception&) {
+        fail("--config {}: \"{}\" must be true or false", path, key);
+      }
+      if (on) args.push_back(flag);
+      continue;
+    }
+    auto scalar = [&](const YAML::Node& n) {
+      if (!n.IsScalar()) fail("--config {}: \"{}\" must be a value or a list of values", path, key);
+      return n.as<std::string>();
+    };
+    if (value.IsSequence()) {
+      if (value.size() == 0) fail("--config {}: \"{}\" is an empty list", path, key);
+      args.push_back(flag);
+      for (const auto& item : value) {
+        if (item.IsMap()) {  // data: [{path: a.jsonl, weight: 0.3}]
+          if (!item["path"]) fail("--config {}: entries of \"{}\" need a path", path, key);
+          std::string s = item["path"].as<std::string>();
+          if (item["weight"]) s += ":" + item["weight"].as<std::string>();
+          args.push_back(s);
+        } else {
+          args.push_back(scalar(item));
+        }
+      }
+    } else {
+      args.push_back(flag);
+      args.push_back(scalar(value));
+    }
+  }
+  return args;
+}
+
+void add_train_options(CLI::App* cmd, TrainConfig& c) {
+  cmd->add_option("--model", c.model, "Hugging Face model folder");
+  cmd->add_option("--data", c.data, "training data: JSONL (any supported format) or a prepared dataset; PATH or "
+                                    "PATH:WEIGHT to mix several")->expected(1, 1 << 20);
+  cmd->add_option("--output", c.output, "output folder: adapter/ or model/, checkpoint-N/, metrics.jsonl, metrics.svg");
+  cmd->add_option("--max-length", c.max_length, "tokens per packed row")->capture_default_str();
+  cmd->add_flag("--no-packing", c.no_packing, "one document per row");
+  cmd->add_option("--over-length", c.over_length, "documents longer than --max-length: truncate, truncate-left, "
+                                                  "drop or error")->capture_default_str();
+  cmd->add_option("--max-steps", c.max_steps, "optimizer steps (0: from --epochs)")->capture_default_str();
+  cmd->add_option("--epochs", c.epochs, "passes over the data when --max-steps is 0")->capture_default_str();
+  cmd->add_option("--lr", c.lr, "peak learning rate")->capture_default_str();
+  cmd->add_option("--lr-scheduler", c.lr_scheduler, "constant, linear or cosine")->capture_default_str();
+  cmd->add_option("--warmup-steps", c.warmup_steps, "linear warm-up steps")->capture_default_str();
+  cmd->add_option("--warmup-ratio", c.warmup_ratio, "warm-up as a fraction of all steps")->capture_default_str();
+  cmd->add_option("--weight-decay", c.weight_decay, "AdamW decoupled weight decay")->capture_default_str();
+  cmd->add_option("--max-grad-norm", c.max_grad_norm, "clip the global gradient norm (0: off)")->capture_default_str();
+  cmd->add_option("--adam-beta1", c.adam_beta1)->capture_default_str();
+  cmd->add_option("--adam-beta2", c.adam_beta2)->capture_default_str();
+  cmd->add_option("--adam-eps", c.adam_eps)->capture_default_str();
+  cmd->add_option("--grad-accum", c.grad_accum, "rows (micro-batches) per optimizer step")->capture_default_str();
+  cmd->add_option("--seed", c.seed, "data order and LoRA initialisation")->capture_default_str();
+  cmd->add_option("--lora-rank", c.lora_rank)->capture_default_str();
+  cmd->add_option("--lora-alpha", c.lora_alpha)->capture_default_str();
+  cmd->add_option("--lora-targets", c.lora_targets, "projections to adapt")->capture_default_str();
+  cmd->add_flag("--rslora", c.rslora, "scale LoRA by alpha/sqrt(rank) (rsLoRA)");
+  cmd->add_option("--adapter", c.adapter, "start from this PEFT adapter folder");
+  cmd->add_flag("--full", c.full, "full fine-tune (every weight) instead of LoRA");
+  cmd->add_option("--save-steps", c.save_steps, "checkpoint every N steps (0: only at the end)")->capture_default_str();
+  cmd->add_option("--eval-data", c.eval_data, "held-out data scored during training");
+  cmd->add_option("--eval-steps", c.eval_steps, "score --eval-data every N steps")->capture_default_str();
+  cmd->add_flag("--resume", c.resume, "continue from the latest checkpoint in --output");
+  cmd->add_option("--metrics-file", c.metrics_file, "JSONL metrics (default OUTPUT/metrics.jsonl)");
+  cmd->add_option("--log-every", c.log_every, "plain progress lines every N steps")->capture_default_str();
+  cmd->add_option("--recompute", c.recompute, "activation checkpointing: none or all")->capture_default_str();
+  cmd->add_option("--dtype", c.dtype, "CPU compute precision: f32 or f64")->capture_default_str();
+  cmd->add_option("--threads", c.threads, "CPU threads (default: all)");
+}
+
+}  // namespace
+
+void add_sft_command(CLI::App& app, CommandList& commands) {
+  auto config = std::make_shared<TrainConfig>();
+  auto config_file = std::make_shared<std::string>();
+  CLI::App* cmd = app.add_subcommand("sft", "Supervised fine-tuning (LoRA or full) of a Hugging Face model");
+  cmd->add_option("--config", *config_file, "YAML file with the same options (flags override it)");
+  add_train_options(cmd, *config);
+  commands.push_back({cmd, [config] {
+                        const TrainSummary summary = run_sft(*config);
+                        return summary.steps > 0 ? 0 : 1;
+                      }});
+}
+
+// Called by main before parsing: expands `sft --config FILE` into the file's arguments.
+std::vector<std::string> expand_config_file(CLI::App& app, const std::vector<std::string>& args) {
+  if (args.empty()) return args;
+  CLI::App* cmd = nullptr;
+  try {
+    cmd = app.get_subcommand(args[0]);
+  } catch (const CLI::OptionNotFound&) {
+    return args;
+  }
+  for (size_t i = 1; i < args.size(); ++i) {
+    std::string path;
+    if (args[i] == "--config" && i + 1 < args.size()) path = args[i + 1];
+    else if (args[i].rfind("--config=", 0) == 0) path = args[i].substr(9);
+    else continue;
+    std::vector<std::string> out{args[0]};
+    std::vector<std::string> from_file = yaml_to_args(path, *cmd, args);
+    out.insert(out.end(), from_file.begin(), from_file.end());
+    out.insert(out.end(), args.begin() + 1, args.end());
+    return out;
+  }
+  return args;
+}
+
+}  // namespace spindle::cli

@@ -1,0 +1,51 @@
+#include "train/train_config.h"
+
+#include <filesystem>
+
+#include "core/error.h"
+#include "train/schedule.h"
+
+namespace spindle {
+
+void TrainConfig::validate() const {
+  namespace fs = std::filesystem;
+  if (model.empty()) fail("--model is required: a Hugging Face model folder");
+  if (!fs::exists(fs::path(model) / "config.json")) fail("--model {}: no config.json there", model);
+  if (data.empty()) fail("--data is required: one or more JSONL or prepared datasets");
+  if (output.empty()) fail("--output is required: the folder for the trained adapter or model");
+  if (max_length <= 0) fail("--max-length must be positive, got {}", max_length);
+  if (max_steps < 0) fail("--max-steps must be >= 0, got {}", max_steps);
+  if (max_steps == 0 && !(epochs > 0)) fail("--epochs must be positive when --max-steps is not set, got {}", epochs);
+  if (!(lr >= 0)) fail("--lr must be >= 0, got {}", lr);
+  parse_lr_schedule(lr_scheduler);
+  if (warmup_steps < 0) fail("--warmup-steps must be >= 0, got {}", warmup_steps);
+  if (!(warmup_ratio >= 0 && warmup_ratio < 1)) fail("--warmup-ratio must be in [0, 1), got {}", warmup_ratio);
+  if (!(weight_decay >= 0)) fail("--weight-decay must be >= 0, got {}", weight_decay);
+  if (!(max_grad_norm >= 0)) fail("--max-grad-norm must be >= 0 (0 disables clipping), got {}", max_grad_norm);
+  if (!(adam_beta1 >= 0 && adam_beta1 < 1) || !(adam_beta2 >= 0 && adam_beta2 < 1))
+    fail("--adam-beta1 and --adam-beta2 must be in [0, 1)");
+  if (!(adam_eps > 0)) fail("--adam-eps must be positive");
+  if (grad_accum <= 0) fail("--grad-accum must be positive, got {}", grad_accum);
+  if (full && !adapter.empty()) fail("--full and --adapter exclude each other: a full fine-tune trains the base weights");
+  if (!full && lora_rank <= 0) fail("--lora-rank must be positive (or choose --full), got {}", lora_rank);
+  if (!full && !(lora_alpha > 0)) fail("--lora-alpha must be positive, got {}", lora_alpha);
+  if (!full && lora_targets.empty()) fail("--lora-targets needs at least one module");
+  if (save_steps < 0) fail("--save-steps must be >= 0, got {}", save_steps);
+  if (eval_steps < 0) fail("--eval-steps must be >= 0, got {}", eval_steps);
+  if (eval_steps > 0 && eval_data.empty()) fail("--eval-steps needs --eval-data");
+  if (log_every <= 0) fail("--log-every must be positive, got {}", log_every);
+  if (recompute != "none" && recompute != "all") fail("--recompute must be none or all, got \"{}\"", recompute);
+  if (dtype != "f32" && dtype != "f64") fail("--dtype must be f32 or f64 on the CPU, got \"{}\"", dtype);
+  if (!adapter.empty() && !fs::exists(fs::path(adapter) / "adapter_config.json"))
+    fail("--adapter {}: no adapter_config.json there", adapter);
+  if (!eval_data.empty() && !fs::exists(eval_data)) fail("--eval-data {} does not exist", eval_data);
+}
+
+nlohmann::json TrainConfig::fingerprint() const {
+  return {{"model", model},           {"data", data},       {"max_length", max_length}, {"no_packing", no_packing},
+          {"over_length", over_length}, {"grad_accum", grad_accum}, {"seed", seed},       {"full", full},
+          {"lora_rank", full ? 0 : lora_rank}, {"lora_alpha", full ? 0.0 : lora_alpha},
+          {"lora_targets", full ? std::vector<std::string>{} : lora_targets}, {"rslora", rslora}, {"adapter", adapter}};
+}
+
+}  // namespace spindle

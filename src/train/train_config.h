@@ -1,0 +1,50 @@
+// Every option of `spindle sft`, settable by flag or by a YAML file (same names, '-' or '_').
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace spindle {
+
+struct TrainConfig {
+  std::string model;                  // HF model folder
+  std::vector<std::string> data;      // JSONL or prepared datasets, each "PATH" or "PATH:WEIGHT"
+  std::string output;                 // output folder (final adapter/model, checkpoints, metrics)
+  int64_t max_length = 4096;          // tokens per packed row
+  bool no_packing = false;
+  std::string over_length = "truncate";
+  int64_t max_steps = 0;              // 0: from epochs
+  double epochs = 1.0;
+  double lr = 1e-4;
+  std::string lr_scheduler = "linear";
+  int64_t warmup_steps = 0;
+  double warmup_ratio = 0.0;
+  double weight_decay = 0.0;
+  double max_grad_norm = 1.0;
+  double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_eps = 1e-8;
+  int64_t grad_accum = 1;             // micro-batches (rows) per optimizer step
+  uint64_t seed = 42;
+  int64_t lora_rank = 16;
+  double lora_alpha = 32;
+  std::vector<std::string> lora_targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  bool rslora = false;
+  std::string adapter;                // start from this PEFT adapter
+  bool full = false;                  // full fine-tune instead of LoRA
+  int64_t save_steps = 0;             // 0: only at the end
+  std::string eval_data;
+  int64_t eval_steps = 0;
+  bool resume = false;                // continue from the latest checkpoint in --output
+  std::string metrics_file;           // default: OUTPUT/metrics.jsonl
+  int64_t log_every = 1;
+  std::string recompute = "none";     // none | all: activation checkpointing per layer
+  std::string dtype = "f32";          // CPU compute precision: f32 | f64
+  int threads = 0;
+
+  void validate() const;                   // before any work: errors name the option to change
+  nlohmann::json fingerprint() const;      // what a resumed run must share with the original
+};
+
+}  // namespace spindle

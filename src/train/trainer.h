@@ -1,0 +1,39 @@
+// The supervised fine-tuning loop: data → micro-batches → forward/backward with one global
+// denominator per optimizer step (DESIGN §2.2) → clipped AdamW → metrics, evaluation, checkpoints.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "data/packing.h"
+#include "model/decoder.h"
+#include "train/train_config.h"
+
+namespace spindle {
+
+// Σ loss_scale·CE / (number of supervised targets) over `rows`, forward only.
+struct EvalResult {
+  double loss = 0;
+  int64_t num_items = 0;
+  int64_t tokens = 0;
+};
+EvalResult evaluate(Backend& backend, Decoder& decoder, DType dtype, std::vector<PackedRow> rows, int64_t batch_tokens);
+
+struct TrainSummary {
+  int64_t steps = 0;
+  double final_loss = 0;
+  std::filesystem::path output;
+};
+
+// Runs a whole `spindle sft` job as configured (resuming when config.resume). Throws Error for bad
+// configuration before any work is done.
+TrainSummary run_sft(const TrainConfig& config);
+
+// The folder of the newest complete checkpoint in `output` (checkpoint-<step>), or empty.
+std::filesystem::path latest_checkpoint(const std::filesystem::path& output);
+
+}  // namespace spindle
