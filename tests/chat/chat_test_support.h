@@ -20,12 +20,13 @@ namespace spindle::chat::testing {
 
 inline std::filesystem::path corpus_dir() {
   const char* env = std::getenv("SPINDLE_CHAT_TEMPLATES_DIR");
-  return env ? env : "/work/shared/chat_templates";
+  // ../shared beside the checkout, where every developer machine and CI run has it.
+  return env ? std::filesystem::path(env) : std::filesystem::path(SPINDLE_SOURCE_DIR) / "../shared/chat_templates";
 }
 
 inline std::filesystem::path tokenizers_dir() {
   const char* env = std::getenv("SPINDLE_TOKENIZERS_DIR");
-  return env ? env : "/work/shared/tokenizers";
+  return env ? std::filesystem::path(env) : std::filesystem::path(SPINDLE_SOURCE_DIR) / "../shared/tokenizers";
 }
 
 inline std::string read_text(const std::filesystem::path& path) {

@@ -24,8 +24,7 @@
 namespace spindle::test {
 
 inline std::string find_shipped(const std::string& name) {
-  for (const std::string& root : {std::string(SPINDLE_SOURCE_DIR) + "/../shared/tokenizers/",
-                                  std::string("/work/shared/tokenizers/")}) {
+  for (const std::string& root : {std::string(SPINDLE_SOURCE_DIR) + "/../shared/tokenizers/"}) {
     if (std::filesystem::exists(root + name + "/tokenizer.json")) return root + name;
   }
   return {};
