@@ -11,6 +11,7 @@
 #include "data/pretokenized.h"
 #include "io/checkpoint.h"
 #include "model/decoder.h"
+#include "train/trainer.h"
 
 namespace spindle::cli {
 
@@ -47,45 +48,19 @@ int run_eval(const EvalArgs& args) {
   std::vector<PackedRow> rows = pack_documents(documents, pack, &pack_stats);
   std::fprintf(stderr, "%s\n%s\n", read_stats.summary().c_str(), pack_stats.summary().c_str());
 
-  int64_t num_items = 0, tokens = 0;
-  for (const PackedRow& r : rows) {
-    num_items += r.num_items();
-    tokens += r.length();
-  }
-  if (num_items == 0) fail("{} has no supervised target: nothing to evaluate (check labels / loss_mask)", args.data);
-
+  const int64_t row_count = static_cast<int64_t>(rows.size());
   Decoder decoder(*backend, weights);
-  Tensor loss = backend->zeros(Shape{1}, stat_dtype(dtype));
-  const int64_t batch_tokens = args.batch_tokens > 0 ? args.batch_tokens : args.max_length;
-  std::vector<PackedRow> group;
-  int64_t group_tokens = 0;
-  auto flush = [&] {
-    if (group.empty()) return;
-    decoder.step(make_micro_batch(*backend, group, dtype), 1.0 / static_cast<double>(num_items), loss, false);
-    group.clear();
-    group_tokens = 0;
-  };
-  for (PackedRow& row : rows) {
-    if (group_tokens + row.length() > batch_tokens) flush();
-    group_tokens += row.length();
-    group.push_back(std::move(row));
-  }
-  flush();
+  const EvalResult result =
+      evaluate(*backend, decoder, dtype, std::move(rows), args.batch_tokens > 0 ? args.batch_tokens : args.max_length);
+  if (result.num_items == 0) fail("{} has no supervised target: nothing to evaluate (check labels / loss_mask)", args.data);
 
-  double loss_value = 0;
-  if (loss.dtype() == DType::F64) backend->copy_to_host(backend->default_stream(), loss, &loss_value);
-  else {
-    float f;
-    backend->copy_to_host(backend->default_stream(), loss, &f);
-    loss_value = f;
-  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   nlohmann::ordered_json out;
-  out["loss"] = loss_value;
-  out["num_items"] = num_items;
+  out["loss"] = result.loss;
+  out["num_items"] = result.num_items;
   out["documents"] = pack_stats.documents_packed;
-  out["rows"] = static_cast<int64_t>(rows.size());
-  out["tokens"] = tokens;
+  out["rows"] = row_count;
+  out["tokens"] = result.tokens;
   out["seconds"] = seconds;
   std::printf("%s\n", out.dump().c_str());
   return 0;

@@ -79,6 +79,14 @@ void expect_gradients_match(Backend& be, ModelWeights& weights, const Reference&
   EXPECT_GT(checked, 0);
 }
 
+// The case's model, with its PEFT adapter when it has one (then only the adapter trains).
+ModelWeights load_case(Backend& be, const std::string& dir, bool train) {
+  ModelWeights weights = ModelWeights::load(be, ModelConfig::from_file(dir), io::Checkpoint(dir), DType::F32);
+  if (std::filesystem::exists(dir + "/adapter")) weights.load_peft_adapter(be, dir + "/adapter");
+  else if (train) weights.train_all(be);
+  return weights;
+}
+
 class HfParity : public ::testing::TestWithParam<std::string> {};
 
 }  // namespace
@@ -88,10 +96,7 @@ TEST_P(HfParity, LossAndEveryGradientMatchTransformers) {
   if (!std::filesystem::exists(dir)) GTEST_SKIP() << "missing " << dir << " (regenerate: scripts/gpu/make_hf_refs.sh)";
   auto be = make_cpu_backend();
   Reference ref(dir);
-  const std::string base_dir = std::filesystem::exists(dir + "/adapter") ? dir : dir;
-  ModelWeights weights = ModelWeights::load(*be, ModelConfig::from_file(base_dir), io::Checkpoint(base_dir), DType::F32);
-  if (std::filesystem::exists(dir + "/adapter")) weights.load_peft_adapter(*be, dir + "/adapter");
-  else weights.train_all(*be);
+  ModelWeights weights = load_case(*be, dir, true);
   StepResult run = run_case(*be, weights, dir, 32, {});
   EXPECT_EQ(run.num_items, ref.num_items);
   EXPECT_NEAR(run.loss, ref.loss, 1e-5 * std::fabs(ref.loss));
@@ -103,9 +108,7 @@ TEST_P(HfParity, RecomputedLayersAndOtherPackingsGiveTheSameResult) {
   if (!std::filesystem::exists(dir)) GTEST_SKIP() << "missing " << dir;
   auto be = make_cpu_backend();
   Reference ref(dir);
-  ModelWeights weights = ModelWeights::load(*be, ModelConfig::from_file(dir), io::Checkpoint(dir), DType::F32);
-  if (std::filesystem::exists(dir + "/adapter")) weights.load_peft_adapter(*be, dir + "/adapter");
-  else weights.train_all(*be);
+  ModelWeights weights = load_case(*be, dir, true);
   DecoderOptions options;
   options.recompute.assign(weights.config.num_layers, false);
   options.recompute[0] = true;        // checkpoint the first layer only
@@ -121,8 +124,7 @@ TEST_P(HfParity, PerTokenCrossEntropyMatchesTransformersLogits) {
   if (!std::filesystem::exists(dir)) GTEST_SKIP() << "missing " << dir;
   auto be = make_cpu_backend();
   Reference ref(dir);
-  ModelWeights weights = ModelWeights::load(*be, ModelConfig::from_file(dir), io::Checkpoint(dir), DType::F32);
-  if (std::filesystem::exists(dir + "/adapter")) weights.load_peft_adapter(*be, dir + "/adapter");
+  ModelWeights weights = load_case(*be, dir, false);
   std::vector<Document> docs = read_pretokenized_jsonl(dir + "/data.jsonl");
   int64_t total = 0;
   for (Document& d : docs) {
