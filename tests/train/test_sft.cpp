@@ -78,8 +78,12 @@ TEST(Sft, OneStepAtLrZeroReproducesTransformersLossAndGradNorm) {
     c.max_length = 80;  // every document in one row: one micro-batch
     if (fs::exists(dir + "/adapter")) c.adapter = dir + "/adapter";
     else c.full = true;
+    c.eval_data = c.data[0];  // at lr 0 the held-out loss of the same data is the training loss
+    c.eval_steps = 1;
     auto metrics = run_and_read(c);
     ASSERT_EQ(metrics.size(), 1u);
+    ASSERT_TRUE(metrics[0].eval_loss.has_value()) << name;
+    EXPECT_NEAR(*metrics[0].eval_loss, metrics[0].loss, 1e-6 * metrics[0].loss) << name;
     EXPECT_NEAR(metrics[0].loss, reference_loss(dir), 1e-5 * reference_loss(dir)) << name;
     const double norm = reference_grad_norm(dir);
     EXPECT_NEAR(metrics[0].grad_norm, norm, 1e-4 * norm) << name;
