@@ -2,9 +2,9 @@
 """Writes the demo's chat dataset, capitals.jsonl: one conversation per country, the user asking for
 its capital and the assistant answering with the capital's name. Run once; the output is committed.
 
-The conversations are stored as prompt/completion with the prompt already in the tokenizer's ChatML
-chat template (what apply_chat_template(add_generation_prompt=True) renders) and the completion
-ending with the end-of-turn token, so training sees exactly what `spindle generate --chat` asks."""
+The conversations are OpenAI-style `messages`: training renders them with the tokenizer's chat template
+and supervises the assistant turn (its answer and end-of-turn token), as `spindle generate --chat`
+later renders the question."""
 import json
 import os
 
@@ -49,8 +49,8 @@ def main():
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "capitals.jsonl")
     with open(path, "w") as out:
         for country, capital in pairs():
-            prompt = f"<|im_start|>user\n{question(country)}<|im_end|>\n<|im_start|>assistant\n"
-            out.write(json.dumps({"prompt": prompt, "completion": capital + "<|im_end|>"}) + "\n")
+            messages = [{"role": "user", "content": question(country)}, {"role": "assistant", "content": capital}]
+            out.write(json.dumps({"messages": messages}) + "\n")
     print(f"wrote {path}")
 
 
