@@ -137,6 +137,12 @@ class Backend {
                           const AdamW& hp) = 0;
 };
 
+// The sizes of C = op(A)·op(B), checked: every backend's gemm validates its arguments the same way.
+struct GemmShape {
+  int64_t m, n, k;
+};
+GemmShape gemm_shape(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c);
+
 // The CPU backend is always available; it is the reference every other backend is tested against.
 std::unique_ptr<Backend> make_cpu_backend(int threads = 0);
 

@@ -185,12 +185,7 @@ class CpuBackend final : public Backend {
     require_compute(c, "gemm");
     require_same(a, b, "gemm");
     require_same(a, c, "gemm");
-    SPINDLE_CHECK(a.rank() == 2 && b.rank() == 2 && c.rank() == 2, "gemm wants 2-D tensors: {} {} {}",
-                  a.describe(), b.describe(), c.describe());
-    const int64_t m = trans_a ? a.dim(1) : a.dim(0), k = trans_a ? a.dim(0) : a.dim(1);
-    const int64_t kb = trans_b ? b.dim(1) : b.dim(0), n = trans_b ? b.dim(0) : b.dim(1);
-    SPINDLE_CHECK(k == kb && c.dim(0) == m && c.dim(1) == n, "gemm shapes: op(A) {}x{}, op(B) {}x{}, C {}", m, k,
-                  kb, n, c.shape().str());
+    const auto [m, n, k] = gemm_shape(a, trans_a, b, trans_b, c);
     if (m == 0 || n == 0) return;
     if (k == 0) {
       scale(Stream{}, c, beta);
@@ -641,6 +636,16 @@ class CpuBackend final : public Backend {
 };
 
 }  // namespace
+
+GemmShape gemm_shape(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& c) {
+  SPINDLE_CHECK(a.rank() == 2 && b.rank() == 2 && c.rank() == 2, "gemm wants 2-D tensors: {} {} {}", a.describe(),
+                b.describe(), c.describe());
+  const int64_t m = trans_a ? a.dim(1) : a.dim(0), k = trans_a ? a.dim(0) : a.dim(1);
+  const int64_t kb = trans_b ? b.dim(1) : b.dim(0), n = trans_b ? b.dim(0) : b.dim(1);
+  SPINDLE_CHECK(k == kb && c.dim(0) == m && c.dim(1) == n, "gemm shapes: op(A) {}x{}, op(B) {}x{}, C {}", m, k, kb,
+                n, c.shape().str());
+  return {m, n, k};
+}
 
 std::unique_ptr<Backend> make_cpu_backend(int threads) { return std::make_unique<CpuBackend>(threads); }
 

@@ -138,12 +138,7 @@ class CudaBackend final : public Backend {
     if (!(c.dtype() == a.dtype() || (a.dtype() == DType::BF16 && c.dtype() == DType::F32)))
       fail("gemm: C {} does not fit inputs {}: BF16 inputs write BF16 or F32, F32 inputs write F32", c.describe(),
            a.describe());
-    SPINDLE_CHECK(a.rank() == 2 && b.rank() == 2 && c.rank() == 2, "gemm wants 2-D tensors: {} {} {}",
-                  a.describe(), b.describe(), c.describe());
-    const int64_t m = trans_a ? a.dim(1) : a.dim(0), k = trans_a ? a.dim(0) : a.dim(1);
-    const int64_t kb = trans_b ? b.dim(1) : b.dim(0), n = trans_b ? b.dim(0) : b.dim(1);
-    SPINDLE_CHECK(k == kb && c.dim(0) == m && c.dim(1) == n, "gemm shapes: op(A) {}x{}, op(B) {}x{}, C {}", m, k,
-                  kb, n, c.shape().str());
+    const auto [m, n, k] = gemm_shape(a, trans_a, b, trans_b, c);
     if (m == 0 || n == 0) return;
     if (k == 0) {
       cuda::scale(s(stream), c.data(), c.dtype(), c.numel(), beta);
