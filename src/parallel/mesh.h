@@ -60,7 +60,7 @@ inline int sp_rank_of(const MeshConfig& config, const MeshCoordinates& c) { retu
 //  - Contiguous (Ulysses only): sp equal consecutive slices of the row: multiple sp.
 //  - Zigzag (ring only): each document cut into 2·ring chunks, ring rank r keeps chunks r and
 //    2·ring−1−r (causal work balanced): multiple 2·ring, per document.
-//  - Hybrid: zigzag over ring, then each zigzag chunk cut contiguously over the Ulysses ranks:
+//  - Hybrid: zigzag over ring, then each ring rank's shard cut into ulysses consecutive slices:
 //    multiple 2·ring·ulysses, per document.
 // Padding tokens carry weight 0 and their own document id.
 enum class SequenceLayout { None, Contiguous, Zigzag, Hybrid };

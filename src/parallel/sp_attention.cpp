@@ -1,0 +1,320 @@
+#include "parallel/sp_attention.h"
+
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+
+namespace spindle::parallel {
+
+namespace {
+
+Tensor upload_index(Backend& backend, Stream stream, const std::vector<int32_t>& values) {
+  Tensor t = backend.empty(Shape{static_cast<int64_t>(values.size())}, DType::I32);
+  if (!values.empty()) backend.copy_from_host(stream, values.data(), t);
+  return t;
+}
+
+std::vector<int32_t> inverse_permutation(const std::vector<int32_t>& p) {
+  std::vector<int32_t> inverse(p.size());
+  for (size_t s = 0; s < p.size(); ++s) inverse[static_cast<size_t>(p[s])] = static_cast<int32_t>(s);
+  return inverse;
+}
+
+// [rows, D] view of a [tokens, heads, D] tensor (one row per token and head).
+Tensor head_rows(const Tensor& t) { return t.reshape(Shape{t.dim(0) * t.dim(1), t.dim(2)}); }
+// [n, 1] view of any tensor: gather_rows over single elements.
+Tensor element_rows(const Tensor& t) { return t.reshape(Shape{t.numel(), 1}); }
+
+void check_attention_shapes(const char* who, const MicroBatch& batch, const Tensor& q, const Tensor& k,
+                            const Tensor& v) {
+  SPINDLE_CHECK(q.rank() == 3 && k.rank() == 3 && v.rank() == 3 && k.shape() == v.shape() && q.dim(0) == k.dim(0) &&
+                    q.dim(2) == k.dim(2) && batch.doc_ids.numel() == q.dim(0) && batch.positions.numel() == q.dim(0),
+                "{}: q {} k {} v {} with {} document ids", who, q.describe(), k.describe(), v.describe(),
+                batch.doc_ids.numel());
+}
+
+}  // namespace
+
+// ---- Ulysses ------------------------------------------------------------------------------------
+//
+// Communication per layer and rank, t local tokens, u ranks, Hkv' = max(Hkv, u) KV heads sent
+// (replicas included), each all-to-all sending (u−1)/u of its buffer to other ranks:
+//   forward:  q, k, v in and out back: t·D·(2·Hq + 2·Hkv') elements, plus lse t·Hq (stat dtype)
+//             and an all-gather of the document ids and positions (2·t I32).
+//   backward: q, k, v, out, dout in and dq, dk, dv back: t·D·(4·Hq + 4·Hkv'), plus lse t·Hq.
+// Backward re-sends q, k, v and out instead of keeping the head-sharded copies from forward: the
+// strategy then holds no activations between calls (the decoder owns them, and recomputed layers
+// work unchanged), at the price of 2·t·D·(Hq + Hkv') more elements per layer.
+
+UlyssesAttention::UlyssesAttention(comm::Communicator& group, AttentionStrategy& inner, int64_t num_q_heads,
+                                   int64_t num_kv_heads)
+    : group_(group), inner_(inner), num_q_heads_(num_q_heads), num_kv_heads_(num_kv_heads) {
+  const int64_t u = group.size();
+  if (num_q_heads % u != 0 || num_kv_heads < 1 || num_q_heads % num_kv_heads != 0 ||
+      (num_kv_heads % u != 0 && u % num_kv_heads != 0))
+    fail("Ulysses over {} ranks (group '{}') cannot split {} query and {} KV heads: --ulysses must divide the query "
+         "heads and either divide the KV heads or be a multiple of them; choose another --ulysses (see "
+         "docs/parallelism.md)",
+         u, group.name(), num_q_heads, num_kv_heads);
+  q_heads_per_rank_ = num_q_heads / u;
+  kv_heads_per_rank_ = num_kv_heads >= u ? num_kv_heads / u : 1;
+}
+
+UlyssesAttention::UlyssesAttention(comm::Communicator& group, std::unique_ptr<AttentionStrategy> inner,
+                                   int64_t num_q_heads, int64_t num_kv_heads)
+    : UlyssesAttention(group, *inner, num_q_heads, num_kv_heads) {
+  owned_inner_ = std::move(inner);
+}
+
+const UlyssesAttention::Indices& UlyssesAttention::indices(Backend& backend, Stream stream, int64_t t) {
+  auto key = std::make_pair(static_cast<const Backend*>(&backend), t);
+  auto found = indices_.find(key);
+  if (found != indices_.end()) return found->second;
+  const int64_t u = group_.size(), hq = num_q_heads_, hkv = num_kv_heads_;
+  const int64_t hq_u = q_heads_per_rank_, hkv_u = kv_heads_per_rank_;
+  // KV head h of rank j's group: its own slice when the heads split, else the one it shares.
+  auto kv_head = [&](int64_t j, int64_t h) { return hkv >= u ? j * hkv_u + h : j * hkv / u; };
+  std::vector<int32_t> q_send, kv_send, lse_send;
+  q_send.reserve(u * t * hq_u);
+  kv_send.reserve(u * t * hkv_u);
+  lse_send.reserve(u * t * hq_u);
+  for (int64_t j = 0; j < u; ++j)
+    for (int64_t i = 0; i < t; ++i) {
+      for (int64_t h = 0; h < hq_u; ++h) q_send.push_back(static_cast<int32_t>(i * hq + j * hq_u + h));
+      for (int64_t h = 0; h < hkv_u; ++h) kv_send.push_back(static_cast<int32_t>(i * hkv + kv_head(j, h)));
+    }
+  for (int64_t j = 0; j < u; ++j)
+    for (int64_t h = 0; h < hq_u; ++h)
+      for (int64_t i = 0; i < t; ++i) lse_send.push_back(static_cast<int32_t>(h * u * t + j * t + i));
+  Indices idx;
+  idx.q_send = upload_index(backend, stream, q_send);
+  idx.q_inverse = upload_index(backend, stream, inverse_permutation(q_send));
+  idx.kv_send = upload_index(backend, stream, kv_send);
+  idx.lse_send = upload_index(backend, stream, lse_send);
+  idx.lse_inverse = upload_index(backend, stream, inverse_permutation(lse_send));
+  return indices_.emplace(key, std::move(idx)).first->second;
+}
+
+MicroBatch UlyssesAttention::gather_batch(Backend& backend, Stream stream, const MicroBatch& batch, int64_t t) {
+  const int64_t u = group_.size();
+  MicroBatch gathered;
+  gathered.num_tokens = u * t;
+  gathered.doc_ids = backend.empty(Shape{u * t}, DType::I32);
+  gathered.positions = backend.empty(Shape{u * t}, DType::I32);
+  group_.all_gather(stream, batch.doc_ids, gathered.doc_ids);
+  group_.all_gather(stream, batch.positions, gathered.positions);
+  return gathered;
+}
+
+Tensor UlyssesAttention::heads_to_sequence(Backend& backend, Stream stream, const Tensor& local,
+                                           const Tensor& send_index, int64_t heads_u) {
+  const int64_t u = group_.size(), t = local.dim(0), d = local.dim(2);
+  Tensor send = backend.empty(Shape{u * t * heads_u, d}, local.dtype());  // [u (dest), t, heads_u, D]
+  backend.gather_rows(stream, head_rows(local), send_index, send);
+  Tensor received = backend.empty(Shape{u * t * heads_u, d}, local.dtype());  // [u (source), t, heads_u, D]
+  group_.all_to_all(stream, send, received);
+  return received.reshape(Shape{u * t, heads_u, d});
+}
+
+void UlyssesAttention::sequence_to_q_heads(Backend& backend, Stream stream, const Tensor& sharded, const Indices& idx,
+                                           Tensor& local) {
+  Tensor send = head_rows(sharded);                                     // [u (dest), t, Hq/u, D]
+  Tensor received = backend.empty(send.shape(), sharded.dtype());       // [u (source), t, Hq/u, D]
+  group_.all_to_all(stream, send, received);
+  Tensor local_rows = head_rows(local);
+  backend.gather_rows(stream, received, idx.q_inverse, local_rows);
+}
+
+void UlyssesAttention::sequence_to_kv_heads(Backend& backend, Stream stream, const Tensor& sharded,
+                                            const Indices& idx, Tensor& local) {
+  Tensor send = head_rows(sharded);                                // [u (dest), t, Hkv_u, D]
+  Tensor received = backend.empty(send.shape(), sharded.dtype());  // [u (source), t, Hkv_u, D]
+  group_.all_to_all(stream, send, received);
+  backend.fill(stream, local, 0.0);
+  Tensor local_rows = head_rows(local);
+  backend.scatter_add_rows(stream, received, idx.kv_send, local_rows);  // replicas of one head add up
+}
+
+void UlyssesAttention::forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q,
+                               const Tensor& k, const Tensor& v, double scale, Tensor& out, Tensor& lse) {
+  check_attention_shapes("UlyssesAttention", batch, q, k, v);
+  SPINDLE_CHECK(q.dim(1) == num_q_heads_ && k.dim(1) == num_kv_heads_, "UlyssesAttention built for {}/{} heads: q {} k {}",
+                num_q_heads_, num_kv_heads_, q.describe(), k.describe());
+  const int64_t u = group_.size(), t = q.dim(0), d = q.dim(2);
+  const Indices& idx = indices(backend, stream, t);
+  const MicroBatch gathered = gather_batch(backend, stream, batch, t);
+  const Tensor qh = heads_to_sequence(backend, stream, q, idx.q_send, q_heads_per_rank_);   // [u·t, Hq/u, D]
+  const Tensor kh = heads_to_sequence(backend, stream, k, idx.kv_send, kv_heads_per_rank_);  // [u·t, Hkv_u, D]
+  const Tensor vh = heads_to_sequence(backend, stream, v, idx.kv_send, kv_heads_per_rank_);
+  Tensor out_h = backend.empty(Shape{u * t, q_heads_per_rank_, d}, out.dtype());  // [u·t, Hq/u, D]
+  Tensor lse_h = backend.empty(Shape{q_heads_per_rank_, u * t}, lse.dtype());      // [Hq/u, u·t]
+  inner_.forward(backend, stream, gathered, qh, kh, vh, scale, out_h, lse_h);
+  sequence_to_q_heads(backend, stream, out_h, idx, out);
+  // lse: chunk j = [Hq/u, t] of rank j's tokens; what arrives, in source order, is [Hq, t].
+  Tensor lse_send = backend.empty(Shape{lse.numel(), 1}, lse.dtype());
+  backend.gather_rows(stream, element_rows(lse_h), idx.lse_send, lse_send);
+  Tensor lse_rows = element_rows(lse);
+  group_.all_to_all(stream, lse_send, lse_rows);
+}
+
+void UlyssesAttention::backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q,
+                                const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
+                                const Tensor& lse, double scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+  check_attention_shapes("UlyssesAttention", batch, q, k, v);
+  const int64_t u = group_.size(), t = q.dim(0);
+  const Indices& idx = indices(backend, stream, t);
+  const MicroBatch gathered = gather_batch(backend, stream, batch, t);
+  const Tensor qh = heads_to_sequence(backend, stream, q, idx.q_send, q_heads_per_rank_);
+  const Tensor kh = heads_to_sequence(backend, stream, k, idx.kv_send, kv_heads_per_rank_);
+  const Tensor vh = heads_to_sequence(backend, stream, v, idx.kv_send, kv_heads_per_rank_);
+  const Tensor out_h = heads_to_sequence(backend, stream, out, idx.q_send, q_heads_per_rank_);
+  const Tensor dout_h = heads_to_sequence(backend, stream, dout, idx.q_send, q_heads_per_rank_);
+  // lse [Hq, t]: chunk j (rows of head group j) goes to rank j; the [u (source), Hq/u, t] that
+  // arrives is permuted to [Hq/u, u·t].
+  Tensor lse_received = backend.empty(Shape{lse.numel(), 1}, lse.dtype());
+  group_.all_to_all(stream, element_rows(lse), lse_received);
+  Tensor lse_h = backend.empty(Shape{q_heads_per_rank_, u * t}, lse.dtype());
+  Tensor lse_h_rows = element_rows(lse_h);
+  backend.gather_rows(stream, lse_received, idx.lse_inverse, lse_h_rows);
+
+  Tensor dq_h = backend.empty(qh.shape(), q.dtype());
+  Tensor dk_h = backend.empty(kh.shape(), k.dtype());
+  Tensor dv_h = backend.empty(vh.shape(), v.dtype());
+  inner_.backward(backend, stream, gathered, qh, kh, vh, out_h, dout_h, lse_h, scale, dq_h, dk_h, dv_h);
+  sequence_to_q_heads(backend, stream, dq_h, idx, dq);
+  sequence_to_kv_heads(backend, stream, dk_h, idx, dk);
+  sequence_to_kv_heads(backend, stream, dv_h, idx, dv);
+}
+
+// ---- Ring ---------------------------------------------------------------------------------------
+//
+// Communication per layer and rank, t local tokens, R ranks: forward sends the k/v block R−1
+// times (2·t·Hkv·D elements each); backward sends it R−1 times and the dK/dV accumulators R times
+// (the last hop returns them to their owner): (4R−2)·t·Hkv·D elements. Every step also needs each
+// block's document ids and positions: one all-gather of 2·t I32 per call replaces sending them.
+// No block is skipped: whether one can contribute depends on device data (documents and positions),
+// which the host does not read.
+
+RingAttention::RingAttention(comm::Communicator& ring_group) : ring_(ring_group) {}
+
+namespace {
+
+// The ring's document ids and positions: table [2R, t], rows 2s and 2s+1 = rank s's ids and positions.
+Tensor gather_mask_table(Backend& backend, Stream stream, comm::Communicator& ring, const MicroBatch& batch,
+                         int64_t t) {
+  Tensor mine = backend.empty(Shape{2, t}, DType::I32);
+  Tensor doc_row = mine.rows(0, 1), pos_row = mine.rows(1, 2);
+  backend.copy(stream, batch.doc_ids, doc_row);
+  backend.copy(stream, batch.positions, pos_row);
+  Tensor table = backend.empty(Shape{2 * ring.size(), t}, DType::I32);
+  ring.all_gather(stream, mine, table);
+  return table;
+}
+
+AttentionMask block_mask(const MicroBatch& batch, const Tensor& table, int source, int64_t t) {
+  return AttentionMask{batch.doc_ids, batch.positions, table.rows(2 * source, 2 * source + 1).reshape(Shape{t}),
+                       table.rows(2 * source + 1, 2 * source + 2).reshape(Shape{t})};
+}
+
+// k and v side by side in one buffer [2, t, Hkv, D], so a ring step is one message.
+struct KvPair {
+  Tensor both;
+  Tensor k() const { return both.rows(0, 1).reshape(Shape{both.dim(1), both.dim(2), both.dim(3)}); }
+  Tensor v() const { return both.rows(1, 2).reshape(Shape{both.dim(1), both.dim(2), both.dim(3)}); }
+};
+
+KvPair empty_pair(Backend& backend, const Tensor& like) {
+  return KvPair{backend.empty(Shape{2, like.dim(0), like.dim(1), like.dim(2)}, like.dtype())};
+}
+
+}  // namespace
+
+void RingAttention::forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q,
+                            const Tensor& k, const Tensor& v, double scale, Tensor& out, Tensor& lse) {
+  check_attention_shapes("RingAttention", batch, q, k, v);
+  const int size = ring_.size(), rank = ring_.rank();
+  const int next = (rank + 1) % size, previous = (rank + size - 1) % size;
+  const int64_t t = q.dim(0);
+  const Tensor table = gather_mask_table(backend, stream, ring_, batch, t);
+  KvPair current = empty_pair(backend, k), incoming = empty_pair(backend, k);
+  Tensor ck = current.k(), cv = current.v();
+  backend.copy(stream, k, ck);
+  backend.copy(stream, v, cv);
+  // The accumulator is in the statistics dtype (F32, F64 for F64 models): out itself when it
+  // already has that dtype, so nothing is rounded between blocks.
+  const bool accumulate_in_out = out.dtype() == lse.dtype();
+  Tensor acc = accumulate_in_out ? out : backend.empty(out.shape(), lse.dtype());  // [t, Hq, D]
+  Tensor out_b = backend.empty(q.shape(), q.dtype());                              // [t, Hq, D]
+  Tensor lse_b = backend.empty(lse.shape(), lse.dtype());                          // [Hq, t]
+  for (int step = 0; step < size; ++step) {
+    const int source = (rank - step + size) % size;  // whose k/v block this rank holds now
+    if (step + 1 < size) ring_.send_recv(stream, current.both, next, incoming.both, previous);
+    const AttentionMask mask = block_mask(batch, table, source, t);
+    if (step == 0) {
+      // The own block starts the accumulator (rows with no visible key: out 0, lse −inf).
+      if (accumulate_in_out) {
+        backend.attention_forward(stream, q, current.k(), current.v(), mask, scale, acc, lse);
+      } else {
+        backend.attention_forward(stream, q, current.k(), current.v(), mask, scale, out_b, lse);
+        backend.copy(stream, out_b, acc);
+      }
+    } else {
+      backend.attention_forward(stream, q, current.k(), current.v(), mask, scale, out_b, lse_b);
+      backend.attention_merge(stream, acc, lse, out_b, lse_b);
+    }
+    std::swap(current, incoming);
+  }
+  if (!accumulate_in_out) backend.copy(stream, acc, out);
+}
+
+void RingAttention::backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q,
+                             const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
+                             const Tensor& lse, double scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+  check_attention_shapes("RingAttention", batch, q, k, v);
+  const int size = ring_.size(), rank = ring_.rank();
+  const int next = (rank + 1) % size, previous = (rank + size - 1) % size;
+  const int64_t t = q.dim(0);
+  const Tensor table = gather_mask_table(backend, stream, ring_, batch, t);
+  KvPair current = empty_pair(backend, k), incoming = empty_pair(backend, k);
+  Tensor ck = current.k(), cv = current.v();
+  backend.copy(stream, k, ck);
+  backend.copy(stream, v, cv);
+  // dK/dV of the block this rank holds, with the contributions of the ranks it has visited.
+  KvPair grad = empty_pair(backend, k), grad_incoming = empty_pair(backend, k);
+  for (int step = 0; step < size; ++step) {
+    const int source = (rank - step + size) % size;
+    if (step + 1 < size) ring_.send_recv(stream, current.both, next, incoming.both, previous);
+    // Exact partial gradients from the final out and lse: dq accumulates here, dK/dV in the
+    // travelling accumulator; step 0 (own block, fresh accumulator) overwrites both.
+    Tensor gk = grad.k(), gv = grad.v();
+    backend.attention_backward(stream, q, current.k(), current.v(), out, dout, lse, block_mask(batch, table, source, t),
+                               scale, dq, gk, gv, step > 0);
+    // Pass the accumulator on; after the last step what arrives is this rank's own block, complete.
+    if (size > 1) ring_.send_recv(stream, grad.both, next, grad_incoming.both, previous);
+    std::swap(grad, grad_incoming);
+    std::swap(current, incoming);
+  }
+  // (With one rank nothing moved: grad still holds the own block's gradient.)
+  backend.copy(stream, grad.k(), dk);
+  backend.copy(stream, grad.v(), dv);
+}
+
+// ---- factory ------------------------------------------------------------------------------------
+
+std::unique_ptr<AttentionStrategy> make_sequence_parallel_attention(const Mesh& mesh, const ModelConfig& model) {
+  const MeshConfig& c = mesh.config();
+  const int64_t hq = model.num_heads, hkv = model.num_kv_heads;
+  switch (sequence_layout(c)) {
+    case SequenceLayout::None: return std::make_unique<LocalAttention>();
+    case SequenceLayout::Contiguous:
+      return std::make_unique<UlyssesAttention>(mesh.ulysses(), std::make_unique<LocalAttention>(), hq, hkv);
+    case SequenceLayout::Zigzag: return std::make_unique<RingAttention>(mesh.ring());
+    case SequenceLayout::Hybrid:
+      return std::make_unique<UlyssesAttention>(mesh.ulysses(), std::make_unique<RingAttention>(mesh.ring()), hq, hkv);
+  }
+  fail("unknown sequence layout for --ulysses {} --ring {}", c.ulysses, c.ring);
+}
+
+}  // namespace spindle::parallel
