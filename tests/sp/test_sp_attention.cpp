@@ -10,6 +10,7 @@
 #include "backend/op_test_util.h"
 #include "comm/cpu_communicator.h"
 #include "comm/multiprocess.h"
+#include "core/error.h"
 #include "model/batch.h"
 #include "parallel/sequence_shard.h"
 #include "parallel/sp_attention.h"
@@ -150,8 +151,10 @@ TEST_P(SpAttention, ShardResultsEqualSingleProcessAttention) {
     strategy->backward(*be, st, mine, sq, sk, sv, sout, sdout, slse, scale, sdq, sdk, sdv);
 
     const double tolerance = c.dtype == DType::F64 ? 1e-12 : 1e-5;
+    double worst = 0;
     auto check = [&](const char* what, const Tensor& got, const std::vector<double>& want) {
       const double error = max_relative_error(to_host(*be, got), want, what);
+      worst = std::max(worst, error);
       require(error <= tolerance, "rank {}: {} relative error {:.3g} > {:.1g}", info.rank, what, error, tolerance);
     };
     check("out", sout, row_slice(to_host(*be, out), hq * d, begin, t));
@@ -159,6 +162,7 @@ TEST_P(SpAttention, ShardResultsEqualSingleProcessAttention) {
     check("dq", sdq, row_slice(to_host(*be, dq), hq * d, begin, t));
     check("dk", sdk, row_slice(to_host(*be, dk), hkv * d, begin, t));
     check("dv", sdv, row_slice(to_host(*be, dv), hkv * d, begin, t));
+    if (info.rank == 0) fmt::print("{}: worst relative error {:.2g}\n", case_name(c), worst);
   }));
 }
 
@@ -171,6 +175,28 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{1, 4, 4, 2, DType::F64}, Case{1, 4, 4, 1, DType::F32},   // ring 4
                       Case{2, 2, 4, 2, DType::F64}, Case{2, 2, 4, 1, DType::F32}),  // hybrid 2×2
     [](const auto& info) { return case_name(info.param); });
+
+TEST(SpAttentionErrors, HeadsThatUlyssesCannotSplit) {
+  const MeshConfig config{1, 2, 2, 1};
+  expect_all_succeeded(run_ranks(2, [config](const ProcessGroupInfo& info) {
+    auto world = comm::connect_cpu_world(info, comm::CommOptions{std::chrono::seconds(30)});
+    Mesh mesh(config, *world);
+    ModelConfig model;
+    model.num_heads = 3;
+    model.num_kv_heads = 3;
+    std::string message = "no error";
+    try {
+      make_sequence_parallel_attention(mesh, model);
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    require(message ==
+                "Ulysses over 2 ranks (group 'world/ulysses') cannot split 3 query and 3 KV heads: --ulysses must "
+                "divide the query heads and either divide the KV heads or be a multiple of them; choose another "
+                "--ulysses (see docs/parallelism.md)",
+            "got: {}", message);
+  }));
+}
 
 }  // namespace
 }  // namespace spindle::parallel
