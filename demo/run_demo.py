@@ -3,8 +3,10 @@
 dataset (country -> capital) on the CPU, then show what it learned.
 
 Everything runs through the spindle binary: `spindle generate` answers the questions before and
-after training, `spindle sft --full` trains. The model is created at run time in demo/work/ (never
-committed); the tokenizer and the dataset ship in demo/."""
+after training, `spindle check` proves the 2-process sequence-parallel mesh exact, and
+`spindle sft --full --nproc-per-node 2 --sp 2` trains with each sequence split over two processes.
+The model is created at run time in demo/work/ (never committed); the tokenizer and the dataset ship
+in demo/."""
 import argparse
 import json
 import os
@@ -78,15 +80,24 @@ def main():
     heading("2. Before training (spindle generate)")
     before = answer_all(spindle, base, questions_file)
 
-    heading(f"3. Full fine-tune, {args.steps} steps (spindle sft)")
-    sft = [spindle, "sft", "--model", base, "--data", DATASET, "--output", run_dir, "--full",
-           "--max-steps", str(args.steps), "--lr", "1e-3", "--lr-scheduler", "cosine", "--warmup-steps", "10",
-           "--max-length", "256", "--seed", str(SEED), "--log-every", "20"]
+    # Each packed row of 256 tokens is split over 2 processes (sequence parallelism, Ulysses: the
+    # 4 attention heads are shared out by an all-to-all). `spindle check` first proves that this
+    # mesh computes what one process computes, then the same options train.
+    common = ["--model", base, "--data", DATASET, "--full", "--max-length", "256", "--seed", str(SEED),
+              "--nproc-per-node", "2", "--sp", "2"]
+    heading("3. Is the 2-process mesh exact? (spindle check: one step on the mesh vs one process)")
+    check = [spindle, "check"] + common + ["--output", os.path.join(args.work, "check")]
+    print("$ " + " ".join(os.path.relpath(a) if os.path.exists(a) else a for a in check), flush=True)
+    run(check)
+
+    heading(f"4. Full fine-tune, {args.steps} steps, each sequence split over 2 processes (spindle sft --sp 2)")
+    sft = [spindle, "sft"] + common + ["--output", run_dir, "--max-steps", str(args.steps), "--lr", "1e-3",
+                                       "--lr-scheduler", "cosine", "--warmup-steps", "10", "--log-every", "20"]
     print("$ " + " ".join(os.path.relpath(a) if os.path.exists(a) else a for a in sft), flush=True)
     run(sft)
     trained = os.path.join(run_dir, "model")
 
-    heading("4. After training (spindle generate)")
+    heading("5. After training (spindle generate)")
     after = answer_all(spindle, trained, questions_file)
 
     width = max(len(c) for c in SHOWCASE) + 1

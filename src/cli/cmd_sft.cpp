@@ -87,6 +87,8 @@ std::vector<std::string> yaml_to_args(const std::string& path, CLI::App& cmd, co
   return args;
 }
 
+}  // namespace
+
 void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--model", c.model, "Hugging Face model folder");
   cmd->add_option("--data", c.data, "training data: JSONL (any supported format) or a prepared dataset; PATH or "
@@ -123,10 +125,14 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--log-every", c.log_every, "plain progress lines every N steps")->capture_default_str();
   cmd->add_option("--recompute", c.recompute, "activation checkpointing: none or all")->capture_default_str();
   cmd->add_option("--dtype", c.dtype, "CPU compute precision: f32 or f64")->capture_default_str();
-  cmd->add_option("--threads", c.threads, "CPU threads (default: all)");
+  cmd->add_option("--threads", c.threads, "CPU threads per process (default: the machine's cores / processes)");
+  cmd->add_option("--dp", c.dp, "data-parallel replicas (default: processes / sp)");
+  cmd->add_option("--sp", c.sp, "sequence-parallel degree: each row is split over this many processes (default 1)");
+  cmd->add_option("--ulysses", c.ulysses, "Ulysses (all-to-all over heads) part of --sp (default: the largest the "
+                                          "head counts allow)");
+  cmd->add_option("--ring", c.ring, "ring-attention part of --sp (default: sp / ulysses)");
 }
 
-}  // namespace
 
 void add_sft_command(CLI::App& app, CommandList& commands) {
   auto config = std::make_shared<TrainConfig>();

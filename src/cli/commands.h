@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "train/train_config.h"
+
 namespace spindle::cli {
 
 struct Command {
@@ -21,6 +23,10 @@ void add_prepare_command(CLI::App&, CommandList&);
 void add_tokenize_command(CLI::App&, CommandList&);
 
 void add_sft_command(CLI::App& app, CommandList& commands);
+void add_check_command(CLI::App& app, CommandList& commands);
+
+// The options of `spindle sft` (also taken by `check`), bound to a TrainConfig.
+void add_train_options(CLI::App* cmd, TrainConfig& config);
 
 void register_all(CLI::App& app, CommandList& commands);
 

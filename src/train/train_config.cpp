@@ -36,9 +36,19 @@ void TrainConfig::validate() const {
   if (log_every <= 0) fail("--log-every must be positive, got {}", log_every);
   if (recompute != "none" && recompute != "all") fail("--recompute must be none or all, got \"{}\"", recompute);
   if (dtype != "f32" && dtype != "f64") fail("--dtype must be f32 or f64 on the CPU, got \"{}\"", dtype);
+  if (dp < 0 || sp < 0 || ulysses < 0 || ring < 0) fail("--dp, --sp, --ulysses and --ring must be positive");
   if (!adapter.empty() && !fs::exists(fs::path(adapter) / "adapter_config.json"))
     fail("--adapter {}: no adapter_config.json there", adapter);
   if (!eval_data.empty() && !fs::exists(eval_data)) fail("--eval-data {} does not exist", eval_data);
+}
+
+parallel::MeshFlags TrainConfig::mesh_flags() const {
+  parallel::MeshFlags flags;
+  if (dp) flags.dp = dp;
+  if (sp) flags.sp = sp;
+  if (ulysses) flags.ulysses = ulysses;
+  if (ring) flags.ring = ring;
+  return flags;
 }
 
 nlohmann::json TrainConfig::fingerprint() const {

@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "parallel/mesh.h"
+
 namespace spindle {
 
 struct TrainConfig {
@@ -42,6 +44,10 @@ struct TrainConfig {
   std::string recompute = "none";     // none | all: activation checkpointing per layer
   std::string dtype = "f32";          // CPU compute precision: f32 | f64
   int threads = 0;
+  // Mesh (docs/parallelism.md): 0 = not given, resolved against the number of processes.
+  int dp = 0, sp = 0, ulysses = 0, ring = 0;
+
+  parallel::MeshFlags mesh_flags() const;
 
   void validate() const;                   // before any work: errors name the option to change
   nlohmann::json fingerprint() const;      // what a resumed run must share with the original

@@ -1,0 +1,156 @@
+#include "train/check.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "model/decoder.h"
+#include "train/setup.h"
+#include "train/step_runner.h"
+#include "parallel/sp_attention.h"
+
+namespace spindle {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<double> to_host_f64(Backend& backend, const Tensor& t) {
+  Tensor wide = backend.empty(t.shape(), DType::F64);
+  backend.copy(backend.default_stream(), t, wide);
+  std::vector<double> out(static_cast<size_t>(t.numel()));
+  backend.copy_to_host(backend.default_stream(), wide, out.data());
+  return out;
+}
+
+double norm_of(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x * x;
+  return std::sqrt(s);
+}
+
+}  // namespace
+
+std::string CheckReport::to_text() const {
+  std::string out = fmt::format("spindle check: dp {} x sp {} (ulysses {} x ring {}) against one process\n", mesh.dp,
+                                mesh.sp, mesh.ulysses, mesh.ring);
+  out += fmt::format("  batch      {} rows, {} tokens, {} supervised targets\n", rows, tokens, num_items);
+  out += fmt::format("  loss       mesh {:.9g}  single {:.9g}  relative error {:.2e} (tolerance {:.0e})\n", loss_mesh,
+                     loss_single, loss_relative_error, loss_tolerance);
+  out += fmt::format("  grad norm  mesh {:.9g}  single {:.9g}\n", grad_norm_mesh, grad_norm_single);
+  if (!gradients.empty()) {
+    out += fmt::format("  gradients  {} tensors; largest relative errors (tolerance {:.0e}):\n", gradients.size(),
+                       grad_tolerance);
+    for (size_t i = 0; i < std::min<size_t>(5, gradients.size()); ++i)
+      out += fmt::format("             {:.2e}  {}\n", gradients[i].relative_error, gradients[i].name);
+  }
+  out += passed ? "  PASS: this mesh computes what one process computes\n"
+                : "  FAIL: the mesh differs from one process beyond the tolerance\n";
+  return out;
+}
+
+nlohmann::ordered_json CheckReport::to_json() const {
+  nlohmann::ordered_json j;
+  j["dp"] = mesh.dp;
+  j["sp"] = mesh.sp;
+  j["ulysses"] = mesh.ulysses;
+  j["ring"] = mesh.ring;
+  j["rows"] = rows;
+  j["tokens"] = tokens;
+  j["num_items"] = num_items;
+  j["loss_mesh"] = loss_mesh;
+  j["loss_single"] = loss_single;
+  j["loss_relative_error"] = loss_relative_error;
+  j["grad_norm_mesh"] = grad_norm_mesh;
+  j["grad_norm_single"] = grad_norm_single;
+  j["max_grad_relative_error"] = gradients.empty() ? 0.0 : gradients.front().relative_error;
+  j["worst_tensor"] = gradients.empty() ? "" : gradients.front().name;
+  j["tensors"] = gradients.size();
+  j["loss_tolerance"] = loss_tolerance;
+  j["grad_tolerance"] = grad_tolerance;
+  j["passed"] = passed;
+  return j;
+}
+
+std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& options) {
+  const ModelConfig model_config = ModelConfig::from_file(config.model);
+  RunTopology run = connect_run(config.mesh_flags(), static_cast<int>(model_config.num_heads),
+                                static_cast<int>(model_config.num_kv_heads));
+  const bool temporary_output = config.output.empty();
+  if (temporary_output)  // one folder per job, the same name on every rank
+    config.output = (fs::temp_directory_path() /
+                     fmt::format("spindle-check-{}", run.world ? run.process.master_port : static_cast<int>(getpid())))
+                        .string();
+  config.validate();
+  const parallel::MeshConfig& mesh = run.mesh_config;
+  const TrainingData data = prepare_training_data(config, run);
+  TrainDataLoader loader(data.sources, pack_options(config), config.seed);
+  std::vector<PackedRow> rows;
+  for (int64_t m = 0; m < config.grad_accum * mesh.dp; ++m) rows.push_back(loader.next());
+
+  const DType dtype = config.dtype == "f64" ? DType::F64 : DType::F32;
+  auto backend = make_cpu_backend(threads_per_process(config, run));
+  ModelWeights weights = load_training_weights(*backend, config, model_config, {}, dtype);
+  Decoder decoder(*backend, weights, decoder_options(config, model_config));
+  std::unique_ptr<AttentionStrategy> sequence_attention;
+  if (run.mesh && mesh.sp > 1) {
+    sequence_attention = parallel::make_sequence_parallel_attention(*run.mesh, model_config);
+    decoder.set_attention(sequence_attention.get());
+  }
+  StepRunner runner(*backend, decoder, weights, run.mesh.get(), /*all_reduce_gradients=*/true);
+  weights.zero_grads(*backend);
+  const StepTotals on_mesh = runner.run(rows, /*backward=*/true);
+  if (!run.is_main()) {
+    if (run.world) run.world->barrier();  // stay alive while the main rank computes the reference
+    return std::nullopt;
+  }
+
+  // The reference: one process, plain attention, the same rows, weights and adapter initialisation.
+  ModelWeights single_weights = load_training_weights(*backend, config, model_config, {}, dtype);
+  Decoder single_decoder(*backend, single_weights, decoder_options(config, model_config));
+  StepRunner single_runner(*backend, single_decoder, single_weights, nullptr, false);
+  single_weights.zero_grads(*backend);
+  const StepTotals single = single_runner.run(rows, /*backward=*/true);
+
+  CheckReport report;
+  report.mesh = mesh;
+  report.rows = static_cast<int64_t>(rows.size());
+  report.num_items = single.num_items;
+  report.tokens = single.tokens;
+  report.loss_mesh = on_mesh.loss;
+  report.loss_single = single.loss;
+  report.loss_relative_error = std::abs(on_mesh.loss - single.loss) / std::max(std::abs(single.loss), 1e-30);
+  report.loss_tolerance = options.loss_tolerance >= 0 ? options.loss_tolerance : (dtype == DType::F64 ? 1e-10 : 1e-5);
+  report.grad_tolerance = options.grad_tolerance >= 0 ? options.grad_tolerance : (dtype == DType::F64 ? 1e-9 : 1e-4);
+  double mesh_sq = 0, single_sq = 0;
+  auto& single_params = single_weights.parameters();
+  auto it = single_params.begin();
+  for (Parameter& p : weights.parameters()) {
+    Parameter& q = *it++;
+    if (!p.trainable) continue;
+    SPINDLE_CHECK(q.name == p.name && q.trainable, "reference model differs at {}", p.name);
+    const std::vector<double> g = to_host_f64(*backend, p.grad), r = to_host_f64(*backend, q.grad);
+    std::vector<double> diff(g.size());
+    for (size_t i = 0; i < g.size(); ++i) diff[i] = g[i] - r[i];
+    const double gn = norm_of(g), rn = norm_of(r), dn = norm_of(diff);
+    mesh_sq += gn * gn;
+    single_sq += rn * rn;
+    report.gradients.push_back({p.name, rn, rn > 0 ? dn / rn : dn});
+  }
+  std::sort(report.gradients.begin(), report.gradients.end(),
+            [](const GradientDifference& a, const GradientDifference& b) { return a.relative_error > b.relative_error; });
+  report.grad_norm_mesh = std::sqrt(mesh_sq);
+  report.grad_norm_single = std::sqrt(single_sq);
+  const double worst = report.gradients.empty() ? 0.0 : report.gradients.front().relative_error;
+  report.passed = on_mesh.num_items == single.num_items && report.loss_relative_error <= report.loss_tolerance &&
+                  worst <= report.grad_tolerance;
+  if (run.world) run.world->barrier();
+  if (temporary_output) fs::remove_all(config.output);
+  return report;
+}
+
+}  // namespace spindle

@@ -1,0 +1,120 @@
+#include "train/setup.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <thread>
+
+#include "core/error.h"
+#include "data/prepared_dataset.h"
+#include "data/sample_encoder.h"
+#include "io/checkpoint.h"
+
+namespace spindle {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// "PATH" or "PATH:WEIGHT" (the weight only when what follows the last ':' is a number).
+DataSource parse_data_spec(const std::string& spec) {
+  const size_t colon = spec.rfind(':');
+  if (colon != std::string::npos && colon + 1 < spec.size()) {
+    const std::string tail = spec.substr(colon + 1);
+    char* end = nullptr;
+    const double weight = std::strtod(tail.c_str(), &end);
+    if (end && *end == '\0') return {spec.substr(0, colon), weight};
+  }
+  return {spec, 1.0};
+}
+
+bool is_prepared(const fs::path& p) {
+  return (fs::is_directory(p) && fs::exists(p / kPreparedDataFile)) || p.extension() == ".bin";
+}
+
+// JSONL inputs are tokenized once into OUTPUT/data/<name>; prepared datasets are used as they are.
+// Only the main rank (build = true) tokenizes; the others get the folder it writes to.
+fs::path prepared_path(const TrainConfig& config, const fs::path& input, const std::string& name,
+                       const TextEncoder* encoder, bool build) {
+  if (is_prepared(input)) return input;
+  if (!fs::exists(input)) fail("--data {} does not exist", input.string());
+  if (!build) return fs::path(config.output) / "data" / name;
+  PrepareOptions options;
+  options.data = input;
+  options.output_dir = fs::path(config.output) / "data" / name;
+  options.fit.max_length = config.max_length;
+  options.fit.over_length = parse_over_length(config.over_length);
+  options.tokenizer_description = config.model;
+  PrepareReport report = prepare_dataset(options, encoder);
+  std::fprintf(stderr, "%s: %s\n", input.string().c_str(), report.summary().c_str());
+  return options.output_dir;
+}
+
+}  // namespace
+
+PackOptions pack_options(const TrainConfig& config) {
+  PackOptions pack;
+  pack.max_length = config.max_length;
+  pack.packing = !config.no_packing;
+  pack.over_length = parse_over_length(config.over_length);
+  return pack;
+}
+
+
+TrainingData prepare_training_data(const TrainConfig& config, const RunTopology& run) {
+  const bool main_rank = run.is_main();
+  if (main_rank) fs::create_directories(config.output);
+  const bool has_tokenizer = fs::exists(fs::path(config.model) / "tokenizer.json");
+  std::unique_ptr<TextEncoder> encoder = has_tokenizer && main_rank ? load_text_encoder(config.model) : nullptr;
+  TrainingData data;
+  for (size_t i = 0; i < config.data.size(); ++i) {
+    DataSource src = parse_data_spec(config.data[i]);
+    src.path = prepared_path(config, src.path, fmt::format("train-{}", i), encoder.get(), main_rank);
+    data.sources.push_back(src);
+  }
+  if (!config.eval_data.empty()) data.eval = prepared_path(config, config.eval_data, "eval", encoder.get(), main_rank);
+  if (run.world) run.world->barrier();
+  return data;
+}
+
+int threads_per_process(const TrainConfig& config, const RunTopology& run) {
+  if (config.threads > 0 || run.process.local_world_size <= 1) return config.threads;
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / run.process.local_world_size);
+}
+
+ModelWeights load_training_weights(Backend& backend, const TrainConfig& config, const ModelConfig& model_config,
+                                   const fs::path& resume_from, DType dtype) {
+  const fs::path weights_dir = !resume_from.empty() && config.full ? resume_from / "model" : fs::path(config.model);
+  ModelWeights weights = ModelWeights::load(backend, model_config, io::Checkpoint(weights_dir.string()), dtype);
+  if (config.full) {
+    weights.train_all(backend);
+  } else if (!resume_from.empty()) {
+    weights.load_peft_adapter(backend, (resume_from / "adapter").string());
+  } else if (!config.adapter.empty()) {
+    weights.load_peft_adapter(backend, config.adapter);
+  } else {
+    LoraConfig lora;
+    lora.rank = config.lora_rank;
+    lora.alpha = config.lora_alpha;
+    lora.rslora = config.rslora;
+    lora.targets = config.lora_targets;
+    weights.add_lora(backend, lora, config.seed);
+  }
+  return weights;
+}
+
+DecoderOptions decoder_options(const TrainConfig& config, const ModelConfig& model_config) {
+  DecoderOptions options;
+  if (config.recompute == "all") options.recompute.assign(model_config.num_layers, true);
+  return options;
+}
+
+std::vector<PackedRow> load_rows(const fs::path& prepared, const PackOptions& pack) {
+  PreparedDataset set = PreparedDataset::open(prepared);
+  PackStats stats;
+  std::vector<PackedRow> rows;
+  for (const RowPlan& plan : plan_prepared_rows(set, pack, stats))
+    rows.push_back(build_row(plan, [&](int64_t d) { return set.document(d); }, pack, stats));
+  return rows;
+}
+
+}  // namespace spindle

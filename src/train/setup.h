@@ -1,0 +1,43 @@
+// What every training-like command (sft, check, dpo) sets up the same way: the data every rank
+// reads, the weights with their adapter, the decoder options, the threads of each process.
+#pragma once
+
+#include <filesystem>
+#include <vector>
+
+#include "backend/backend.h"
+#include "data/packing.h"
+#include "model/decoder.h"
+#include "model/weights.h"
+#include "train/data_loader.h"
+#include "train/step_runner.h"
+#include "train/train_config.h"
+
+namespace spindle {
+
+struct TrainingData {
+  std::vector<DataSource> sources;  // prepared datasets with their mixing weights
+  std::filesystem::path eval;       // prepared --eval-data, or empty
+};
+
+// JSONL inputs are tokenized once into OUTPUT/data/<name> by the main rank while the others wait;
+// prepared datasets are used as they are. Collective over the run's world.
+TrainingData prepare_training_data(const TrainConfig& config, const RunTopology& run);
+
+PackOptions pack_options(const TrainConfig& config);
+
+// CPU threads for this process: --threads, else the machine's cores shared by its processes.
+int threads_per_process(const TrainConfig& config, const RunTopology& run);
+
+// The model from --model (or a full fine-tune's checkpoint when resuming), made trainable as the
+// config says: --full, the adapter of the checkpoint being resumed, --adapter, or new LoRA
+// adapters from --seed (identical on every rank).
+ModelWeights load_training_weights(Backend& backend, const TrainConfig& config, const ModelConfig& model_config,
+                                   const std::filesystem::path& resume_from, DType dtype);
+
+DecoderOptions decoder_options(const TrainConfig& config, const ModelConfig& model_config);
+
+// Rows of a prepared dataset, packed as training packs them (for evaluation).
+std::vector<PackedRow> load_rows(const std::filesystem::path& prepared, const PackOptions& pack);
+
+}  // namespace spindle
