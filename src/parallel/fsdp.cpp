@@ -1,21 +1,13 @@
 #include "parallel/fsdp.h"
 
 #include <algorithm>
+#include <deque>
 
 #include "core/error.h"
 
 namespace spindle::parallel {
 
 namespace {
-
-std::string unit_name(const ParameterUnit& unit) {
-  switch (unit.kind) {
-    case ParameterUnit::Kind::Embedding: return "embedding";
-    case ParameterUnit::Kind::Head: return "head";
-    case ParameterUnit::Kind::Layer: return fmt::format("layer {}", unit.layer);
-  }
-  return "?";
-}
 
 DType default_grad_dtype(DType model_dtype) {
   return model_dtype == DType::BF16 || model_dtype == DType::F16 ? DType::F32 : model_dtype;
@@ -30,27 +22,77 @@ Fsdp::Fsdp(Backend& backend, ModelWeights& weights, comm::Communicator& group, F
       stream_(backend.default_stream()),
       grad_dtype_(options.grad_dtype.value_or(default_grad_dtype(weights.dtype))) {
   const int64_t world = group_.size(), rank = group_.rank();
+  const size_t layers = weights_.layers.size();
   std::deque<Parameter>& params = weights_.parameters();
-  entries_.reserve(params.size());
   for (Parameter& p : params) {
     if (!p.value.defined())
       fail("FSDP: parameter {} has no value; shard a fully loaded model (or one sharded model per Fsdp)", p.name);
+    if (p.value.dtype() != weights_.dtype)
+      fail("FSDP: parameter {} is {} in a {} model; every parameter must share the model dtype", p.name,
+           dtype_name(p.value.dtype()), dtype_name(weights_.dtype));
     Entry e;
     e.param = &p;
     e.shape = p.value.shape();
     e.numel = p.value.numel();
     e.shard_numel = (e.numel + world - 1) / world;
-    // This rank's slice [rank·s, rank·s + s) of the zero-padded flat tensor.
-    e.value_shard = backend_.zeros(Shape{e.shard_numel}, p.value.dtype());
-    const int64_t begin = std::min(rank * e.shard_numel, e.numel);
-    const int64_t count = std::min(e.shard_numel, e.numel - begin);
-    if (count > 0) {
-      Tensor dst = e.value_shard.flat(0, count);
-      backend_.copy(stream_, p.value.flat(begin, count), dst);
-    }
-    if (p.trainable) e.grad_shard = backend_.zeros(Shape{e.shard_numel}, grad_dtype_);
     by_name_.emplace(p.name, entries_.size());
     entries_.push_back(std::move(e));
+  }
+
+  // Buckets: each parameter in the one unit that owns it (a tied lm_head is owned by the embedding).
+  buckets_.resize(layers + 2);
+  const size_t head_bucket = layers + 1;
+  std::vector<bool> placed(entries_.size(), false);
+  auto place = [&](size_t bucket, const Parameter* p) {
+    if (!p) return;
+    for (size_t i = 0; i < entries_.size(); ++i)
+      if (entries_[i].param == p) {
+        if (placed[i]) return;  // the tied lm_head, already in the embedding bucket
+        placed[i] = true;
+        entries_[i].bucket = bucket;
+        buckets_[bucket].entries.push_back(i);
+        return;
+      }
+    fail("FSDP: a model pointer does not name one of its parameters");
+  };
+  place(0, weights_.embed);
+  for (size_t l = 0; l < layers; ++l) {
+    LayerWeights& w = weights_.layers[l];
+    for (const Parameter* p : {w.input_norm, w.post_norm, w.q_norm, w.k_norm}) place(1 + l, p);
+    for (Linear* lin : {&w.q, &w.k, &w.v, &w.o, &w.gate, &w.up, &w.down})
+      for (const Parameter* p : {lin->weight, lin->bias, lin->lora_a, lin->lora_b}) place(1 + l, p);
+  }
+  place(head_bucket, weights_.final_norm);
+  place(head_bucket, weights_.lm_head);
+  for (size_t i = 0; i < entries_.size(); ++i)
+    if (!placed[i]) fail("FSDP: parameter {} is used by no unit of the decoder", entries_[i].param->name);
+
+  // Shards: this rank's slice [rank·s, rank·s + s) of each zero-padded flat parameter, laid end to
+  // end in its bucket (parameter order, so every rank lays out the same).
+  for (Bucket& b : buckets_) {
+    std::sort(b.entries.begin(), b.entries.end());
+    for (size_t i : b.entries) {
+      Entry& e = entries_[i];
+      e.value_offset = b.value_numel;
+      b.value_numel += e.shard_numel;
+      if (e.param->trainable) {
+        e.grad_offset = b.grad_numel;
+        b.grad_numel += e.shard_numel;
+      }
+    }
+    b.values = backend_.zeros(Shape{b.value_numel}, weights_.dtype);
+    b.grads = backend_.zeros(Shape{b.grad_numel}, grad_dtype_);
+    for (size_t i : b.entries) {
+      Entry& e = entries_[i];
+      e.value_shard = b.values.flat(e.value_offset, e.shard_numel);
+      if (e.param->trainable) e.grad_shard = b.grads.flat(e.grad_offset, e.shard_numel);
+      const int64_t begin = std::min(rank * e.shard_numel, e.numel);
+      const int64_t count = std::min(e.shard_numel, e.numel - begin);
+      if (count > 0) {
+        Tensor dst = e.value_shard.flat(0, count);
+        backend_.copy(stream_, e.param->value.flat(begin, count), dst);
+      }
+    }
   }
   backend_.synchronize(stream_);
   // Only now drop the full tensors: from here on they exist only inside windows.
@@ -59,47 +101,16 @@ Fsdp::Fsdp(Backend& backend, ModelWeights& weights, comm::Communicator& group, F
     e.param->grad = Tensor();
   }
 
-  auto index_of = [&](const Parameter* p) {
-    for (size_t i = 0; i < entries_.size(); ++i)
-      if (entries_[i].param == p) return i;
-    fail("FSDP: a model pointer does not name one of its parameters");
-  };
-  std::vector<bool> covered(entries_.size(), false);
-  auto add = [&](std::vector<size_t>& unit, const Parameter* p) {
-    if (!p) return;
-    const size_t i = index_of(p);
-    if (std::find(unit.begin(), unit.end(), i) != unit.end()) return;
-    unit.push_back(i);
-    covered[i] = true;
-  };
-  add(embedding_unit_, weights_.embed);
-  layer_units_.resize(weights_.layers.size());
-  for (size_t l = 0; l < weights_.layers.size(); ++l) {
-    LayerWeights& w = weights_.layers[l];
-    std::vector<size_t>& unit = layer_units_[l];
-    add(unit, w.input_norm);
-    add(unit, w.post_norm);
-    add(unit, w.q_norm);
-    add(unit, w.k_norm);
-    for (Linear* lin : {&w.q, &w.k, &w.v, &w.o, &w.gate, &w.up, &w.down}) {
-      add(unit, lin->weight);
-      add(unit, lin->bias);
-      add(unit, lin->lora_a);
-      add(unit, lin->lora_b);
-    }
-  }
-  add(head_unit_, weights_.final_norm);
-  add(head_unit_, weights_.lm_head);  // the embed entry again when tied
-  // Collectives run in entry order inside a unit, identical on every rank.
-  for (std::vector<size_t>* unit : {&embedding_unit_, &head_unit_}) std::sort(unit->begin(), unit->end());
-  for (std::vector<size_t>& unit : layer_units_) std::sort(unit.begin(), unit.end());
-  for (size_t i = 0; i < entries_.size(); ++i)
-    if (!covered[i]) fail("FSDP: parameter {} is used by no unit of the decoder", entries_[i].param->name);
+  embedding_unit_ = {0};
+  layer_units_.resize(layers);
+  for (size_t l = 0; l < layers; ++l) layer_units_[l] = {1 + l};
+  head_unit_ = {head_bucket};
+  if (entries_[entry_of(weights_.lm_head->name)].bucket == 0) head_unit_.push_back(0);
 }
 
 Fsdp::~Fsdp() = default;
 
-const std::vector<size_t>& Fsdp::unit_entries(const ParameterUnit& unit) const {
+const std::vector<size_t>& Fsdp::unit_buckets(const ParameterUnit& unit) const {
   switch (unit.kind) {
     case ParameterUnit::Kind::Embedding: return embedding_unit_;
     case ParameterUnit::Kind::Head: return head_unit_;
@@ -125,17 +136,79 @@ Tensor Fsdp::gather_padded(const Tensor& shard) {
   return full;
 }
 
-void Fsdp::acquire_value(Entry& e) {
-  if (e.value_users++ > 0) return;
-  e.full_value = gather_padded(e.value_shard);
-  e.param->value = e.full_value.flat(0, e.numel).reshape(e.shape);
+void Fsdp::acquire_values(Bucket& b) {
+  if (b.value_users++ > 0) return;
+  const int64_t world = group_.size();
+  // gathered [world, value_numel]: row r is rank r's shards of every parameter of the bucket.
+  Tensor gathered = gather_padded(b.values);
+  for (size_t i : b.entries) {
+    Entry& e = entries_[i];
+    if (b.entries.size() == 1) {
+      e.full_value = gathered;  // one parameter: the rows already are its padded tensor
+    } else {
+      e.full_value = backend_.empty(Shape{e.shard_numel * world}, gathered.dtype());
+      for (int64_t r = 0; r < world; ++r) {
+        Tensor dst = e.full_value.flat(r * e.shard_numel, e.shard_numel);
+        backend_.copy(stream_, gathered.flat(r * b.value_numel + e.value_offset, e.shard_numel), dst);
+      }
+    }
+    e.param->value = e.full_value.flat(0, e.numel).reshape(e.shape);
+  }
 }
 
-void Fsdp::release_value(Entry& e) {
-  SPINDLE_CHECK(e.value_users > 0, "FSDP: {} released more often than gathered", e.param->name);
-  if (--e.value_users > 0) return;
-  e.param->value = Tensor();
-  e.full_value = Tensor();
+void Fsdp::release_values(Bucket& b) {
+  SPINDLE_CHECK(b.value_users > 0, "FSDP: a bucket released more often than gathered");
+  if (--b.value_users > 0) return;
+  for (size_t i : b.entries) {
+    entries_[i].param->value = Tensor();
+    entries_[i].full_value = Tensor();
+  }
+}
+
+void Fsdp::begin_gradients(Bucket& b) {
+  if (b.grad_users++ > 0) return;
+  for (size_t i : b.entries) {
+    Entry& e = entries_[i];
+    if (!e.param->trainable) continue;
+    // Zeroed, padding included: the padding's reduced gradient is then exactly zero.
+    e.full_grad = backend_.zeros(Shape{e.shard_numel * group_.size()}, weights_.dtype);
+    e.param->grad = e.full_grad.flat(0, e.numel).reshape(e.shape);
+  }
+}
+
+void Fsdp::finish_gradients(Bucket& b) {
+  SPINDLE_CHECK(b.grad_users > 0, "FSDP: after_backward without before_backward");
+  if (--b.grad_users > 0 || b.grad_numel == 0) return;
+  const int64_t world = group_.size();
+  // send [world, grad_numel]: chunk r holds slice r of every trainable gradient, for rank r.
+  Tensor send;
+  std::vector<size_t> trainable;
+  for (size_t i : b.entries)
+    if (entries_[i].param->trainable) trainable.push_back(i);
+  if (trainable.size() == 1) {
+    send = entries_[trainable[0]].full_grad;
+  } else {
+    send = backend_.empty(Shape{b.grad_numel * world}, weights_.dtype);
+    for (size_t i : trainable) {
+      const Entry& e = entries_[i];
+      for (int64_t r = 0; r < world; ++r) {
+        Tensor dst = send.flat(r * b.grad_numel + e.grad_offset, e.shard_numel);
+        backend_.copy(stream_, e.full_grad.flat(r * e.shard_numel, e.shard_numel), dst);
+      }
+    }
+  }
+  Tensor reduced = backend_.empty(Shape{b.grad_numel}, weights_.dtype);
+  group_.reduce_scatter_sum(stream_, send, reduced);
+  if (reduced.dtype() != b.grads.dtype()) {
+    Tensor converted = backend_.empty(reduced.shape(), b.grads.dtype());
+    backend_.copy(stream_, reduced, converted);
+    reduced = converted;
+  }
+  backend_.axpy(stream_, 1.0, reduced, b.grads);  // micro-batches accumulate
+  for (size_t i : trainable) {
+    entries_[i].param->grad = Tensor();
+    entries_[i].full_grad = Tensor();
+  }
 }
 
 void Fsdp::check_no_export(const char* hook) const {
@@ -145,53 +218,34 @@ void Fsdp::check_no_export(const char* hook) const {
 
 void Fsdp::before_forward(const ParameterUnit& unit) {
   check_no_export("before_forward");
-  for (size_t i : unit_entries(unit)) acquire_value(entries_[i]);
+  for (size_t b : unit_buckets(unit)) acquire_values(buckets_[b]);
 }
 
 void Fsdp::after_forward(const ParameterUnit& unit) {
-  for (size_t i : unit_entries(unit)) release_value(entries_[i]);
+  for (size_t b : unit_buckets(unit)) release_values(buckets_[b]);
 }
 
 void Fsdp::before_backward(const ParameterUnit& unit) {
   check_no_export("before_backward");
   // The embedding's backward scatters dout into rows of the gradient and reads no value.
   const bool reads_values = unit.kind != ParameterUnit::Kind::Embedding;
-  for (size_t i : unit_entries(unit)) {
-    Entry& e = entries_[i];
-    if (reads_values) acquire_value(e);
-    if (!e.param->trainable || e.grad_users++ > 0) continue;
-    // Zeroed, padding included: the padding's reduced gradient is then exactly zero.
-    e.full_grad = backend_.zeros(Shape{e.shard_numel * group_.size()}, e.value_shard.dtype());
-    e.param->grad = e.full_grad.flat(0, e.numel).reshape(e.shape);
+  for (size_t b : unit_buckets(unit)) {
+    if (reads_values) acquire_values(buckets_[b]);
+    begin_gradients(buckets_[b]);
   }
 }
 
 void Fsdp::after_backward(const ParameterUnit& unit) {
   const bool reads_values = unit.kind != ParameterUnit::Kind::Embedding;
-  for (size_t i : unit_entries(unit)) {
-    Entry& e = entries_[i];
-    if (e.param->trainable) {
-      SPINDLE_CHECK(e.grad_users > 0, "FSDP: after_backward of {} without before_backward", unit_name(unit));
-      if (--e.grad_users == 0) {
-        Tensor reduced = backend_.empty(Shape{e.shard_numel}, e.full_grad.dtype());
-        group_.reduce_scatter_sum(stream_, e.full_grad, reduced);
-        if (reduced.dtype() != e.grad_shard.dtype()) {
-          Tensor converted = backend_.empty(reduced.shape(), e.grad_shard.dtype());
-          backend_.copy(stream_, reduced, converted);
-          reduced = converted;
-        }
-        backend_.axpy(stream_, 1.0, reduced, e.grad_shard);  // micro-batches accumulate
-        e.param->grad = Tensor();
-        e.full_grad = Tensor();
-      }
-    }
-    if (reads_values) release_value(e);
+  for (size_t b : unit_buckets(unit)) {
+    finish_gradients(buckets_[b]);
+    if (reads_values) release_values(buckets_[b]);
   }
 }
 
 void Fsdp::zero_grads() {
-  for (Entry& e : entries_)
-    if (e.grad_shard.defined()) backend_.fill(stream_, e.grad_shard, 0.0);
+  for (Bucket& b : buckets_)
+    if (b.grad_numel) backend_.fill(stream_, b.grads, 0.0);
 }
 
 std::vector<ParameterShard> Fsdp::trainable_shards() const {
@@ -208,27 +262,29 @@ Fsdp::GatheredValues::GatheredValues(GatheredValues&& other) noexcept
 
 Fsdp::GatheredValues::~GatheredValues() {
   if (!owner_) return;
-  for (size_t i : held_) owner_->release_value(owner_->entries_[i]);
+  for (size_t i : held_) {
+    owner_->entries_[i].param->value = Tensor();
+    owner_->entries_[i].full_value = Tensor();
+  }
   --owner_->open_exports_;
 }
 
 Fsdp::GatheredValues Fsdp::gather_full(const std::function<bool(const Parameter&)>& select, int keep_on) {
   SPINDLE_CHECK(keep_on >= -1 && keep_on < group_.size(), "gather_full: keep_on {} is not a rank of {} ranks",
                 keep_on, group_.size());
-  for (const Entry& e : entries_)
-    if (e.value_users > 0 || e.grad_users > 0)
-      fail("FSDP: gather_full called inside a decoder window ({} is in use)", e.param->name);
+  for (const Bucket& b : buckets_)
+    if (b.value_users > 0 || b.grad_users > 0) fail("FSDP: gather_full called inside a decoder window");
+  if (open_exports_ > 0) fail("FSDP: gather_full called while another gather_full scope is alive");
   const bool keep = keep_on < 0 || keep_on == group_.rank();
   std::vector<size_t> held;
   for (size_t i = 0; i < entries_.size(); ++i) {
     Entry& e = entries_[i];
     if (!select(*e.param)) continue;
-    if (keep) {
-      acquire_value(e);
-      held.push_back(i);
-    } else {
-      gather_padded(e.value_shard);  // takes part in the collective; the result is dropped at once
-    }
+    Tensor full = gather_padded(e.value_shard);  // every rank takes part; others drop it at once
+    if (!keep) continue;
+    e.full_value = full;
+    e.param->value = full.flat(0, e.numel).reshape(e.shape);
+    held.push_back(i);
   }
   ++open_exports_;
   return GatheredValues(this, std::move(held));
@@ -259,8 +315,10 @@ void Fsdp::load_shard(const std::string& name, const Tensor& full, Tensor& shard
 
 void Fsdp::set_full_value(const std::string& name, const Tensor& full) {
   Entry& e = entries_[entry_of(name)];
-  if (e.value_users > 0) fail("FSDP: set_full_value({}) while its value is gathered", name);
-  load_shard(name, full, e.value_shard);
+  if (buckets_[e.bucket].value_users > 0 || e.full_value.defined())
+    fail("FSDP: set_full_value({}) while its value is gathered", name);
+  Tensor shard = e.value_shard;
+  load_shard(name, full, shard);
 }
 
 std::vector<std::pair<std::string, Tensor>> Fsdp::gather_state(
@@ -293,7 +351,7 @@ void Fsdp::load_state(const std::vector<std::pair<std::string, Tensor>>& shards,
 
 size_t Fsdp::shard_bytes() const {
   size_t bytes = 0;
-  for (const Entry& e : entries_) bytes += e.value_shard.bytes() + (e.grad_shard.defined() ? e.grad_shard.bytes() : 0);
+  for (const Bucket& b : buckets_) bytes += b.values.bytes() + b.grads.bytes();
   return bytes;
 }
 

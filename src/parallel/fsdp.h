@@ -63,10 +63,11 @@ class Fsdp final : public ParameterHooks {
   Fsdp(const Fsdp&) = delete;
   Fsdp& operator=(const Fsdp&) = delete;
 
-  // ParameterHooks: forward and backward windows all-gather the unit's values (the embedding's
-  // backward window gathers none: it reads no value); a backward window gives each trainable
-  // parameter a zeroed full gradient buffer, and at its end reduce-scatters it and adds the result
-  // to the gradient shard (grad_shard += Σ_ranks full_grad, sliced), then frees it.
+  // ParameterHooks: forward and backward windows all-gather the unit's values, one collective per
+  // bucket (the embedding's backward window gathers none: it reads no value); a backward window
+  // gives each trainable parameter a zeroed full gradient buffer, and at its end reduce-scatters
+  // them (one collective per bucket) and adds the result to the gradient shards
+  // (grad_shard += Σ_ranks full_grad, sliced), then frees them.
   void before_forward(const ParameterUnit& unit) override;
   void after_forward(const ParameterUnit& unit) override;
   void before_backward(const ParameterUnit& unit) override;
@@ -91,7 +92,7 @@ class Fsdp final : public ParameterHooks {
     friend class Fsdp;
     GatheredValues(Fsdp* owner, std::vector<size_t> held) : owner_(owner), held_(std::move(held)) {}
     Fsdp* owner_;
-    std::vector<size_t> held_;  // entry indices whose value is materialised here
+    std::vector<size_t> held_;  // entries whose full value this scope materialised
   };
   GatheredValues gather_full(const std::function<bool(const Parameter&)>& select, int keep_on = -1);
 
@@ -128,18 +129,34 @@ class Fsdp final : public ParameterHooks {
     Shape shape;
     int64_t numel = 0;
     int64_t shard_numel = 0;  // s; the padded length is s·world
-    Tensor value_shard;       // [s] model dtype
-    Tensor grad_shard;        // [s] grad dtype; trainable only
-    Tensor full_value;        // [s·world] while gathered
-    Tensor full_grad;         // [s·world] while in a backward window
-    int value_users = 0;      // open windows using the gathered value
-    int grad_users = 0;       // open backward windows writing the full gradient
+    size_t bucket = 0;
+    int64_t value_offset = 0;  // of this shard in its bucket's value shards
+    int64_t grad_offset = -1;  // of this shard in its bucket's gradient shards; trainable only
+    Tensor value_shard;        // [s] model dtype, a view into the bucket
+    Tensor grad_shard;         // [s] grad dtype, a view into the bucket; trainable only
+    Tensor full_value;         // [s·world] while gathered
+    Tensor full_grad;          // [s·world] model dtype, while in a backward window
   };
-  const std::vector<size_t>& unit_entries(const ParameterUnit& unit) const;
+  // The parameters one collective moves: the embedding, one layer, or the head's own parameters.
+  // Each parameter is sharded on its own; a bucket concatenates its parameters' shards, so one
+  // all-gather (and one reduce-scatter) serves the whole bucket, and the gathered rows are copied
+  // out into each parameter's contiguous full tensor.
+  struct Bucket {
+    std::vector<size_t> entries;  // parameter order
+    int64_t value_numel = 0;      // Σ s over entries
+    int64_t grad_numel = 0;       // Σ s over trainable entries
+    Tensor values;                // [value_numel] model dtype
+    Tensor grads;                 // [grad_numel] grad dtype
+    int value_users = 0;          // open windows using the gathered values
+    int grad_users = 0;           // open backward windows writing full gradients
+  };
+  const std::vector<size_t>& unit_buckets(const ParameterUnit& unit) const;
   size_t entry_of(const std::string& name) const;
   Tensor gather_padded(const Tensor& shard);  // [s] -> [s·world]
-  void acquire_value(Entry& e);
-  void release_value(Entry& e);
+  void acquire_values(Bucket& b);
+  void release_values(Bucket& b);
+  void begin_gradients(Bucket& b);
+  void finish_gradients(Bucket& b);  // reduce-scatter into the gradient shards
   void check_no_export(const char* hook) const;
 
   Backend& backend_;
@@ -149,6 +166,8 @@ class Fsdp final : public ParameterHooks {
   DType grad_dtype_;
   std::vector<Entry> entries_;  // in weights.parameters() order
   std::unordered_map<std::string, size_t> by_name_;
+  std::vector<Bucket> buckets_;  // embedding, layers 0 … L-1, head
+  // Buckets of each unit: embedding {0}, layer l {1 + l}, head {L + 1} (+ {0} when tied).
   std::vector<size_t> embedding_unit_, head_unit_;
   std::vector<std::vector<size_t>> layer_units_;
   int open_exports_ = 0;  // live GatheredValues scopes
