@@ -197,7 +197,9 @@ Tensor Decoder::forward(const MicroBatch& batch, bool keep, std::vector<LayerAct
   LayerActivations scratch;
   Tensor x_final = be.empty(Shape{t, c.hidden_size}, weights_.dtype);
   if (layers) allocate(acts[0], t, !recompute(0));
+  before_forward(ParameterUnit::embedding());
   be.embedding_forward(st, batch.input_ids, weights_.embed->value, layers ? acts[0].x_in : x_final);
+  after_forward(ParameterUnit::embedding());
   for (int64_t l = 0; l < layers; ++l) {
     if (l + 1 < layers) allocate(acts[l + 1], t, !recompute(l + 1));
     LayerActivations* a = &acts[l];
@@ -207,7 +209,9 @@ Tensor Decoder::forward(const MicroBatch& batch, bool keep, std::vector<LayerAct
       a = &scratch;
     }
     Tensor& out = l + 1 < layers ? acts[l + 1].x_in : x_final;
+    before_forward(ParameterUnit::layer_unit(l));
     forward_layer(l, batch, *a, out);
+    after_forward(ParameterUnit::layer_unit(l));
     if (!keep) acts[l].x_in = Tensor();  // evaluation keeps nothing behind it
   }
   return x_final;
@@ -222,8 +226,35 @@ void Decoder::logits(const MicroBatch& batch, const Tensor& rows, Tensor& out) {
   Tensor h = backend_.empty(Shape{n, c.hidden_size}, weights_.dtype), hn = backend_.empty(h.shape(), weights_.dtype);
   Tensor rstd = backend_.empty(Shape{n}, stat_dtype(weights_.dtype));
   backend_.gather_rows(stream_, x_final, rows, h);
+  before_forward(ParameterUnit::head());
   backend_.rmsnorm_forward(stream_, h, weights_.final_norm->value, c.rms_norm_eps, hn, rstd);
   backend_.gemm(stream_, hn, false, weights_.lm_head->value, true, out, 1.0, 0.0);
+  after_forward(ParameterUnit::head());
+}
+
+void Decoder::hooks_without_tokens(bool backward) {
+  const int64_t layers = weights_.config.num_layers;
+  before_forward(ParameterUnit::embedding());
+  after_forward(ParameterUnit::embedding());
+  for (int64_t l = 0; l < layers; ++l) {
+    before_forward(ParameterUnit::layer_unit(l));
+    after_forward(ParameterUnit::layer_unit(l));
+  }
+  if (!backward) {
+    before_forward(ParameterUnit::head());
+    after_forward(ParameterUnit::head());
+    return;
+  }
+  before_backward(ParameterUnit::head());
+  after_backward(ParameterUnit::head());
+  for (int64_t l = layers - 1; l >= 0; --l) {
+    before_backward(ParameterUnit::layer_unit(l));
+    after_backward(ParameterUnit::layer_unit(l));
+  }
+  if (weights_.embed->trainable) {
+    before_backward(ParameterUnit::embedding());
+    after_backward(ParameterUnit::embedding());
+  }
 }
 
 void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum, bool backward, Tensor* token_ce) {
@@ -232,7 +263,10 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   const Stream st = stream_;
   const int64_t t = batch.num_tokens, n = batch.num_selected, layers = c.num_layers;
   const DType dt = weights_.dtype;
-  if (t == 0) return;
+  if (t == 0) {
+    if (hooks_) hooks_without_tokens(backward);
+    return;
+  }
   auto recompute = [&](int64_t l) { return !backward || (!options_.recompute.empty() && options_.recompute[l]); };
   std::vector<LayerActivations> acts;
   LayerActivations scratch;
@@ -242,6 +276,10 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   const DType sd = stat_dtype(dt);
   Tensor h = be.empty(Shape{n, c.hidden_size}, dt), hn = be.empty(Shape{n, c.hidden_size}, dt);
   Tensor rstd = be.empty(Shape{n}, sd);
+  // Training fuses the head's forward and backward, so it gets one backward window.
+  const ParameterUnit head = ParameterUnit::head();
+  if (backward) before_backward(head);
+  else before_forward(head);
   if (n) {
     be.gather_rows(st, x_final, batch.selected, h);
     be.rmsnorm_forward(st, h, weights_.final_norm->value, c.rms_norm_eps, hn, rstd);
@@ -260,7 +298,10 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   loss.dhidden = backward ? &dhn : nullptr;
   loss.dweight = backward && weights_.lm_head->trainable ? &weights_.lm_head->grad : nullptr;
   lm_head_cross_entropy(be, st, loss);
-  if (!backward) return;
+  if (!backward) {
+    after_forward(head);
+    return;
+  }
 
   // Backward.
   Tensor d_res = be.zeros(Shape{t, c.hidden_size}, dt);
@@ -270,7 +311,9 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
     be.rmsnorm_backward(st, h, weights_.final_norm->value, rstd, dhn, dh, dnorm, false);
     be.scatter_add_rows(st, dh, batch.selected, d_res);
   }
+  after_backward(head);
   for (int64_t l = layers - 1; l >= 0; --l) {
+    before_backward(ParameterUnit::layer_unit(l));
     const LayerActivations* a = &acts[l];
     if (recompute(l)) {
       allocate(scratch, t, true);
@@ -280,9 +323,14 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
       a = &scratch;
     }
     backward_layer(l, batch, *a, d_res, l > 0 || weights_.embed->trainable);
+    after_backward(ParameterUnit::layer_unit(l));
     if (l + 1 < layers) acts[l + 1] = LayerActivations();  // free what backward no longer needs
   }
-  if (weights_.embed->trainable) be.embedding_backward(st, batch.input_ids, d_res, weights_.embed->grad);
+  if (weights_.embed->trainable) {
+    before_backward(ParameterUnit::embedding());
+    be.embedding_backward(st, batch.input_ids, d_res, weights_.embed->grad);
+    after_backward(ParameterUnit::embedding());
+  }
 }
 
 }  // namespace spindle

@@ -36,6 +36,44 @@ class LocalAttention final : public AttentionStrategy {
                 Tensor& dk, Tensor& dv) override;
 };
 
+// The groups of parameters the decoder uses together, in the order it uses them:
+//  - Embedding: embed (the token table).
+//  - Layer l: every parameter of layers[l] (norms, projections, biases, LoRA A/B).
+//  - Head: final_norm and lm_head. With tied embeddings lm_head is the embed Parameter, which then
+//    belongs to two units and is used twice per pass.
+struct ParameterUnit {
+  enum class Kind { Embedding, Layer, Head };
+  Kind kind = Kind::Embedding;
+  int64_t layer = -1;  // Layer only
+  static ParameterUnit embedding() { return {Kind::Embedding, -1}; }
+  static ParameterUnit layer_unit(int64_t l) { return {Kind::Layer, l}; }
+  static ParameterUnit head() { return {Kind::Head, -1}; }
+  bool operator==(const ParameterUnit&) const = default;
+};
+
+// Called by the Decoder around every use of a unit's parameters, so parameters can live elsewhere
+// (FSDP: sharded over ranks) and be materialised only while in use. The contract:
+//  - Parameter::value of a unit is read only between before_forward and after_forward, or between
+//    before_backward and after_backward of that unit; Parameter::grad of its trainable parameters
+//    is written (+=) only inside the backward window.
+//  - step(backward = true): forward windows for the embedding and each layer in order; then one
+//    backward window for the head (its forward and backward are fused: the loss computes the
+//    lm_head gradient chunk by chunk); then backward windows for layers L-1 … 0 (a recomputed
+//    layer re-runs its forward inside its backward window); then, only when embed is trainable, a
+//    backward window for the embedding, which reads no value (a scatter-add of dout into rows).
+//  - step(backward = false) and logits(): forward windows only, the head's last.
+//  - Every rank makes the same sequence of calls whatever its data, even with no token at all, so
+//    hooks may run collectives.
+// Windows never overlap: each after_* comes before the next before_*.
+class ParameterHooks {
+ public:
+  virtual ~ParameterHooks() = default;
+  virtual void before_forward(const ParameterUnit& unit) = 0;
+  virtual void after_forward(const ParameterUnit& unit) = 0;
+  virtual void before_backward(const ParameterUnit& unit) = 0;
+  virtual void after_backward(const ParameterUnit& unit) = 0;
+};
+
 struct DecoderOptions {
   // Layers whose activations are recomputed in backward instead of kept (checkpointing): only the
   // layer input is stored. Empty means keep everything.
@@ -73,6 +111,8 @@ class Decoder {
   void logits(const MicroBatch& batch, const Tensor& rows, Tensor& out);
 
   void set_attention(AttentionStrategy* attention) { attention_ = attention ? attention : &local_attention_; }
+  // nullptr (the default): parameters are always resident and nothing is called.
+  void set_parameter_hooks(ParameterHooks* hooks) { hooks_ = hooks; }
   const ModelWeights& weights() const { return weights_; }
 
  private:
@@ -82,6 +122,13 @@ class Decoder {
                       bool need_input_grad);
   void allocate(LayerActivations& a, int64_t tokens, bool full);
   Tensor scratch_grad(const Parameter& p);  // a sink for gradients of frozen parameters
+  // The hook calls of one step without any compute: a rank with no token keeps the collectives
+  // of its peers' hooks matched.
+  void hooks_without_tokens(bool backward);
+  void before_forward(const ParameterUnit& u) { if (hooks_) hooks_->before_forward(u); }
+  void after_forward(const ParameterUnit& u) { if (hooks_) hooks_->after_forward(u); }
+  void before_backward(const ParameterUnit& u) { if (hooks_) hooks_->before_backward(u); }
+  void after_backward(const ParameterUnit& u) { if (hooks_) hooks_->after_backward(u); }
 
   Backend& backend_;
   ModelWeights& weights_;
@@ -89,6 +136,7 @@ class Decoder {
   Stream stream_;
   LocalAttention local_attention_;
   AttentionStrategy* attention_;
+  ParameterHooks* hooks_ = nullptr;
   Tensor inv_freq_;  // F32 [D/2]
 };
 
