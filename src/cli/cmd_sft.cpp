@@ -131,6 +131,8 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--ulysses", c.ulysses, "Ulysses (all-to-all over heads) part of --sp (default: the largest the "
                                           "head counts allow)");
   cmd->add_option("--ring", c.ring, "ring-attention part of --sp (default: sp / ulysses)");
+  cmd->add_flag("--no-fsdp", c.no_fsdp, "with several processes, keep a full copy of the weights on each "
+                                        "(default: FSDP shards weights, gradients and optimizer state)");
 }
 
 

@@ -11,6 +11,7 @@
 #include "model/decoder.h"
 #include "train/setup.h"
 #include "train/step_runner.h"
+#include "train/trainable_state.h"
 #include "parallel/sp_attention.h"
 
 namespace spindle {
@@ -101,9 +102,11 @@ std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& opt
     sequence_attention = parallel::make_sequence_parallel_attention(*run.mesh, model_config);
     decoder.set_attention(sequence_attention.get());
   }
-  StepRunner runner(*backend, decoder, weights, run.mesh.get(), /*all_reduce_gradients=*/true);
-  weights.zero_grads(*backend);
+  TrainableState state(*backend, weights, decoder, run, !config.no_fsdp, AdamWConfig{});
+  StepRunner runner(*backend, decoder, weights, run.mesh.get(), state.all_reduce_gradients());
+  state.zero_grads();
   const StepTotals on_mesh = runner.run(rows, /*backward=*/true);
+  const std::vector<std::pair<std::string, Tensor>> mesh_gradients = state.full_gradients();
   if (!run.is_main()) {
     if (run.world) run.world->barrier();  // stay alive while the main rank computes the reference
     return std::nullopt;
@@ -127,19 +130,18 @@ std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& opt
   report.loss_tolerance = options.loss_tolerance >= 0 ? options.loss_tolerance : (dtype == DType::F64 ? 1e-10 : 1e-5);
   report.grad_tolerance = options.grad_tolerance >= 0 ? options.grad_tolerance : (dtype == DType::F64 ? 1e-9 : 1e-4);
   double mesh_sq = 0, single_sq = 0;
-  auto& single_params = single_weights.parameters();
-  auto it = single_params.begin();
-  for (Parameter& p : weights.parameters()) {
-    Parameter& q = *it++;
-    if (!p.trainable) continue;
-    SPINDLE_CHECK(q.name == p.name && q.trainable, "reference model differs at {}", p.name);
-    const std::vector<double> g = to_host_f64(*backend, p.grad), r = to_host_f64(*backend, q.grad);
+  for (const auto& [name, grad] : mesh_gradients) {
+    Parameter* reference = single_weights.find(name);
+    SPINDLE_CHECK(reference && reference->trainable, "the one-process model has no trainable {}", name);
+    const std::vector<double> g = to_host_f64(*backend, grad), r = to_host_f64(*backend, reference->grad);
+    SPINDLE_CHECK(g.size() == r.size(), "gradient {} has {} elements on the mesh, {} in one process", name, g.size(),
+                  r.size());
     std::vector<double> diff(g.size());
     for (size_t i = 0; i < g.size(); ++i) diff[i] = g[i] - r[i];
     const double gn = norm_of(g), rn = norm_of(r), dn = norm_of(diff);
     mesh_sq += gn * gn;
     single_sq += rn * rn;
-    report.gradients.push_back({p.name, rn, rn > 0 ? dn / rn : dn});
+    report.gradients.push_back({name, rn, rn > 0 ? dn / rn : dn});
   }
   std::sort(report.gradients.begin(), report.gradients.end(),
             [](const GradientDifference& a, const GradientDifference& b) { return a.relative_error > b.relative_error; });

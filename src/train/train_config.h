@@ -46,6 +46,7 @@ struct TrainConfig {
   int threads = 0;
   // Mesh (docs/parallelism.md): 0 = not given, resolved against the number of processes.
   int dp = 0, sp = 0, ulysses = 0, ring = 0;
+  bool no_fsdp = false;  // replicate parameters on every rank instead of sharding them (FSDP)
 
   parallel::MeshFlags mesh_flags() const;
 

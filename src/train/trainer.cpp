@@ -28,6 +28,7 @@
 #include "train/schedule.h"
 #include "train/setup.h"
 #include "train/step_runner.h"
+#include "train/trainable_state.h"
 #include "parallel/sp_attention.h"
 
 namespace spindle {
@@ -59,12 +60,17 @@ struct Checkpointer {
   const TrainConfig& config;
   Backend& backend;
   ModelWeights& weights;
-  AdamWOptimizer& optimizer;
+  TrainableState& state;
   nlohmann::json fingerprint;
+  bool main_rank;
 
   // OUTPUT/checkpoint-<step>: written under a temporary name and renamed when complete, so a crash
-  // mid-save leaves the previous checkpoint as the latest.
+  // mid-save leaves the previous checkpoint as the latest. Collective (sharded state is gathered to
+  // the main rank, which writes the same files a single process writes: any mesh can resume it).
   void save(int64_t step, const LoaderState& loader) {
+    auto gathered = state.gather_for_export(/*all=*/config.full);
+    const auto optimizer_state = state.optimizer_state_for_checkpoint();
+    if (!main_rank) return;
     const fs::path final_dir = fs::path(config.output) / fmt::format("checkpoint-{}", step);
     const fs::path tmp = fs::path(config.output) / fmt::format(".checkpoint-{}.tmp.{}", step, getpid());
     fs::remove_all(tmp);
@@ -75,13 +81,13 @@ struct Checkpointer {
       save_hf_model(backend, weights, config.model, tmp / "model", exact);
     }
     else save_peft_adapter(backend, weights, tmp / "adapter", config.model, weights.dtype);  // exact resume
-    io::write_safetensors((tmp / "optimizer.safetensors").string(), optimizer.state_tensors(), backend);
-    nlohmann::ordered_json state;
-    state["step"] = step;
-    state["optimizer_steps"] = optimizer.steps_taken();
-    state["loader"] = loader.to_json();
-    state["config"] = fingerprint;
-    train::write_file_atomically(tmp / "trainer_state.json", state.dump(1));
+    io::write_safetensors((tmp / "optimizer.safetensors").string(), optimizer_state, backend);
+    nlohmann::ordered_json json;
+    json["step"] = step;
+    json["optimizer_steps"] = state.optimizer().steps_taken();
+    json["loader"] = loader.to_json();
+    json["config"] = fingerprint;
+    train::write_file_atomically(tmp / "trainer_state.json", json.dump(1));
     fs::remove_all(final_dir);
     fs::rename(tmp, final_dir);
   }
@@ -195,9 +201,12 @@ TrainSummary run_sft(const TrainConfig& config) {
     sequence_attention = parallel::make_sequence_parallel_attention(*run.mesh, model_config);
     decoder.set_attention(sequence_attention.get());
   }
-  StepRunner runner(*backend, decoder, weights, run.mesh.get(), /*all_reduce_gradients=*/true);
-  AdamWOptimizer optimizer(*backend, weights,
-                           {config.adam_beta1, config.adam_beta2, config.adam_eps, config.weight_decay, config.max_grad_norm});
+  // FSDP (default with several processes) shards parameters, gradients and AdamW state over all ranks.
+  TrainableState state(*backend, weights, decoder, run, !config.no_fsdp,
+                       {config.adam_beta1, config.adam_beta2, config.adam_eps, config.weight_decay, config.max_grad_norm});
+  AdamWOptimizer& optimizer = state.optimizer();
+  if (main_rank && run.world) std::fprintf(stderr, "%s\n", state.describe().c_str());
+  StepRunner runner(*backend, decoder, weights, run.mesh.get(), state.all_reduce_gradients());
 
   // Schedule: one optimizer step takes grad_accum rows on each data-parallel replica.
   const int64_t rows_per_step = config.grad_accum * mesh.dp;
@@ -222,13 +231,12 @@ TrainSummary run_sft(const TrainConfig& config) {
   if (!resume_from.empty()) {
     step = resume_state["step"].get<int64_t>();
     loader.restore(LoaderState::from_json(resume_state["loader"]));
-    io::Checkpoint state_file((resume_from / "optimizer.safetensors").string());
-    for (auto& [name, tensor] : optimizer.state_tensors()) io::load_tensor_into(*backend, state_file.require(name, tensor.shape()), tensor);
+    state.load_optimizer_state(io::Checkpoint((resume_from / "optimizer.safetensors").string()));
     optimizer.set_steps_taken(resume_state["optimizer_steps"].get<int64_t>());
     if (main_rank)
       std::fprintf(stderr, "resuming from %s at step %lld\n", resume_from.string().c_str(), static_cast<long long>(step));
   }
-  Checkpointer checkpointer{config, *backend, weights, optimizer, fingerprint};
+  Checkpointer checkpointer{config, *backend, weights, state, fingerprint, main_rank};
 
   train::ProgressOptions progress_options;
   progress_options.total_steps = total_steps;
@@ -247,7 +255,7 @@ TrainSummary run_sft(const TrainConfig& config) {
     // One optimizer step: every rank draws all rows of the global batch (the same ones) and takes its share.
     std::vector<PackedRow> rows;
     for (int64_t m = 0; m < rows_per_step; ++m) rows.push_back(loader.next());
-    weights.zero_grads(*backend);
+    state.zero_grads();
     const StepTotals totals = runner.run(rows, /*backward=*/true);
     const double lr = learning_rate(schedule, step);
     const double grad_norm = optimizer.step(lr);
@@ -273,15 +281,16 @@ TrainSummary run_sft(const TrainConfig& config) {
     progress.update(m);
     summary.final_loss = m.loss;
     if ((config.save_steps > 0 && step % config.save_steps == 0) || step == total_steps) {
-      if (main_rank) checkpointer.save(step, loader.state());
+      checkpointer.save(step, loader.state());
       barrier();
       if (step < total_steps) progress.message(fmt::format("checkpoint-{} saved", step));
     }
   }
   summary.steps = step;
-  if (!main_rank) return summary;
 
   // Final outputs, loadable by transformers / PEFT: OUTPUT/model (full) or OUTPUT/adapter (LoRA).
+  auto gathered = state.gather_for_export(/*all=*/config.full);
+  if (!main_rank) return summary;
   const fs::path final_dir = fs::path(config.output) / (config.full ? "model" : "adapter");
   if (config.full) {
     HfModelExportOptions options;

@@ -115,8 +115,10 @@ def check(name, sp=1, ulysses=None, ring=None, dp=1, accum=2, packing=True, scal
 
 
 def run_sft(out, nproc, extra, lr="1e-2"):
+    if "--max-steps" not in extra:
+        extra = extra + ["--max-steps", "3"]
     cmd = [spindle, "sft", "--model", model, "--data", data_scaled, "--output", out, "--max-length", "48",
-           "--max-steps", "3", "--lr", lr, "--full", "--threads", "1", "--log-every", "100",
+           "--lr", lr, "--full", "--threads", "1", "--log-every", "100",
            "--nproc-per-node", str(nproc)] + extra
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if p.returncode != 0:
@@ -144,6 +146,7 @@ elif part == "variants":
         results.append(check(f"{label} grad-accum 1", accum=1, **mesh))
         results.append(check(f"{label} no packing", packing=False, **mesh))
         results.append(check(f"{label} no loss_scale", scaled=False, **mesh))
+        results.append(check(f"{label} --no-fsdp (replicated weights)", extra=["--full", "--no-fsdp"], **mesh))
 elif part == "lora":
     # LoRA with a trained adapter (B != 0) on HF-made qwen2 (q/k/v biases) and qwen3 (q/k norms).
     for case in ("qwen2_lora", "qwen3"):
@@ -159,8 +162,17 @@ elif part == "sft":
     # Seed 001: dp2·sp2 against dp2·sp1 at lr 0 and the same global batch: the same loss every step.
     dp_sp = run_sft(os.path.join(work, "dp2sp2"), 4, ["--sp", "2"], lr="0")
     dp_only = run_sft(os.path.join(work, "dp2sp1"), 2, [], lr="0")
-    for name, a, b in (("sft sp4 vs one process", four, one), ("seed 001: dp2 sp2 vs dp2 sp1 at lr 0", dp_sp, dp_only)):
-        ok = a is not None and b is not None and len(a) == len(b) == 3
+    # A checkpoint written on one mesh resumes on another: 2 steps at sp 4, then steps 3-4 at sp 2
+    # (both FSDP), against 4 uninterrupted steps in one process (constant lr: the schedule does not
+    # depend on --max-steps).
+    const = ["--grad-accum", "2", "--lr-scheduler", "constant"]
+    moved = os.path.join(work, "moved")
+    first = run_sft(moved, 4, const + ["--sp", "4", "--max-steps", "2"])
+    resumed = run_sft(moved, 2, const + ["--sp", "2", "--max-steps", "4", "--resume"])
+    straight = run_sft(os.path.join(work, "straight"), 1, const + ["--max-steps", "4"])
+    for name, a, b in (("sft sp4 vs one process", four, one), ("seed 001: dp2 sp2 vs dp2 sp1 at lr 0", dp_sp, dp_only),
+                       ("resume sp4 -> sp2 vs one process", resumed, straight)):
+        ok = a is not None and b is not None and len(a) == len(b) >= 3
         if ok:
             for x, y in zip(a, b):
                 rel = abs(x["loss"] - y["loss"]) / abs(y["loss"])
