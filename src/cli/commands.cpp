@@ -9,6 +9,7 @@ void register_all(CLI::App& app, CommandList& commands) {
   add_sft_command(app, commands);
   add_prepare_command(app, commands);
   add_tokenize_command(app, commands);
+  add_bench_command(app, commands);
 }
 
 }  // namespace spindle::cli

@@ -21,6 +21,7 @@ void add_prepare_command(CLI::App&, CommandList&);
 void add_tokenize_command(CLI::App&, CommandList&);
 
 void add_sft_command(CLI::App& app, CommandList& commands);
+void add_bench_command(CLI::App& app, CommandList& commands);
 
 void register_all(CLI::App& app, CommandList& commands);
 
