@@ -229,15 +229,16 @@ std::string format_report(const BenchReport& rep) {
       continue;
     }
     const double mean = std::accumulate(r.step_ms.begin(), r.step_ms.end(), 0.0) / r.step_ms.size();
-    s += fmt::format("{:>8} {:>10.0f} {:>11.1f} {:>9.1f} {:>6.1f}% {:>9.1f} {:>10} {:>10} {:>10}  {:.4f}\n", r.seq,
-                     r.tokens_per_s, mean, r.model_tflops, 100 * r.mfu, r.executed_tflops,
+    const std::string mfu = rep.peak_tflops > 0 ? fmt::format("{:.1f}%", 100 * r.mfu) : std::string("-");
+    s += fmt::format("{:>8} {:>10.0f} {:>11.1f} {:>9.1f} {:>7} {:>9.1f} {:>10} {:>10} {:>10}  {:.4f}\n", r.seq,
+                     r.tokens_per_s, mean, r.model_tflops, mfu, r.executed_tflops,
                      gib(r.memory.peak_allocated_bytes), gib(r.memory.peak_reserved_bytes),
                      gib(r.memory.device_used_bytes), r.loss);
   }
   bool any_split = false;
   for (const BenchResult& r : rep.results) any_split |= r.split_measured;
   if (any_split) {
-    s += "\ntime split of one profiled step (each op between CUDA events; 'idle' = step − Σ ops: launch gaps, host "
+    s += "\ntime split of the profiled step(s) (each op between device events; 'idle' = step − Σ ops: launch gaps, host "
          "work, allocation waits)\n";
     s += fmt::format("{:>8} {:>11} {:>16} {:>16} {:>16} {:>16} {:>14} {:>6}\n", "seq", "step ms", "attention",
                      "gemm", "communication", "other ops", "idle", "ops");

@@ -6,7 +6,9 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
@@ -140,11 +142,6 @@ class NcclGroupState {
   ncclComm_t comm() const { return comm_; }
   std::recursive_mutex& api_mutex() { return api_mutex_; }
   int device() const { return device_; }
-  void set_rank_and_size(int rank, int size) {
-    std::lock_guard lock(mutex_);
-    rank_ = rank;
-    size_ = size;
-  }
   int rank() const { return rank_; }
   int size() const { return size_; }
   const std::string& name() const { return name_; }
@@ -352,8 +349,8 @@ struct Job {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(std::shared_ptr<Job> job, std::unique_ptr<NcclGroupState> state)
-      : job_(std::move(job)), state_(std::move(state)) {}
+  NcclCommunicator(std::shared_ptr<Job> job, std::unique_ptr<NcclGroupState> state, std::string store_prefix)
+      : job_(std::move(job)), state_(std::move(state)), store_prefix_(std::move(store_prefix)) {}
 
   int rank() const override { return state_->rank(); }
   int size() const override { return state_->size(); }
@@ -556,27 +553,76 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
+  // Members exchange (color, key) through the job's TCP store, the first member of each new group
+  // publishes a fresh NCCL unique id there, and the group connects like the world does. (Not
+  // ncclCommSplit: in nonblocking mode NCCL 2.28 publishes the child's handle only when the split
+  // completes, and our 2-GPU test of it hung; this path is the tested one of connect_nccl_world.)
   std::unique_ptr<Communicator> split(int color, int key, const std::string& child_name) override {
     const char* call = "split";
-    std::lock_guard api(state_->api_mutex());
     state_->throw_if_failed(call);
+    const std::string prefix = store_prefix_ + "/" + std::to_string(split_count_++);
+    std::vector<std::pair<int64_t, int64_t>> everyone(size());  // (color, key) per rank here
+    everyone[rank()] = {color, key};
+    if (size() > 1) {
+      TcpStore& store = *job_->store;
+      std::vector<char> mine(2 * sizeof(int64_t));
+      const int64_t pair[2] = {color, key};
+      std::memcpy(mine.data(), pair, sizeof pair);
+      store.set(fmt::format("nccl/{}/ck/{}", prefix, rank()), mine);
+      for (int r = 0; r < size(); ++r) {
+        if (r == rank()) continue;
+        std::vector<char> bytes;
+        try {
+          bytes = store.get(fmt::format("nccl/{}/ck/{}", prefix, r), state_->timeout());
+        } catch (const Error& e) {
+          fail("split on group '{}' ({} ranks; this is rank {}): rank {} did not call split within {} s ({}); it "
+               "probably exited or stopped responding",
+               name(), size(), rank(), r, state_->timeout().count() / 1000.0, e.what());
+        }
+        SPINDLE_CHECK(bytes.size() == sizeof pair, "split record of {} bytes", bytes.size());
+        int64_t theirs[2];
+        std::memcpy(theirs, bytes.data(), sizeof theirs);
+        everyone[r] = {theirs[0], theirs[1]};
+      }
+    }
+    if (color < 0) return nullptr;
+    std::vector<std::pair<int64_t, int>> members;  // (key, rank here), ordered
+    for (int r = 0; r < size(); ++r)
+      if (everyone[r].first == color) members.emplace_back(everyone[r].second, r);
+    std::sort(members.begin(), members.end());
+    const int new_size = static_cast<int>(members.size());
+    const int new_rank = static_cast<int>(
+        std::find(members.begin(), members.end(), std::pair<int64_t, int>{key, rank()}) - members.begin());
+    const std::string child_prefix = prefix + ":" + std::to_string(color);
+
+    ncclUniqueId id{};
+    if (new_rank == 0) {
+      const ncclResult_t r = ncclGetUniqueId(&id);
+      if (r != ncclSuccess) throw_nccl(r, nullptr, "ncclGetUniqueId", __FILE__, __LINE__, name());
+      if (new_size > 1)
+        job_->store->set("nccl/" + child_prefix + "/id", std::vector<char>(id.internal, id.internal + sizeof id.internal));
+    } else {
+      std::vector<char> bytes;
+      try {
+        bytes = job_->store->get("nccl/" + child_prefix + "/id", state_->timeout());
+      } catch (const Error& e) {
+        fail("split on group '{}': the first member of the new group '{}' did not publish its id within {} s ({})",
+             name(), child_name, state_->timeout().count() / 1000.0, e.what());
+      }
+      SPINDLE_CHECK(bytes.size() == sizeof id.internal, "NCCL unique id of {} bytes", bytes.size());
+      std::copy(bytes.begin(), bytes.end(), id.internal);
+    }
     activate();
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t child = nullptr;
-    NCCL_CALL(*state_, call, ncclCommSplit(state_->comm(), color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child,
-                                           &config));
-    if (color < 0 || child == nullptr) return nullptr;
-    // The child's rank and size are known once it is ready; until then its state carries the
-    // parent's view for messages.
-    auto child_state = std::make_unique<NcclGroupState>(child, state_->device(), rank(), size(),
+    const ncclResult_t r = ncclCommInitRankConfig(&child, new_size, id, new_rank, &config);
+    if (r != ncclSuccess && r != ncclInProgress)
+      throw_nccl(r, child, "ncclCommInitRankConfig", __FILE__, __LINE__, name() + "/" + child_name);
+    auto child_state = std::make_unique<NcclGroupState>(child, state_->device(), new_rank, new_size,
                                                         name() + "/" + child_name, state_->timeout());
     child_state->wait_until_ready(call);
-    int child_rank = 0, child_size = 0;
-    NCCL_CALL(*child_state, call, ncclCommUserRank(child, &child_rank));
-    NCCL_CALL(*child_state, call, ncclCommCount(child, &child_size));
-    child_state->set_rank_and_size(child_rank, child_size);
-    return std::make_unique<NcclCommunicator>(job_, std::move(child_state));
+    return std::make_unique<NcclCommunicator>(job_, std::move(child_state), child_prefix);
   }
 
   ~NcclCommunicator() override {
@@ -636,6 +682,8 @@ class NcclCommunicator final : public Communicator {
 
   std::shared_ptr<Job> job_;
   std::unique_ptr<NcclGroupState> state_;
+  std::string store_prefix_;  // this group's keys in the job's store ("world", "world/0:1", ...)
+  int split_count_ = 0;       // every member splits in the same order, so this names each split
   cudaStream_t barrier_stream_ = nullptr;
   void* barrier_word_ = nullptr;
 };
@@ -699,7 +747,7 @@ std::unique_ptr<Communicator> connect_nccl_world(const ProcessGroupInfo& info, i
     throw_nccl(r, comm, "ncclCommInitRankConfig", __FILE__, __LINE__, "world");
   auto state = std::make_unique<NcclGroupState>(comm, device, info.rank, info.world_size, "world", timeout);
   state->wait_until_ready("connecting");
-  return std::make_unique<NcclCommunicator>(job, std::move(state));
+  return std::make_unique<NcclCommunicator>(job, std::move(state), "world");
 }
 
 #endif

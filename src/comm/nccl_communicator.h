@@ -21,6 +21,10 @@
 // waiting for a dead peer then exit, so a stream synchronize returns instead of hanging — and
 // the next call on this group (or barrier()) throws spindle::Error naming the call, the group and
 // the probable cause. Data moved by the failed call is garbage.
+//
+// split()/new_group() exchange (color, key) through the job's TCP store and connect each new group
+// with its own NCCL unique id, exactly as the world connects (not ncclCommSplit, whose nonblocking
+// form hung in our 2-GPU test on NCCL 2.28.3).
 #pragma once
 
 #include <memory>
