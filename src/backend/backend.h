@@ -34,6 +34,19 @@ struct AttentionMask {
   Tensor k_doc, k_pos;  // I32 [Tk]
 };
 
+// Memory held by a backend's process, for progress lines, metrics and `spindle bench`.
+// CUDA: the stream-ordered pool tensors come from (shared by every backend on that device in this
+// process, NCCL scratch too), plus the whole device as the driver sees it. CPU: the process's
+// resident set (the host has no separate tensor pool), device fields 0.
+struct MemoryStats {
+  int64_t allocated_bytes = 0;       // in live tensors now (CPU: resident set size)
+  int64_t peak_allocated_bytes = 0;  // high-water mark since start or reset_peak_memory()
+  int64_t reserved_bytes = 0;        // held by the allocator, cached free blocks included
+  int64_t peak_reserved_bytes = 0;
+  int64_t device_used_bytes = 0;     // device memory in use by everyone (CUDA context, cuBLAS, NCCL, other processes)
+  int64_t device_total_bytes = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -55,6 +68,8 @@ class Backend {
   // dst = src converted to dst's dtype (same element count; shapes may differ).
   virtual void copy(Stream stream, const Tensor& src, Tensor& dst) = 0;
   virtual void fill(Stream stream, Tensor& t, double value) = 0;
+  virtual MemoryStats memory_stats() = 0;
+  virtual void reset_peak_memory() = 0;  // peaks restart from the current values
 
   // ---- elementwise and reductions ------------------------------------------------------------
   virtual void scale(Stream stream, Tensor& x, double alpha) = 0;                      // x *= alpha

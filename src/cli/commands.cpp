@@ -10,6 +10,7 @@ void register_all(CLI::App& app, CommandList& commands) {
   add_check_command(app, commands);
   add_prepare_command(app, commands);
   add_tokenize_command(app, commands);
+  add_bench_command(app, commands);
 }
 
 }  // namespace spindle::cli

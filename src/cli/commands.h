@@ -24,6 +24,7 @@ void add_tokenize_command(CLI::App&, CommandList&);
 
 void add_sft_command(CLI::App& app, CommandList& commands);
 void add_check_command(CLI::App& app, CommandList& commands);
+void add_bench_command(CLI::App& app, CommandList& commands);
 
 // The options of `spindle sft` (also taken by `check`), bound to a TrainConfig.
 void add_train_options(CLI::App* cmd, TrainConfig& config);

@@ -2,10 +2,12 @@
 // Clarity beats speed here, except where CI time would suffer (GEMM, attention rows in parallel).
 // Reductions accumulate in double so the reference is more precise than what it checks.
 #include <cblas.h>
+#include <unistd.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -22,6 +24,26 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 void require_cpu(const Tensor& t, const char* what) {
   SPINDLE_CHECK(t.defined(), "{}: tensor not allocated", what);
   SPINDLE_CHECK(t.device().kind == DeviceKind::CPU, "{}: tensor {} is not on the CPU", what, t.describe());
+}
+
+int64_t resident_bytes() {
+  long total = 0, resident = 0;
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  if (!f) return 0;
+  if (std::fscanf(f, "%ld %ld", &total, &resident) != 2) resident = 0;
+  std::fclose(f);
+  return static_cast<int64_t>(resident) * ::sysconf(_SC_PAGESIZE);
+}
+
+int64_t peak_resident_bytes() {  // VmHWM, in kB in /proc/self/status
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  long kb = 0;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "VmHWM: %ld kB", &kb) == 1) break;
+  std::fclose(f);
+  return static_cast<int64_t>(kb) * 1024;
 }
 
 void require_compute(const Tensor& t, const char* what) {
@@ -139,6 +161,24 @@ class CpuBackend final : public Backend {
       return;
     }
     for (int64_t i = 0; i < n; ++i) store_any(t, i, value);
+  }
+
+  // The host has no tensor pool of its own: report the process's resident set (what the kernel
+  // counts against the machine) and its high-water mark.
+  MemoryStats memory_stats() override {
+    MemoryStats m;
+    m.allocated_bytes = m.reserved_bytes = resident_bytes();
+    m.peak_allocated_bytes = m.peak_reserved_bytes = std::max(m.allocated_bytes, peak_resident_bytes());
+    return m;
+  }
+
+  void reset_peak_memory() override {
+    // Writing 5 to clear_refs resets VmHWM to the current RSS (Linux 4.0+); elsewhere the peak
+    // simply keeps counting from the start.
+    if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
+      std::fputs("5", f);
+      std::fclose(f);
+    }
   }
 
   void scale(Stream, Tensor& x, double alpha) override {

@@ -85,6 +85,39 @@ class CudaBackend final : public Backend {
     return Tensor(std::move(storage), 0, shape, dtype);
   }
 
+  // The pool is the device's default one (every backend on this device in this process, and the
+  // NCCL communicator's scratch, allocate from it); cuBLASLt's workspace and NCCL's own buffers
+  // live outside it and show only in device_used_bytes.
+  MemoryStats memory_stats() override {
+    ctx_->activate();
+    cudaMemPool_t pool;
+    CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, ctx_->device()));
+    auto attribute = [&](cudaMemPoolAttr a) {
+      uint64_t v = 0;
+      CUDA_CHECK(cudaMemPoolGetAttribute(pool, a, &v));
+      return static_cast<int64_t>(v);
+    };
+    MemoryStats m;
+    m.allocated_bytes = attribute(cudaMemPoolAttrUsedMemCurrent);
+    m.peak_allocated_bytes = attribute(cudaMemPoolAttrUsedMemHigh);
+    m.reserved_bytes = attribute(cudaMemPoolAttrReservedMemCurrent);
+    m.peak_reserved_bytes = attribute(cudaMemPoolAttrReservedMemHigh);
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    m.device_used_bytes = static_cast<int64_t>(total_b - free_b);
+    m.device_total_bytes = static_cast<int64_t>(total_b);
+    return m;
+  }
+
+  void reset_peak_memory() override {
+    ctx_->activate();
+    cudaMemPool_t pool;
+    CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, ctx_->device()));
+    uint64_t zero = 0;  // the only value these attributes accept: "restart from the current value"
+    CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+    CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &zero));
+  }
+
   void copy_from_host(Stream stream, const void* src, Tensor& dst) override {
     require_device(dst, "copy_from_host");
     // From pageable memory the call returns once `src` has been staged, so the caller may reuse it.

@@ -1,0 +1,308 @@
+#include "bench/bench.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "bench/device_timer.h"
+#include "bench/flops.h"
+#include "bench/timed_backend.h"
+#include "core/error.h"
+#include "data/document.h"
+#include "model/batch.h"
+#include "model/decoder.h"
+#include "model/weights.h"
+
+#if SPINDLE_WITH_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
+
+namespace spindle::bench {
+namespace {
+
+const std::vector<std::string> kAllProjections = {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                  "gate_proj", "up_proj", "down_proj"};
+
+std::unique_ptr<Backend> make_backend(const BenchOptions& o) {
+  if (o.device == "cpu") return make_cpu_backend(o.cpu_threads);
+  if (o.device == "cuda") {
+#if SPINDLE_WITH_CUDA
+    return make_cuda_backend(o.device_index);
+#else
+    fail("--device cuda: this spindle was built without the CUDA backend; rebuild with -DSPINDLE_CUDA=ON or use "
+         "--device cpu");
+#endif
+  }
+  fail("--device must be cpu or cuda, got '{}'", o.device);
+}
+
+void validate(const BenchOptions& o) {
+  if (o.model.empty()) fail("bench needs --model (a model folder or its config.json)");
+  if (o.seq_lengths.empty()) fail("bench needs at least one --seq length");
+  for (int64_t s : o.seq_lengths)
+    if (s < 2) fail("--seq {} is too short: a step needs at least 2 tokens (one supervised target)", s);
+  if (o.steps < 1) fail("--steps must be at least 1, got {}", o.steps);
+  if (o.warmup < 0 || o.profile_steps < 0) fail("--warmup and --profile-steps cannot be negative");
+  if (!o.full && o.lora_rank <= 0) fail("--lora-rank must be positive (or use --full), got {}", o.lora_rank);
+  if (o.recompute != "none" && o.recompute != "all") fail("--recompute must be none or all, got '{}'", o.recompute);
+  if (o.sp != 1)
+    fail("--sp {}: sequence-parallel benchmarks need the Ulysses/ring attention strategies, which this build does "
+         "not have yet; run with --sp 1",
+         o.sp);
+}
+
+// One causal document of random tokens; every position but the last predicts the next token.
+PackedRow synthetic_row(int64_t length, int64_t vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab - 1));
+  PackedRow row;
+  row.input_ids.resize(length);
+  for (auto& id : row.input_ids) id = token(rng);
+  row.positions.resize(length);
+  std::iota(row.positions.begin(), row.positions.end(), 0);
+  row.doc_ids.assign(length, 0);
+  row.targets.resize(length);
+  row.weights.assign(length, 1.0f);
+  for (int64_t i = 0; i + 1 < length; ++i) row.targets[i] = row.input_ids[i + 1];
+  row.targets[length - 1] = kIgnoreIndex;
+  row.weights[length - 1] = 0.0f;
+  return row;
+}
+
+float read_scalar(Backend& backend, const Tensor& t) {
+  if (t.dtype() == DType::F64) {
+    double v;
+    backend.copy_to_host(backend.default_stream(), t, &v);
+    return static_cast<float>(v);
+  }
+  float v;
+  backend.copy_to_host(backend.default_stream(), t, &v);
+  return v;
+}
+
+bool is_out_of_memory(const Error& e) { return std::string(e.what()).find("out of GPU memory") != std::string::npos; }
+
+void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, const DeviceInfo& device,
+                double peak_tflops, BenchResult& r) {
+  const ModelConfig& config = weights.config;
+  const DType dtype = weights.dtype;
+  const int64_t seq = r.seq;
+  const MicroBatch batch = make_micro_batch(backend, {synthetic_row(seq, config.vocab_size, o.seed + seq)}, dtype);
+  const double loss_scale = 1.0 / static_cast<double>(batch.num_items);
+
+  DecoderOptions decoder_options;
+  if (o.recompute == "all") decoder_options.recompute.assign(config.num_layers, true);
+  Stream stream = backend.default_stream();
+  Tensor loss = backend.zeros(Shape{1}, stat_dtype(dtype));
+
+  // The optimizer step is not part of the timed step (see format_report).
+  auto one_step = [&](Decoder& decoder, Backend& be) {
+    weights.zero_grads(be);
+    decoder.step(batch, loss_scale, loss, true);
+  };
+
+  Decoder decoder(backend, weights, decoder_options);
+  for (int i = 0; i < o.warmup; ++i) one_step(decoder, backend);
+  backend.synchronize(stream);
+  backend.fill(stream, loss, 0.0);
+  backend.reset_peak_memory();
+
+  auto timer = make_device_timer(backend);
+  std::vector<int> marks;
+  marks.push_back(timer->mark(stream));
+  for (int i = 0; i < o.steps; ++i) {
+    one_step(decoder, backend);
+    marks.push_back(timer->mark(stream));
+  }
+  backend.synchronize(stream);
+  r.memory = backend.memory_stats();
+  r.loss = read_scalar(backend, loss) / static_cast<float>(o.steps);
+  for (int i = 0; i < o.steps; ++i) r.step_ms.push_back(timer->elapsed_ms(marks[i], marks[i + 1]));
+  const double total_ms = std::accumulate(r.step_ms.begin(), r.step_ms.end(), 0.0);
+  r.tokens_per_s = static_cast<double>(seq) * o.steps / (total_ms / 1000.0);
+
+  FlopSetup setup;
+  setup.tokens = seq;
+  setup.lora_rank = o.full ? 0 : o.lora_rank;
+  setup.recompute = o.recompute == "all";
+  const StepFlops flops = step_flops(config, setup);
+  const double step_s = total_ms / 1000.0 / o.steps;
+  r.model_flops = flops.model();
+  r.executed_flops = flops.executed();
+  r.model_tflops = flops.model() / step_s / 1e12;
+  r.executed_tflops = flops.executed() / step_s / 1e12;
+  r.mfu = peak_tflops > 0 ? r.model_tflops / peak_tflops : 0;
+
+  if (o.profile_steps > 0) {
+    OpRecorder recorder(backend);
+    TimedBackend timed(backend, recorder);
+    Decoder profiled(timed, weights, decoder_options);
+    auto wall = make_device_timer(backend);
+    const int start = wall->mark(stream);
+    for (int i = 0; i < o.profile_steps; ++i) one_step(profiled, timed);
+    const int stop = wall->mark(stream);
+    backend.synchronize(stream);
+    const auto totals = recorder.totals_ms();
+    for (int c = 0; c < 4; ++c) r.split_ms[c] = totals[c] / o.profile_steps;
+    r.profiled_step_ms = wall->elapsed_ms(start, stop) / o.profile_steps;
+    r.ops_per_step = recorder.op_count() / o.profile_steps;
+    r.split_measured = true;
+  }
+  (void)device;
+}
+
+std::string gib(int64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1 << 30)); }
+
+}  // namespace
+
+BenchReport run_bench(const BenchOptions& options, const std::function<void(const BenchReport&)>& on_result) {
+  validate(options);
+  BenchReport report;
+  report.options = options;
+  report.config = ModelConfig::from_file(options.model);
+  auto backend = make_backend(options);
+  const DeviceInfo device = describe_device(*backend);
+  report.device_name = device.name;
+  report.peak_tflops = options.peak_tflops > 0 ? options.peak_tflops : device.bf16_dense_tflops;
+
+  // BF16 storage with F32 accumulation on CUDA (the product); F32 on the CPU reference.
+  const DType dtype = backend->device().kind == DeviceKind::CUDA ? DType::BF16 : DType::F32;
+  ModelWeights weights = ModelWeights::random(*backend, report.config, dtype, options.seed);
+  if (options.full) {
+    weights.train_all(*backend);
+  } else {
+    LoraConfig lora;
+    lora.rank = options.lora_rank;
+    lora.alpha = options.lora_alpha;
+    lora.targets = kAllProjections;
+    weights.add_lora(*backend, lora, options.seed + 1);
+  }
+  for (const Parameter& p : weights.parameters()) {
+    report.parameters += p.value.numel();
+    if (p.trainable) report.trainable_parameters += p.value.numel();
+  }
+  backend->synchronize(backend->default_stream());
+
+  for (int64_t seq : options.seq_lengths) {
+    BenchResult r;
+    r.seq = seq;
+    try {
+      run_length(*backend, weights, options, device, report.peak_tflops, r);
+    } catch (const Error& e) {
+      if (!is_out_of_memory(e)) throw;
+      r.error = e.what();
+      backend->synchronize(backend->default_stream());
+      report.results.push_back(r);
+      if (on_result) on_result(report);
+      break;
+    }
+    report.results.push_back(r);
+    if (on_result) on_result(report);
+  }
+  return report;
+}
+
+std::string format_report(const BenchReport& rep) {
+  const BenchOptions& o = rep.options;
+  const ModelConfig& c = rep.config;
+  std::string s;
+  s += fmt::format("spindle bench: {} ({} layers, hidden {}, {} q / {} kv heads of {}, vocab {}), {} parameters\n",
+                   o.model, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
+                   rep.parameters);
+  s += fmt::format("  {} on {}, {}, {} trainable, recompute {}, {} warm-up + {} timed steps, 1 sequence per step, "
+                   "every token supervised\n",
+                   o.device == "cuda" ? "BF16 (F32 accumulation)" : "F32", rep.device_name,
+                   o.full ? std::string("full fine-tuning") : fmt::format("LoRA r={} on all 7 projections", o.lora_rank),
+                   rep.trainable_parameters, o.recompute, o.warmup, o.steps);
+  s += "  step = forward + backward (gradients zeroed first); the optimizer step is not included\n";
+  s += "  model FLOPs = 6·N_matmul·T + 3.5·L·4·Hq·D·T(T+1)/2 (no recompute; frozen LoRA base weights counted as "
+       "trained); executed FLOPs count what runs\n";
+  if (rep.peak_tflops > 0)
+    s += fmt::format("  MFU = model FLOP/s / {:.1f} TFLOP/s (dense BF16 peak)\n", rep.peak_tflops);
+  s += "\n";
+  s += fmt::format("{:>8} {:>10} {:>11} {:>9} {:>7} {:>9} {:>10} {:>10} {:>10}  {}\n", "seq", "tokens/s", "step ms",
+                   "model TF", "MFU", "exec TF", "peak alloc", "peak resv", "device", "loss");
+  for (const BenchResult& r : rep.results) {
+    if (!r.error.empty()) {
+      s += fmt::format("{:>8}  did not run: {}\n", r.seq, r.error);
+      continue;
+    }
+    const double mean = std::accumulate(r.step_ms.begin(), r.step_ms.end(), 0.0) / r.step_ms.size();
+    const std::string mfu = rep.peak_tflops > 0 ? fmt::format("{:.1f}%", 100 * r.mfu) : std::string("-");
+    s += fmt::format("{:>8} {:>10.0f} {:>11.1f} {:>9.1f} {:>7} {:>9.1f} {:>10} {:>10} {:>10}  {:.4f}\n", r.seq,
+                     r.tokens_per_s, mean, r.model_tflops, mfu, r.executed_tflops,
+                     gib(r.memory.peak_allocated_bytes), gib(r.memory.peak_reserved_bytes),
+                     gib(r.memory.device_used_bytes), r.loss);
+  }
+  bool any_split = false;
+  for (const BenchResult& r : rep.results) any_split |= r.split_measured;
+  if (any_split) {
+    s += "\ntime split of the profiled step(s) (each op between device events; 'idle' = step − Σ ops: launch gaps, host "
+         "work, allocation waits)\n";
+    s += fmt::format("{:>8} {:>11} {:>16} {:>16} {:>16} {:>16} {:>14} {:>6}\n", "seq", "step ms", "attention",
+                     "gemm", "communication", "other ops", "idle", "ops");
+    for (const BenchResult& r : rep.results) {
+      if (!r.split_measured) continue;
+      const double step = r.profiled_step_ms;
+      auto cell = [&](double ms) { return fmt::format("{:.1f} ({:.0f}%)", ms, step > 0 ? 100 * ms / step : 0); };
+      const double idle = step - (r.split_ms[0] + r.split_ms[1] + r.split_ms[2] + r.split_ms[3]);
+      s += fmt::format("{:>8} {:>11.1f} {:>16} {:>16} {:>16} {:>16} {:>14} {:>6}\n", r.seq, step, cell(r.split_ms[0]),
+                       cell(r.split_ms[1]), cell(r.split_ms[2]), cell(r.split_ms[3]), cell(idle), r.ops_per_step);
+    }
+  }
+  return s;
+}
+
+nlohmann::ordered_json report_json(const BenchReport& rep) {
+  const BenchOptions& o = rep.options;
+  nlohmann::ordered_json j;
+  j["model"] = o.model;
+  j["model_type"] = rep.config.model_type;
+  j["device"] = rep.device_name;
+  j["dtype"] = o.device == "cuda" ? "bf16" : "f32";
+  j["mode"] = o.full ? "full" : "lora";
+  j["lora_rank"] = o.full ? 0 : o.lora_rank;
+  j["recompute"] = o.recompute;
+  j["warmup"] = o.warmup;
+  j["steps"] = o.steps;
+  j["sp"] = o.sp;
+  j["parameters"] = rep.parameters;
+  j["trainable_parameters"] = rep.trainable_parameters;
+  j["optimizer_step_included"] = false;
+  j["peak_tflops"] = rep.peak_tflops;
+  j["flops_formula"] = "model: 6*N_matmul*T + 3.5*L*4*Hq*D*T*(T+1)/2; executed: as run (LoRA, recompute)";
+  auto& results = j["results"] = nlohmann::ordered_json::array();
+  for (const BenchResult& r : rep.results) {
+    nlohmann::ordered_json x;
+    x["seq"] = r.seq;
+    if (!r.error.empty()) {
+      x["error"] = r.error;
+      results.push_back(x);
+      continue;
+    }
+    x["tokens_per_s"] = r.tokens_per_s;
+    x["step_ms"] = r.step_ms;
+    x["loss"] = r.loss;
+    x["model_flops"] = r.model_flops;
+    x["executed_flops"] = r.executed_flops;
+    x["model_tflops"] = r.model_tflops;
+    x["executed_tflops"] = r.executed_tflops;
+    x["mfu"] = r.mfu;
+    x["peak_allocated_bytes"] = r.memory.peak_allocated_bytes;
+    x["peak_reserved_bytes"] = r.memory.peak_reserved_bytes;
+    x["device_used_bytes"] = r.memory.device_used_bytes;
+    x["device_total_bytes"] = r.memory.device_total_bytes;
+    if (r.split_measured) {
+      auto& split = x["split_ms"];
+      for (int c = 0; c < 4; ++c) split[category_name(static_cast<OpCategory>(c))] = r.split_ms[c];
+      split["idle"] = r.profiled_step_ms - (r.split_ms[0] + r.split_ms[1] + r.split_ms[2] + r.split_ms[3]);
+      x["profiled_step_ms"] = r.profiled_step_ms;
+      x["ops_per_step"] = r.ops_per_step;
+    }
+    results.push_back(x);
+  }
+  return j;
+}
+
+}  // namespace spindle::bench

@@ -1,0 +1,67 @@
+// `spindle bench`: training-step throughput, MFU, peak memory and a time split on synthetic data
+// (random weights, random tokens, one causal document per step, every token supervised).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "backend/backend.h"
+#include "model/config.h"
+
+namespace spindle::bench {
+
+struct BenchOptions {
+  std::string model;                   // config.json or a model folder (only the architecture is read)
+  std::vector<int64_t> seq_lengths;    // one result per length, in order, on the same weights
+  int64_t lora_rank = 16;              // 0 with full = true
+  double lora_alpha = 32;
+  bool full = false;                   // full fine-tuning instead of LoRA
+  std::string recompute = "all";       // none | all
+  int warmup = 1, steps = 3;
+  int profile_steps = 1;               // extra steps through the timing decorator (0: no split)
+  std::string device = "cuda";         // cuda | cpu
+  int device_index = 0;
+  int cpu_threads = 0;
+  double peak_tflops = 0;              // MFU denominator; 0: the device's BF16 dense peak if known
+  uint64_t seed = 1234;
+  int sp = 1;                          // sequence-parallel degree (only 1 until the SP strategies land)
+};
+
+struct BenchResult {
+  int64_t seq = 0;
+  std::string error;                   // set when this length did not run (e.g. out of memory)
+  double loss = 0;                     // first step's loss (≈ ln V for random weights)
+  std::vector<double> step_ms;         // each timed step
+  double tokens_per_s = 0;
+  double model_tflops = 0, executed_tflops = 0, mfu = 0;
+  double model_flops = 0, executed_flops = 0;
+  MemoryStats memory;                  // after the timed steps; peaks since the first timed step
+  bool split_measured = false;
+  double split_ms[4] = {};             // attention, gemm, communication, other ops (per step)
+  double profiled_step_ms = 0;         // wall time of the profiled step(s), per step
+  int64_t ops_per_step = 0;
+};
+
+struct BenchReport {
+  BenchOptions options;
+  ModelConfig config;
+  std::string device_name;
+  double peak_tflops = 0;
+  int64_t parameters = 0, trainable_parameters = 0;
+  std::vector<BenchResult> results;
+};
+
+// Runs the whole sweep. Errors in the setup throw; a length that runs out of memory is recorded
+// in its result and ends the sweep (longer ones would not fit either).
+// on_result (optional) sees the report after each length, for output that survives a later crash.
+BenchReport run_bench(const BenchOptions& options,
+                      const std::function<void(const BenchReport&)>& on_result = nullptr);
+
+std::string format_report(const BenchReport& report);  // human-readable, with the formulas
+nlohmann::ordered_json report_json(const BenchReport& report);
+
+}  // namespace spindle::bench

@@ -1,0 +1,37 @@
+#include "bench/flops.h"
+
+namespace spindle::bench {
+
+int64_t matmul_parameters(const ModelConfig& c) {
+  const int64_t H = c.hidden_size, F = c.intermediate_size;
+  const int64_t attention = H * c.q_dim() + 2 * H * c.kv_dim() + c.q_dim() * H;
+  const int64_t mlp = 3 * H * F;
+  return c.num_layers * (attention + mlp) + c.vocab_size * H;
+}
+
+int64_t lora_parameters(const ModelConfig& c, int64_t rank, int64_t targets) {
+  if (rank == 0) return 0;
+  // Average (in + out) over the 7 projections, scaled to the number targeted: exact for all 7.
+  const int64_t H = c.hidden_size, F = c.intermediate_size;
+  const int64_t in_plus_out = (H + c.q_dim()) * 2 + (H + c.kv_dim()) * 2 + (H + F) * 3;
+  return c.num_layers * rank * in_plus_out * targets / 7;
+}
+
+StepFlops step_flops(const ModelConfig& c, const FlopSetup& s) {
+  const double T = static_cast<double>(s.tokens);
+  const double base = static_cast<double>(matmul_parameters(c));
+  const double lora = static_cast<double>(lora_parameters(c, s.lora_rank, s.lora_targets));
+  const double layer_base = base - static_cast<double>(c.vocab_size * c.hidden_size);  // recomputed part
+  const double attention_forward =
+      static_cast<double>(c.num_layers) * 4.0 * static_cast<double>(c.num_heads * c.head_dim) * T * (T + 1) / 2;
+
+  StepFlops f;
+  f.dense_model = 6 * (base + lora) * T;
+  f.attention_model = 3.5 * attention_forward;
+  const bool frozen = s.lora_rank > 0;
+  f.dense_executed = ((frozen ? 4 : 6) * base + 6 * lora) * T + (s.recompute ? 2 * (layer_base + lora) * T : 0);
+  f.attention_executed = (3.5 + (s.recompute ? 1.0 : 0.0)) * attention_forward;
+  return f;
+}
+
+}  // namespace spindle::bench

@@ -1,0 +1,44 @@
+// FLOP counts of one training step, for MFU (docs/perf.md states the same formulas).
+//
+//   model FLOPs = 6 · N_matmul · T                      dense: forward 2, backward 4 per weight and token
+//               + 3.5 · L · 4 · Hq · D · T(T+1)/2        causal attention: QKᵀ and PV (2 FLOPs per
+//                                                        multiply-add each) over visible pairs; backward
+//                                                        = 2.5 × forward
+// N_matmul = every projection's weight (q, k, v, o, gate, up, down of every layer), the LM head
+// (V·H, also when tied to the embedding) and the LoRA A/B matrices; the embedding lookup, norms
+// and biases are not matrix products. This is the usual model-FLOPs convention: recomputation is
+// not counted, and with LoRA the frozen weights' gradients (which are never computed) are counted
+// as if they were, so MFU compares with full fine-tuning numbers on the same footing.
+//
+//   executed FLOPs = what the engine really does: frozen weights need only the input gradient
+//   (4 instead of 6 per weight and token), recomputed layers run their forward twice (dense 2·N
+//   and attention 1 × forward more).
+#pragma once
+
+#include <cstdint>
+
+#include "model/config.h"
+
+namespace spindle::bench {
+
+struct StepFlops {
+  double dense_model = 0, attention_model = 0;        // model FLOPs
+  double dense_executed = 0, attention_executed = 0;  // executed FLOPs
+  double model() const { return dense_model + attention_model; }
+  double executed() const { return dense_executed + attention_executed; }
+};
+
+struct FlopSetup {
+  int64_t tokens = 0;        // T, one causal document
+  int64_t lora_rank = 0;     // 0: full fine-tuning
+  int64_t lora_targets = 7;  // projections per layer carrying LoRA
+  bool recompute = false;    // every layer recomputed in backward
+};
+
+// Parameters in matrix products per token (N_matmul above), base weights and LoRA separately.
+int64_t matmul_parameters(const ModelConfig& config);
+int64_t lora_parameters(const ModelConfig& config, int64_t rank, int64_t targets);
+
+StepFlops step_flops(const ModelConfig& config, const FlopSetup& setup);
+
+}  // namespace spindle::bench

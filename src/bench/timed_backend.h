@@ -1,0 +1,102 @@
+// A Backend decorator that times every op on the device, by category, for the time split of
+// `spindle bench`. It is a separate object wrapped around the real backend only for the steps
+// being profiled: code that uses the plain backend pays nothing.
+#pragma once
+
+#include <array>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "bench/device_timer.h"
+
+namespace spindle::bench {
+
+enum class OpCategory { Attention, Gemm, Communication, OtherOps, kCount };
+const char* category_name(OpCategory c);  // "attention", "gemm", "communication", "other_ops"
+
+// Records [begin, end) marks per op; totals after the stream has been synchronized.
+class OpRecorder {
+ public:
+  explicit OpRecorder(Backend& backend) : timer_(make_device_timer(backend)) {}
+  void begin(Stream stream, OpCategory category) {
+    open_.push_back({category, timer_->mark(stream), -1});
+  }
+  void end(Stream stream) { open_.back().end = timer_->mark(stream); }
+  // Milliseconds per category since the last reset(); call after synchronizing.
+  std::array<double, static_cast<size_t>(OpCategory::kCount)> totals_ms();
+  int64_t op_count() const { return static_cast<int64_t>(open_.size()); }
+  void reset() {
+    open_.clear();
+    timer_->clear();
+  }
+
+ private:
+  struct Record {
+    OpCategory category;
+    int begin, end;
+  };
+  std::unique_ptr<DeviceTimer> timer_;
+  std::vector<Record> open_;
+};
+
+class TimedBackend final : public Backend {
+ public:
+  TimedBackend(Backend& inner, OpRecorder& recorder) : inner_(inner), recorder_(recorder) {}
+
+  std::string name() const override { return inner_.name(); }
+  Device device() const override { return inner_.device(); }
+  Stream default_stream() override { return inner_.default_stream(); }
+  void synchronize(Stream stream) override { inner_.synchronize(stream); }
+
+  Tensor empty(Shape shape, DType dtype) override { return inner_.empty(shape, dtype); }
+  void copy_from_host(Stream stream, const void* src, Tensor& dst) override;
+  void copy_to_host(Stream stream, const Tensor& src, void* dst) override;
+  void copy(Stream stream, const Tensor& src, Tensor& dst) override;
+  void fill(Stream stream, Tensor& t, double value) override;
+  MemoryStats memory_stats() override { return inner_.memory_stats(); }
+  void reset_peak_memory() override { inner_.reset_peak_memory(); }
+
+  void scale(Stream stream, Tensor& x, double alpha) override;
+  void axpy(Stream stream, double alpha, const Tensor& x, Tensor& y) override;
+  void sum_squares(Stream stream, const Tensor& x, Tensor& out) override;
+  void gemm(Stream stream, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, double alpha,
+            double beta) override;
+  void add_bias(Stream stream, Tensor& y, const Tensor& bias) override;
+  void bias_backward(Stream stream, const Tensor& dy, Tensor& dbias) override;
+  void embedding_forward(Stream stream, const Tensor& ids, const Tensor& table, Tensor& out) override;
+  void embedding_backward(Stream stream, const Tensor& ids, const Tensor& dout, Tensor& dtable) override;
+  void rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) override;
+  void rmsnorm_backward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
+                        Tensor& dx, Tensor& dw, bool accumulate_dx) override;
+  void rope(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq, double attention_scale,
+            int sign) override;
+  void attention_forward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionMask& mask,
+                         double scale, Tensor& out, Tensor& lse) override;
+  void attention_backward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                          const Tensor& dout, const Tensor& lse, const AttentionMask& mask, double scale, Tensor& dq,
+                          Tensor& dk, Tensor& dv, bool accumulate) override;
+  void attention_merge(Stream stream, Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b) override;
+  void swiglu_forward(Stream stream, const Tensor& gate, const Tensor& up, Tensor& out) override;
+  void swiglu_backward(Stream stream, const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate,
+                       Tensor& dup) override;
+  void gather_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) override;
+  void scatter_add_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) override;
+  void cross_entropy(Stream stream, Tensor& logits, const Tensor& targets, const Tensor& weights, double loss_scale,
+                     double grad_scale, Tensor& loss_sum, Tensor& token_ce) override;
+  void adamw_step(Stream stream, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& hp) override;
+
+ private:
+  template <typename Op>
+  void timed(Stream stream, OpCategory category, Op&& op) {
+    recorder_.begin(stream, category);
+    op();
+    recorder_.end(stream);
+  }
+
+  Backend& inner_;
+  OpRecorder& recorder_;
+};
+
+}  // namespace spindle::bench

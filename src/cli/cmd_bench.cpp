@@ -1,0 +1,118 @@
+// spindle bench: tokens/s, MFU, peak memory and a time split of training steps on synthetic data
+// (src/bench). Prints a table with the formulas it used, or JSON for scripts (--json).
+#include <cstdio>
+#include <string>
+
+#include "bench/bench.h"
+#include "cli/commands.h"
+#include "comm/process_group.h"
+#include "core/error.h"
+
+namespace spindle::cli {
+
+namespace {
+
+struct BenchArgs {
+  bench::BenchOptions options;
+  std::string seq = "32768";
+  bool json = false;
+  std::string json_file;
+};
+
+// "32768", "32k", "32k,64k,128k" (k = 1024).
+std::vector<int64_t> parse_lengths(const std::string& text) {
+  std::vector<int64_t> lengths;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = text.find(',', start);
+    std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    int64_t multiplier = 1;
+    if (!item.empty() && (item.back() == 'k' || item.back() == 'K')) {
+      multiplier = 1024;
+      item.pop_back();
+    }
+    size_t used = 0;
+    int64_t value = 0;
+    try {
+      value = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (item.empty() || used != item.size() || value <= 0)
+      fail("--seq '{}': expected positive lengths separated by commas, e.g. 32768 or 32k,64k", text);
+    lengths.push_back(value * multiplier);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return lengths;
+}
+
+int run_bench_command(BenchArgs& args) {
+  const ProcessGroupInfo group = process_group_from_environment();
+  if (group.distributed())
+    fail("bench runs as one process for now ({}); multi-GPU benchmarks come with --sp once the sequence-parallel "
+         "strategies land",
+         group.describe());
+  args.options.seq_lengths = parse_lengths(args.seq);
+  if (args.options.device_index < 0) args.options.device_index = group.local_rank;
+  // Each finished length is reported at once (stderr, and the JSON file rewritten), so a sweep
+  // stopped by a time limit keeps what it measured.
+  auto on_result = [&](const bench::BenchReport& partial) {
+    const bench::BenchResult& r = partial.results.back();
+    if (r.error.empty())
+      std::fprintf(stderr, "bench: seq %lld: %.0f tokens/s, %.1f%% MFU\n", static_cast<long long>(r.seq),
+                   r.tokens_per_s, 100 * r.mfu);
+    else
+      std::fprintf(stderr, "bench: seq %lld did not run: %s\n", static_cast<long long>(r.seq), r.error.c_str());
+    if (!args.json_file.empty()) {
+      std::FILE* f = std::fopen(args.json_file.c_str(), "w");
+      if (!f) fail("cannot write --json-file {}", args.json_file);
+      std::fprintf(f, "%s\n", bench::report_json(partial).dump(2).c_str());
+      std::fclose(f);
+    }
+  };
+  const bench::BenchReport report = bench::run_bench(args.options, on_result);
+  if (args.json)
+    std::printf("%s\n", bench::report_json(report).dump(2).c_str());
+  else
+    std::printf("%s", bench::format_report(report).c_str());
+  for (const auto& r : report.results)
+    if (!r.error.empty()) return 1;
+  return 0;
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app, CommandList& commands) {
+  auto args = std::make_shared<BenchArgs>();
+  auto& o = args->options;
+  o.device_index = -1;
+  CLI::App* cmd = app.add_subcommand(
+      "bench", "Training-step throughput, MFU, peak memory and time split on synthetic data (random weights)");
+  cmd->add_option("--model", o.model, "model folder or its config.json (only the architecture is used)")->required();
+  cmd->add_option("--seq", args->seq, "sequence length(s), one causal document per step: 32768 or 32k,64k,128k "
+                                      "(a sweep on the same weights; stops at the first that does not fit)")
+      ->capture_default_str();
+  cmd->add_option("--lora-rank", o.lora_rank, "LoRA rank on all 7 projections")->capture_default_str();
+  cmd->add_option("--lora-alpha", o.lora_alpha, "LoRA alpha")->capture_default_str();
+  cmd->add_flag("--full", o.full, "full fine-tuning instead of LoRA");
+  cmd->add_option("--recompute", o.recompute, "recompute layer activations in backward: none or all")
+      ->check(CLI::IsMember({"none", "all"}))
+      ->capture_default_str();
+  cmd->add_option("--steps", o.steps, "timed steps per length")->capture_default_str();
+  cmd->add_option("--warmup", o.warmup, "untimed steps first")->capture_default_str();
+  cmd->add_option("--profile-steps", o.profile_steps,
+                  "extra steps timed op by op for the time split (0: none; the timed steps never are)")
+      ->capture_default_str();
+  cmd->add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  cmd->add_option("--device-index", o.device_index, "CUDA device (default: LOCAL_RANK, else 0)");
+  cmd->add_option("--threads", o.cpu_threads, "CPU threads with --device cpu (default: all)");
+  cmd->add_option("--peak-tflops", o.peak_tflops, "MFU denominator (default: the GPU's dense BF16 peak)");
+  cmd->add_option("--seed", o.seed, "seed of the random weights and tokens")->capture_default_str();
+  cmd->add_option("--sp", o.sp, "sequence-parallel degree (1 until the SP strategies land)")->capture_default_str();
+  cmd->add_flag("--json", args->json, "print one JSON document instead of the table");
+  cmd->add_option("--json-file", args->json_file, "also write the JSON document there (after every length)");
+  commands.push_back({cmd, [args] { return run_bench_command(*args); }});
+}
+
+}  // namespace spindle::cli

@@ -1,0 +1,168 @@
+// spindle bench's parts on the CPU: the timing decorator forwards every op unchanged (bit-identical
+// loss and gradients) and sees the op categories; the FLOP formulas count the parameters the
+// model really allocates; memory statistics move with allocations; a whole tiny sweep runs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "bench/bench.h"
+#include "bench/flops.h"
+#include "bench/timed_backend.h"
+#include "core/error.h"
+#include "model/batch.h"
+#include "model/decoder.h"
+#include "model/weights.h"
+
+namespace spindle::bench {
+namespace {
+
+const std::string kQwen2 = std::string(SPINDLE_SOURCE_DIR) + "/testdata/hf/qwen2";
+const std::string kLlama = std::string(SPINDLE_SOURCE_DIR) + "/testdata/hf/llama";
+
+PackedRow row_of(int64_t length, int64_t vocab) {
+  PackedRow row;
+  for (int64_t i = 0; i < length; ++i) {
+    row.input_ids.push_back(static_cast<int32_t>((i * 7919 + 13) % vocab));
+    row.positions.push_back(static_cast<int32_t>(i));
+    row.doc_ids.push_back(0);
+  }
+  for (int64_t i = 0; i < length; ++i) {
+    row.targets.push_back(i + 1 < length ? row.input_ids[i + 1] : kIgnoreIndex);
+    row.weights.push_back(i + 1 < length ? 1.0f : 0.0f);
+  }
+  return row;
+}
+
+std::vector<float> values(Backend& backend, const Tensor& t) {
+  std::vector<float> v(t.numel());
+  backend.copy_to_host(backend.default_stream(), t, v.data());
+  return v;
+}
+
+TEST(Bench, TimedBackendForwardsEveryOpUnchanged) {
+  auto backend = make_cpu_backend(1);
+  const ModelConfig config = ModelConfig::from_file(kQwen2);
+  const MicroBatch batch = make_micro_batch(*backend, {row_of(40, config.vocab_size)}, DType::F32);
+
+  auto run = [&](Backend& be, ModelWeights& weights) {
+    DecoderOptions options;
+    options.recompute.assign(config.num_layers, true);
+    Decoder decoder(be, weights, options);
+    Tensor loss = be.zeros(Shape{1}, DType::F32);
+    weights.zero_grads(be);
+    decoder.step(batch, 1.0 / batch.num_items, loss, true);
+    return values(*backend, loss)[0];
+  };
+  ModelWeights plain = ModelWeights::random(*backend, config, DType::F32, 7);
+  plain.train_all(*backend);
+  ModelWeights decorated = ModelWeights::random(*backend, config, DType::F32, 7);
+  decorated.train_all(*backend);
+
+  OpRecorder recorder(*backend);
+  TimedBackend timed(*backend, recorder);
+  const float plain_loss = run(*backend, plain);
+  const float timed_loss = run(timed, decorated);
+  EXPECT_EQ(plain_loss, timed_loss);
+  EXPECT_GT(plain_loss, 0.0f);
+  for (size_t i = 0; i < plain.parameters().size(); ++i) {
+    const auto& a = plain.parameters()[i];
+    const auto& b = decorated.parameters()[i];
+    EXPECT_EQ(values(*backend, a.grad), values(*backend, b.grad)) << a.name;
+  }
+  const auto totals = recorder.totals_ms();
+  EXPECT_GT(recorder.op_count(), 50);
+  EXPECT_GT(totals[static_cast<size_t>(OpCategory::Attention)], 0.0);
+  EXPECT_GT(totals[static_cast<size_t>(OpCategory::Gemm)], 0.0);
+  EXPECT_GT(totals[static_cast<size_t>(OpCategory::OtherOps)], 0.0);
+  EXPECT_EQ(totals[static_cast<size_t>(OpCategory::Communication)], 0.0);
+}
+
+// N_matmul and the LoRA count must be what ModelWeights allocates (tied and untied heads).
+TEST(Bench, FlopFormulasCountTheAllocatedParameters) {
+  auto backend = make_cpu_backend(1);
+  for (const std::string& path : {kQwen2, kLlama}) {
+    const ModelConfig config = ModelConfig::from_file(path);
+    ModelWeights weights = ModelWeights::random(*backend, config, DType::F32, 1);
+    LoraConfig lora;
+    lora.rank = 4;
+    lora.alpha = 8;
+    lora.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+    weights.add_lora(*backend, lora, 2);
+    int64_t projections = 0, adapters = 0;
+    for (const Parameter& p : weights.parameters()) {
+      if (p.name.find("lora_") != std::string::npos) adapters += p.value.numel();
+      else if (p.name.ends_with("proj.weight")) projections += p.value.numel();
+    }
+    const int64_t head = config.vocab_size * config.hidden_size;
+    EXPECT_EQ(matmul_parameters(config), projections + head) << path;
+    EXPECT_EQ(lora_parameters(config, 4, 7), adapters) << path;
+
+    FlopSetup setup;
+    setup.tokens = 100;
+    setup.lora_rank = 4;
+    setup.recompute = true;
+    const StepFlops f = step_flops(config, setup);
+    EXPECT_DOUBLE_EQ(f.dense_model, 6.0 * (projections + head + adapters) * 100);
+    const double attention_forward = config.num_layers * 4.0 * config.num_heads * config.head_dim * 100 * 101 / 2;
+    EXPECT_DOUBLE_EQ(f.attention_model, 3.5 * attention_forward);
+    EXPECT_DOUBLE_EQ(f.attention_executed, 4.5 * attention_forward);
+    EXPECT_DOUBLE_EQ(f.dense_executed, (4.0 * (projections + head) + 6.0 * adapters) * 100 +
+                                           2.0 * (projections + adapters) * 100);
+  }
+}
+
+TEST(Bench, CpuMemoryStatsFollowTheResidentSet) {
+  auto backend = make_cpu_backend(1);
+  backend->reset_peak_memory();
+  const MemoryStats before = backend->memory_stats();
+  EXPECT_GT(before.allocated_bytes, 0);
+  EXPECT_GE(before.peak_allocated_bytes, before.allocated_bytes);
+  {
+    Tensor big = backend->empty(Shape{int64_t{48} << 20}, DType::F32);  // 192 MiB, touched
+    backend->fill(backend->default_stream(), big, 1.0);
+    const MemoryStats during = backend->memory_stats();
+    EXPECT_GE(during.allocated_bytes - before.allocated_bytes, int64_t{180} << 20);
+  }
+  const MemoryStats after = backend->memory_stats();
+  EXPECT_GE(after.peak_allocated_bytes - before.allocated_bytes, int64_t{180} << 20);
+  EXPECT_EQ(after.device_total_bytes, 0);
+}
+
+TEST(Bench, TinySweepOnTheCpu) {
+  BenchOptions o;
+  o.model = kQwen2;
+  o.device = "cpu";
+  o.cpu_threads = 1;
+  o.seq_lengths = {32, 64};
+  o.lora_rank = 4;
+  o.steps = 2;
+  o.warmup = 1;
+  const BenchReport report = run_bench(o);
+  ASSERT_EQ(report.results.size(), 2u);
+  const double ln_vocab = std::log(static_cast<double>(report.config.vocab_size));
+  for (const BenchResult& r : report.results) {
+    EXPECT_TRUE(r.error.empty()) << r.error;
+    ASSERT_EQ(r.step_ms.size(), 2u);
+    EXPECT_GT(r.tokens_per_s, 0);
+    // Random weights (std 0.02) give nearly uniform predictions.
+    EXPECT_NEAR(r.loss, ln_vocab, 0.1);
+    EXPECT_TRUE(r.split_measured);
+    EXPECT_GT(r.split_ms[0], 0);
+    EXPECT_GT(r.model_flops, 0);
+  }
+  const auto j = report_json(report);
+  EXPECT_EQ(j["results"].size(), 2u);
+  EXPECT_FALSE(j["optimizer_step_included"].get<bool>());
+  EXPECT_NE(format_report(report).find("optimizer step is not included"), std::string::npos);
+
+  o.sp = 2;
+  EXPECT_THROW(run_bench(o), Error);
+  o.sp = 1;
+  o.seq_lengths = {1};
+  EXPECT_THROW(run_bench(o), Error);
+}
+
+}  // namespace
+}  // namespace spindle::bench
