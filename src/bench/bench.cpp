@@ -13,6 +13,10 @@
 #include "model/batch.h"
 #include "model/decoder.h"
 #include "model/weights.h"
+#include "parallel/fsdp.h"
+#include "parallel/sequence_shard.h"
+#include "parallel/sp_attention.h"
+#include "train/step_runner.h"
 
 #if SPINDLE_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
@@ -46,10 +50,7 @@ void validate(const BenchOptions& o) {
   if (o.warmup < 0 || o.profile_steps < 0) fail("--warmup and --profile-steps cannot be negative");
   if (!o.full && o.lora_rank <= 0) fail("--lora-rank must be positive (or use --full), got {}", o.lora_rank);
   if (o.recompute != "none" && o.recompute != "all") fail("--recompute must be none or all, got '{}'", o.recompute);
-  if (o.sp != 1)
-    fail("--sp {}: sequence-parallel benchmarks need the Ulysses/ring attention strategies, which this build does "
-         "not have yet; run with --sp 1",
-         o.sp);
+  if (o.sp < 0 || o.ulysses < 0 || o.ring < 0) fail("--sp, --ulysses and --ring must be positive");
 }
 
 // One causal document of random tokens; every position but the last predicts the next token.
@@ -83,13 +84,29 @@ float read_scalar(Backend& backend, const Tensor& t) {
 
 bool is_out_of_memory(const Error& e) { return std::string(e.what()).find("out of GPU memory") != std::string::npos; }
 
+// What a multi-process sweep shares across lengths: the groups, the SP attention, FSDP.
+struct Parallel {
+  RunTopology run;
+  std::unique_ptr<AttentionStrategy> attention;  // null for sp = 1
+  std::unique_ptr<parallel::Fsdp> fsdp;          // null for one process
+  void attach(Decoder& decoder) const {
+    if (attention) decoder.set_attention(attention.get());
+    if (fsdp) decoder.set_parameter_hooks(fsdp.get());
+  }
+};
+
 void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, const DeviceInfo& device,
-                double peak_tflops, BenchResult& r) {
+                double peak_tflops, const Parallel& par, BenchResult& r) {
   const ModelConfig& config = weights.config;
   const DType dtype = weights.dtype;
   const int64_t seq = r.seq;
-  const MicroBatch batch = make_micro_batch(backend, {synthetic_row(seq, config.vocab_size, o.seed + seq)}, dtype);
-  const double loss_scale = 1.0 / static_cast<double>(batch.num_items);
+  const parallel::MeshConfig& mesh = par.run.mesh_config;
+  const int dp_index = par.run.mesh ? par.run.mesh->coordinates().dp : 0;
+  // One sequence per replica and step; this rank computes its sp shard of it.
+  PackedRow row = synthetic_row(seq, config.vocab_size, o.seed + seq + static_cast<uint64_t>(dp_index));
+  const double loss_scale = 1.0 / static_cast<double>(row.num_items() * mesh.dp);
+  if (mesh.sp > 1) row = parallel::shard_row(row, mesh)[par.run.mesh->sp_rank()];
+  const MicroBatch batch = make_micro_batch(backend, {row}, dtype);
 
   DecoderOptions decoder_options;
   if (o.recompute == "all") decoder_options.recompute.assign(config.num_layers, true);
@@ -98,11 +115,13 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
 
   // The optimizer step is not part of the timed step (see format_report).
   auto one_step = [&](Decoder& decoder, Backend& be) {
-    weights.zero_grads(be);
+    if (par.fsdp) par.fsdp->zero_grads();
+    else weights.zero_grads(be);
     decoder.step(batch, loss_scale, loss, true);
   };
 
   Decoder decoder(backend, weights, decoder_options);
+  par.attach(decoder);
   for (int i = 0; i < o.warmup; ++i) one_step(decoder, backend);
   backend.synchronize(stream);
   backend.fill(stream, loss, 0.0);
@@ -120,24 +139,25 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   r.loss = read_scalar(backend, loss) / static_cast<float>(o.steps);
   for (int i = 0; i < o.steps; ++i) r.step_ms.push_back(timer->elapsed_ms(marks[i], marks[i + 1]));
   const double total_ms = std::accumulate(r.step_ms.begin(), r.step_ms.end(), 0.0);
-  r.tokens_per_s = static_cast<double>(seq) * o.steps / (total_ms / 1000.0);
+  r.tokens_per_s = static_cast<double>(seq) * mesh.dp * o.steps / (total_ms / 1000.0);  // all replicas
 
   FlopSetup setup;
-  setup.tokens = seq;
+  setup.tokens = seq;  // one replica's sequence; its FLOPs are spread over the replica's sp GPUs
   setup.lora_rank = o.full ? 0 : o.lora_rank;
   setup.recompute = o.recompute == "all";
   const StepFlops flops = step_flops(config, setup);
   const double step_s = total_ms / 1000.0 / o.steps;
   r.model_flops = flops.model();
   r.executed_flops = flops.executed();
-  r.model_tflops = flops.model() / step_s / 1e12;
-  r.executed_tflops = flops.executed() / step_s / 1e12;
+  r.model_tflops = flops.model() / mesh.sp / step_s / 1e12;  // per GPU
+  r.executed_tflops = flops.executed() / mesh.sp / step_s / 1e12;
   r.mfu = peak_tflops > 0 ? r.model_tflops / peak_tflops : 0;
 
   if (o.profile_steps > 0) {
     OpRecorder recorder(backend);
     TimedBackend timed(backend, recorder);
     Decoder profiled(timed, weights, decoder_options);
+    par.attach(profiled);
     auto wall = make_device_timer(backend);
     const int start = wall->mark(stream);
     for (int i = 0; i < o.profile_steps; ++i) one_step(profiled, timed);
@@ -161,7 +181,25 @@ BenchReport run_bench(const BenchOptions& options, const std::function<void(cons
   BenchReport report;
   report.options = options;
   report.config = ModelConfig::from_file(options.model);
-  auto backend = make_backend(options);
+  // Several processes: one GPU each (its local rank), NCCL between them, the mesh of the flags.
+  const ProcessGroupInfo process = process_group_from_environment();
+  BenchOptions local = options;
+  if (process.distributed()) local.device_index = process.local_rank;
+  auto backend = make_backend(local);
+  Parallel par;
+  parallel::MeshFlags flags;
+  if (options.sp) flags.sp = options.sp;
+  if (options.ulysses) flags.ulysses = options.ulysses;
+  if (options.ring) flags.ring = options.ring;
+  par.run = connect_run(flags, static_cast<int>(report.config.num_heads), static_cast<int>(report.config.num_kv_heads),
+                        process.distributed() && options.device == "cuda" ? local.device_index : -1);
+  const parallel::MeshConfig& mesh = par.run.mesh_config;
+  report.world = par.run.world_size();
+  report.dp = mesh.dp;
+  report.sp = mesh.sp;
+  report.ulysses = mesh.ulysses;
+  report.ring = mesh.ring;
+  if (par.run.mesh && mesh.sp > 1) par.attention = parallel::make_sequence_parallel_attention(*par.run.mesh, report.config);
   const DeviceInfo device = describe_device(*backend);
   report.device_name = device.name;
   report.peak_tflops = options.peak_tflops > 0 ? options.peak_tflops : device.bf16_dense_tflops;
@@ -182,13 +220,17 @@ BenchReport run_bench(const BenchOptions& options, const std::function<void(cons
     report.parameters += p.value.numel();
     if (p.trainable) report.trainable_parameters += p.value.numel();
   }
+  if (par.run.world) par.fsdp = std::make_unique<parallel::Fsdp>(*backend, weights, *par.run.world);
   backend->synchronize(backend->default_stream());
 
   for (int64_t seq : options.seq_lengths) {
     BenchResult r;
     r.seq = seq;
     try {
-      run_length(*backend, weights, options, device, report.peak_tflops, r);
+      if (seq % parallel::sequence_multiple(mesh) != 0)
+        fail("--seq {} is not a multiple of {}, which --sp {} (ulysses {} x ring {}) needs", seq,
+             parallel::sequence_multiple(mesh), mesh.sp, mesh.ulysses, mesh.ring);
+      run_length(*backend, weights, options, device, report.peak_tflops, par, r);
     } catch (const Error& e) {
       if (!is_out_of_memory(e)) throw;
       r.error = e.what();
@@ -215,6 +257,10 @@ std::string format_report(const BenchReport& rep) {
                    o.device == "cuda" ? "BF16 (F32 accumulation)" : "F32", rep.device_name,
                    o.full ? std::string("full fine-tuning") : fmt::format("LoRA r={} on all 7 projections", o.lora_rank),
                    rep.trainable_parameters, o.recompute, o.warmup, o.steps);
+  if (rep.world > 1)
+    s += fmt::format("  {} processes, one GPU each: dp {} x sp {} (ulysses {} x ring {}), FSDP over all; tokens/s counts "
+                     "all replicas, TFLOP/s and MFU are per GPU, memory is rank 0's\n",
+                     rep.world, rep.dp, rep.sp, rep.ulysses, rep.ring);
   s += "  step = forward + backward (gradients zeroed first); the optimizer step is not included\n";
   s += "  model FLOPs = 6·N_matmul·T + 3.5·L·4·Hq·D·T(T+1)/2 (no recompute; frozen LoRA base weights counted as "
        "trained); executed FLOPs count what runs\n";
@@ -266,7 +312,11 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
   j["recompute"] = o.recompute;
   j["warmup"] = o.warmup;
   j["steps"] = o.steps;
-  j["sp"] = o.sp;
+  j["world"] = rep.world;
+  j["dp"] = rep.dp;
+  j["sp"] = rep.sp;
+  j["ulysses"] = rep.ulysses;
+  j["ring"] = rep.ring;
   j["parameters"] = rep.parameters;
   j["trainable_parameters"] = rep.trainable_parameters;
   j["optimizer_step_included"] = false;

@@ -28,7 +28,10 @@ struct BenchOptions {
   int cpu_threads = 0;
   double peak_tflops = 0;              // MFU denominator; 0: the device's BF16 dense peak if known
   uint64_t seed = 1234;
-  int sp = 1;                          // sequence-parallel degree (only 1 until the SP strategies land)
+  // Mesh when run as several processes (--nproc-per-node / torchrun): each step is one sequence of
+  // `seq` tokens per data-parallel replica, split over sp ranks (0 = default, see resolve_mesh);
+  // parameters sharded over all ranks (FSDP), as `spindle sft` runs.
+  int sp = 0, ulysses = 0, ring = 0;
 };
 
 struct BenchResult {
@@ -42,12 +45,13 @@ struct BenchResult {
   MemoryStats memory;                  // after the timed steps; peaks since the first timed step
   bool split_measured = false;
   double split_ms[4] = {};             // attention, gemm, communication, other ops (per step)
-  double profiled_step_ms = 0;         // wall time of the profiled step(s), per step
+  double profiled_step_ms = 0;         // wall time of the profiled step(s), per step (rank 0)
   int64_t ops_per_step = 0;
 };
 
 struct BenchReport {
   BenchOptions options;
+  int world = 1, dp = 1, sp = 1, ulysses = 1, ring = 1;  // the mesh the sweep ran on
   ModelConfig config;
   std::string device_name;
   double peak_tflops = 0;

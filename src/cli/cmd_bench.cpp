@@ -1,6 +1,7 @@
 // spindle bench: tokens/s, MFU, peak memory and a time split of training steps on synthetic data
 // (src/bench). Prints a table with the formulas it used, or JSON for scripts (--json).
 #include <cstdio>
+#include <functional>
 #include <string>
 
 #include "bench/bench.h"
@@ -49,10 +50,6 @@ std::vector<int64_t> parse_lengths(const std::string& text) {
 
 int run_bench_command(BenchArgs& args) {
   const ProcessGroupInfo group = process_group_from_environment();
-  if (group.distributed())
-    fail("bench runs as one process for now ({}); multi-GPU benchmarks come with --sp once the sequence-parallel "
-         "strategies land",
-         group.describe());
   args.options.seq_lengths = parse_lengths(args.seq);
   if (args.options.device_index < 0) args.options.device_index = group.local_rank;
   // Each finished length is reported at once (stderr, and the JSON file rewritten), so a sweep
@@ -71,7 +68,10 @@ int run_bench_command(BenchArgs& args) {
       std::fclose(f);
     }
   };
-  const bench::BenchReport report = bench::run_bench(args.options, on_result);
+  const bool main_rank = group.rank == 0;  // every rank runs the sweep; rank 0 reports
+  const bench::BenchReport report = bench::run_bench(
+      args.options, main_rank ? std::function<void(const bench::BenchReport&)>(on_result) : nullptr);
+  if (!main_rank) return 0;
   if (args.json)
     std::printf("%s\n", bench::report_json(report).dump(2).c_str());
   else
@@ -109,7 +109,9 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--threads", o.cpu_threads, "CPU threads with --device cpu (default: all)");
   cmd->add_option("--peak-tflops", o.peak_tflops, "MFU denominator (default: the GPU's dense BF16 peak)");
   cmd->add_option("--seed", o.seed, "seed of the random weights and tokens")->capture_default_str();
-  cmd->add_option("--sp", o.sp, "sequence-parallel degree (1 until the SP strategies land)")->capture_default_str();
+  cmd->add_option("--sp", o.sp, "sequence-parallel degree with --nproc-per-node N (default: 1)");
+  cmd->add_option("--ulysses", o.ulysses, "Ulysses part of --sp (default: the largest the heads allow)");
+  cmd->add_option("--ring", o.ring, "ring part of --sp (default: sp / ulysses)");
   cmd->add_flag("--json", args->json, "print one JSON document instead of the table");
   cmd->add_option("--json-file", args->json_file, "also write the JSON document there (after every length)");
   commands.push_back({cmd, [args] { return run_bench_command(*args); }});

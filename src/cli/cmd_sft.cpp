@@ -124,7 +124,10 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--metrics-file", c.metrics_file, "JSONL metrics (default OUTPUT/metrics.jsonl)");
   cmd->add_option("--log-every", c.log_every, "plain progress lines every N steps")->capture_default_str();
   cmd->add_option("--recompute", c.recompute, "activation checkpointing: none or all")->capture_default_str();
-  cmd->add_option("--dtype", c.dtype, "CPU compute precision: f32 or f64")->capture_default_str();
+  cmd->add_option("--device", c.device, "auto, cpu or cuda (auto: CUDA when a GPU is visible; each process uses "
+                                        "the GPU of its local rank)")->capture_default_str();
+  cmd->add_option("--dtype", c.dtype, "compute precision: auto (CPU f32, CUDA bf16), f32 or f64 (CPU)")
+      ->capture_default_str();
   cmd->add_option("--threads", c.threads, "CPU threads per process (default: the machine's cores / processes)");
   cmd->add_option("--dp", c.dp, "data-parallel replicas (default: processes / sp)");
   cmd->add_option("--sp", c.sp, "sequence-parallel degree: each row is split over this many processes (default 1)");

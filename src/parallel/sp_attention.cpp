@@ -281,22 +281,49 @@ void RingAttention::backward(Backend& backend, Stream stream, const MicroBatch& 
   Tensor ck = current.k(), cv = current.v();
   backend.copy(stream, k, ck);
   backend.copy(stream, v, cv);
+  // Partial gradients of the blocks cancel each other (dS = P∘(dP − D)), so with BF16/F16
+  // activations the sums over blocks are kept in F32 (the travelling dK/dV too) and rounded once
+  // at the end; F32/F64 models accumulate in place.
+  const bool widen = k.dtype() != DType::F32 && k.dtype() != DType::F64;
+  const DType acc_dtype = widen ? DType::F32 : k.dtype();
+  auto pair_of = [&](DType dtype) { return KvPair{backend.empty(Shape{2, k.dim(0), k.dim(1), k.dim(2)}, dtype)}; };
   // dK/dV of the block this rank holds, with the contributions of the ranks it has visited.
-  KvPair grad = empty_pair(backend, k), grad_incoming = empty_pair(backend, k);
+  KvPair grad = pair_of(acc_dtype), grad_incoming = pair_of(acc_dtype);
+  Tensor dq_acc = widen ? backend.empty(q.shape(), DType::F32) : dq;
+  KvPair partial = widen ? pair_of(k.dtype()) : KvPair{};
+  Tensor dq_partial = widen ? backend.empty(q.shape(), q.dtype()) : Tensor();
+  Tensor wide_kv = widen ? backend.empty(partial.both.shape(), DType::F32) : Tensor();
+  Tensor wide_q = widen ? backend.empty(q.shape(), DType::F32) : Tensor();
   for (int step = 0; step < size; ++step) {
     const int source = (rank - step + size) % size;
     if (step + 1 < size) ring_.send_recv(stream, current.both, next, incoming.both, previous);
     // Exact partial gradients from the final out and lse: dq accumulates here, dK/dV in the
     // travelling accumulator; step 0 (own block, fresh accumulator) overwrites both.
-    Tensor gk = grad.k(), gv = grad.v();
-    backend.attention_backward(stream, q, current.k(), current.v(), out, dout, lse, block_mask(batch, table, source, t),
-                               scale, dq, gk, gv, step > 0);
+    const AttentionMask mask = block_mask(batch, table, source, t);
+    if (!widen) {
+      Tensor gk = grad.k(), gv = grad.v();
+      backend.attention_backward(stream, q, current.k(), current.v(), out, dout, lse, mask, scale, dq, gk, gv, step > 0);
+    } else {
+      Tensor pk = partial.k(), pv = partial.v();
+      backend.attention_backward(stream, q, current.k(), current.v(), out, dout, lse, mask, scale, dq_partial, pk, pv,
+                                 false);
+      backend.copy(stream, dq_partial, wide_q);
+      backend.copy(stream, partial.both, wide_kv);
+      if (step == 0) {
+        backend.copy(stream, wide_q, dq_acc);
+        backend.copy(stream, wide_kv, grad.both);
+      } else {
+        backend.axpy(stream, 1.0, wide_q, dq_acc);
+        backend.axpy(stream, 1.0, wide_kv, grad.both);
+      }
+    }
     // Pass the accumulator on; after the last step what arrives is this rank's own block, complete.
     if (size > 1) ring_.send_recv(stream, grad.both, next, grad_incoming.both, previous);
     std::swap(grad, grad_incoming);
     std::swap(current, incoming);
   }
   // (With one rank nothing moved: grad still holds the own block's gradient.)
+  if (widen) backend.copy(stream, dq_acc, dq);
   backend.copy(stream, grad.k(), dk);
   backend.copy(stream, grad.v(), dv);
 }

@@ -79,8 +79,8 @@ nlohmann::ordered_json CheckReport::to_json() const {
 
 std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& options) {
   const ModelConfig model_config = ModelConfig::from_file(config.model);
-  RunTopology run = connect_run(config.mesh_flags(), static_cast<int>(model_config.num_heads),
-                                static_cast<int>(model_config.num_kv_heads));
+  const ComputeDevice device = choose_device(config, process_group_from_environment());
+  RunTopology run = connect_training_run(config, model_config, device);
   const bool temporary_output = config.output.empty();
   if (temporary_output)  // one folder per job, the same name on every rank
     config.output = (fs::temp_directory_path() /
@@ -93,8 +93,8 @@ std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& opt
   std::vector<PackedRow> rows;
   for (int64_t m = 0; m < config.grad_accum * mesh.dp; ++m) rows.push_back(loader.next());
 
-  const DType dtype = config.dtype == "f64" ? DType::F64 : DType::F32;
-  auto backend = make_cpu_backend(threads_per_process(config, run));
+  const DType dtype = device.dtype;
+  auto backend = make_backend(device, threads_per_process(config, run));
   ModelWeights weights = load_training_weights(*backend, config, model_config, {}, dtype);
   Decoder decoder(*backend, weights, decoder_options(config, model_config));
   std::unique_ptr<AttentionStrategy> sequence_attention;
@@ -127,8 +127,11 @@ std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& opt
   report.loss_mesh = on_mesh.loss;
   report.loss_single = single.loss;
   report.loss_relative_error = std::abs(on_mesh.loss - single.loss) / std::max(std::abs(single.loss), 1e-30);
-  report.loss_tolerance = options.loss_tolerance >= 0 ? options.loss_tolerance : (dtype == DType::F64 ? 1e-10 : 1e-5);
-  report.grad_tolerance = options.grad_tolerance >= 0 ? options.grad_tolerance : (dtype == DType::F64 ? 1e-9 : 1e-4);
+  // Defaults per dtype: rounding of a different summation order (bf16 rounds every stored activation).
+  const double default_loss = dtype == DType::F64 ? 1e-10 : dtype == DType::BF16 ? 1e-2 : 1e-5;
+  const double default_grad = dtype == DType::F64 ? 1e-9 : dtype == DType::BF16 ? 5e-2 : 1e-4;
+  report.loss_tolerance = options.loss_tolerance >= 0 ? options.loss_tolerance : default_loss;
+  report.grad_tolerance = options.grad_tolerance >= 0 ? options.grad_tolerance : default_grad;
   double mesh_sq = 0, single_sq = 0;
   for (const auto& [name, grad] : mesh_gradients) {
     Parameter* reference = single_weights.find(name);

@@ -8,6 +8,9 @@
 #include "data/prepared_dataset.h"
 #include "data/sample_encoder.h"
 #include "io/checkpoint.h"
+#if SPINDLE_WITH_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
 
 namespace spindle {
 
@@ -59,6 +62,53 @@ PackOptions pack_options(const TrainConfig& config) {
   return pack;
 }
 
+
+std::string ComputeDevice::describe() const {
+  return cuda ? fmt::format("CUDA device {}, {}", index, dtype_name(dtype)) : fmt::format("CPU, {}", dtype_name(dtype));
+}
+
+ComputeDevice choose_device(const TrainConfig& config, const ProcessGroupInfo& process) {
+  ComputeDevice device;
+#if SPINDLE_WITH_CUDA
+  const int gpus = cuda_device_count();
+#else
+  const int gpus = 0;
+#endif
+  if (config.device == "cuda" && gpus == 0) {
+#if SPINDLE_WITH_CUDA
+    fail("--device cuda: no CUDA device is visible to this process (check CUDA_VISIBLE_DEVICES and the driver)");
+#else
+    fail("--device cuda: this spindle was built without the CUDA backend (rebuild where nvcc is installed)");
+#endif
+  }
+  device.cuda = config.device == "cuda" || (config.device == "auto" && gpus > 0);
+  if (device.cuda) {
+    device.index = process.local_rank;
+    if (device.index >= gpus)
+      fail("local rank {} has no GPU: {} CUDA devices are visible and each process takes the one of its local rank; "
+           "start at most {} processes per machine",
+           process.local_rank, gpus, gpus);
+    if (config.dtype == "f64" || config.dtype == "f32")
+      fail("--dtype {} is a CPU precision; on CUDA spindle computes in bf16 (leave --dtype out)", config.dtype);
+    device.dtype = DType::BF16;
+  } else {
+    if (config.dtype == "bf16") fail("--dtype bf16 needs --device cuda; the CPU reference computes in f32 or f64");
+    device.dtype = config.dtype == "f64" ? DType::F64 : DType::F32;
+  }
+  return device;
+}
+
+std::unique_ptr<Backend> make_backend(const ComputeDevice& device, int cpu_threads) {
+#if SPINDLE_WITH_CUDA
+  if (device.cuda) return make_cuda_backend(device.index);
+#endif
+  return make_cpu_backend(cpu_threads);
+}
+
+RunTopology connect_training_run(const TrainConfig& config, const ModelConfig& model, const ComputeDevice& device) {
+  return connect_run(config.mesh_flags(), static_cast<int>(model.num_heads), static_cast<int>(model.num_kv_heads),
+                     device.cuda ? device.index : -1);
+}
 
 TrainingData prepare_training_data(const TrainConfig& config, const RunTopology& run) {
   const bool main_rank = run.is_main();

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <filesystem>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -14,6 +16,20 @@
 #include "train/train_config.h"
 
 namespace spindle {
+
+// Where this process computes: --device (auto: CUDA when spindle has the CUDA backend and a GPU is
+// visible), the GPU of its LOCAL_RANK, and the compute dtype (--dtype auto: F32 on the CPU, BF16
+// storage with F32 accumulation on CUDA).
+struct ComputeDevice {
+  bool cuda = false;
+  int index = 0;
+  DType dtype = DType::F32;
+  std::string describe() const;  // "CUDA device 1, bf16" / "CPU, f32"
+};
+ComputeDevice choose_device(const TrainConfig& config, const ProcessGroupInfo& process);
+std::unique_ptr<Backend> make_backend(const ComputeDevice& device, int cpu_threads);
+// The mesh and process groups for this device (NCCL between GPUs, Gloo between CPU processes).
+RunTopology connect_training_run(const TrainConfig& config, const ModelConfig& model, const ComputeDevice& device);
 
 struct TrainingData {
   std::vector<DataSource> sources;  // prepared datasets with their mixing weights

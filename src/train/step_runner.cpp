@@ -3,18 +3,19 @@
 #include <algorithm>
 
 #include "comm/cpu_communicator.h"
+#include "comm/nccl_communicator.h"
 #include "core/error.h"
 #include "model/batch.h"
 #include "parallel/sequence_shard.h"
 
 namespace spindle {
 
-RunTopology connect_run(const parallel::MeshFlags& flags, int num_q_heads, int num_kv_heads) {
+RunTopology connect_run(const parallel::MeshFlags& flags, int num_q_heads, int num_kv_heads, int cuda_device) {
   RunTopology run;
   run.process = process_group_from_environment();
   run.mesh_config = parallel::resolve_mesh(flags, run.process.world_size, num_q_heads, num_kv_heads);
   if (!run.process.distributed()) return run;
-  run.world = comm::connect_cpu_world(run.process);
+  run.world = cuda_device >= 0 ? comm::connect_nccl_world(run.process, cuda_device) : comm::connect_cpu_world(run.process);
   run.mesh = std::make_unique<parallel::Mesh>(run.mesh_config, *run.world);
   return run;
 }

@@ -30,8 +30,9 @@ struct RunTopology {
 
 // Reads the job from the environment (launcher, torchrun, SLURM), resolves and validates the mesh
 // against the world size and the model's heads — before anything is allocated, so a wrong
-// combination is an error naming the flags — then connects the processes and builds the groups.
-RunTopology connect_run(const parallel::MeshFlags& flags, int num_q_heads, int num_kv_heads);
+// combination is an error naming the flags — then connects the processes (Gloo on host tensors,
+// or NCCL on CUDA device `cuda_device` when it is ≥ 0) and builds the groups.
+RunTopology connect_run(const parallel::MeshFlags& flags, int num_q_heads, int num_kv_heads, int cuda_device = -1);
 
 struct StepTotals {
   double loss = 0;        // Σ loss_scale·CE / N over the whole global batch (every rank gets it)

@@ -35,7 +35,10 @@ void TrainConfig::validate() const {
   if (eval_steps > 0 && eval_data.empty()) fail("--eval-steps needs --eval-data");
   if (log_every <= 0) fail("--log-every must be positive, got {}", log_every);
   if (recompute != "none" && recompute != "all") fail("--recompute must be none or all, got \"{}\"", recompute);
-  if (dtype != "f32" && dtype != "f64") fail("--dtype must be f32 or f64 on the CPU, got \"{}\"", dtype);
+  if (device != "auto" && device != "cpu" && device != "cuda")
+    fail("--device must be auto, cpu or cuda, got \"{}\"", device);
+  if (dtype != "auto" && dtype != "f32" && dtype != "f64" && dtype != "bf16")
+    fail("--dtype must be auto, f32, f64 (CPU) or bf16 (CUDA), got \"{}\"", dtype);
   if (dp < 0 || sp < 0 || ulysses < 0 || ring < 0) fail("--dp, --sp, --ulysses and --ring must be positive");
   if (!adapter.empty() && !fs::exists(fs::path(adapter) / "adapter_config.json"))
     fail("--adapter {}: no adapter_config.json there", adapter);

@@ -42,7 +42,8 @@ struct TrainConfig {
   std::string metrics_file;           // default: OUTPUT/metrics.jsonl
   int64_t log_every = 1;
   std::string recompute = "none";     // none | all: activation checkpointing per layer
-  std::string dtype = "f32";          // CPU compute precision: f32 | f64
+  std::string device = "auto";        // auto | cpu | cuda (auto: CUDA when built with it and a GPU is visible)
+  std::string dtype = "auto";         // auto (cpu: f32, cuda: bf16) | f32 | f64 (cpu) | bf16 (cuda)
   int threads = 0;
   // Mesh (docs/parallelism.md): 0 = not given, resolved against the number of processes.
   int dp = 0, sp = 0, ulysses = 0, ring = 0;

@@ -1,6 +1,5 @@
 #include "train/trainer.h"
 
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -50,11 +49,6 @@ double read_scalar(Backend& backend, const Tensor& t) {
   return v;
 }
 
-int64_t peak_host_memory_bytes() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<int64_t>(usage.ru_maxrss) * 1024;  // Linux reports KiB
-}
 
 struct Checkpointer {
   const TrainConfig& config;
@@ -144,9 +138,9 @@ TrainSummary run_sft(const TrainConfig& config) {
   config.validate();
   const auto start = std::chrono::steady_clock::now();
   const ModelConfig model_config = ModelConfig::from_file(config.model);
-  // The mesh is checked against the job and the model before any data or weight is touched.
-  RunTopology run = connect_run(config.mesh_flags(), static_cast<int>(model_config.num_heads),
-                                static_cast<int>(model_config.num_kv_heads));
+  // The device and the mesh are checked against the job and the model before any data or weight is touched.
+  const ComputeDevice device = choose_device(config, process_group_from_environment());
+  RunTopology run = connect_training_run(config, model_config, device);
   const parallel::MeshConfig& mesh = run.mesh_config;
   const bool main_rank = run.is_main();
   auto barrier = [&] {
@@ -183,12 +177,12 @@ TrainSummary run_sft(const TrainConfig& config) {
     while (eval_rows.size() % mesh.dp) eval_rows.push_back(padding_row(parallel::sequence_multiple(mesh)));
   }
   if (main_rank && run.world)
-    std::fprintf(stderr, "%d processes: dp %d x sp %d (ulysses %d x ring %d)\n", run.world_size(), mesh.dp, mesh.sp,
-                 mesh.ulysses, mesh.ring);
+    std::fprintf(stderr, "%d processes: dp %d x sp %d (ulysses %d x ring %d), each on %s\n", run.world_size(), mesh.dp,
+                 mesh.sp, mesh.ulysses, mesh.ring, device.describe().c_str());
 
   // Model.
-  const DType dtype = config.dtype == "f64" ? DType::F64 : DType::F32;
-  auto backend = make_cpu_backend(threads_per_process(config, run));
+  const DType dtype = device.dtype;
+  auto backend = make_backend(device, threads_per_process(config, run));
   const io::Checkpoint source_checkpoint(config.model);
   // A full fine-tune is saved in the precision the user's model came in (bf16 usually).
   const io::TensorRecord* embed_record = source_checkpoint.find("model.embed_tokens.weight");
@@ -272,7 +266,7 @@ TrainSummary run_sft(const TrainConfig& config) {
     m.total_tokens = total_tokens;
     m.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
     m.tokens_per_s = m.step_seconds > 0 ? static_cast<double>(totals.tokens) / m.step_seconds : 0;
-    m.peak_memory_bytes = peak_host_memory_bytes();
+    m.peak_memory_bytes = backend->memory_stats().peak_allocated_bytes;  // GPU pool on CUDA, RSS on the CPU
     m.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     m.epoch = loader.epochs_done();
     if (config.eval_steps > 0 && (step % config.eval_steps == 0 || step == total_steps) && !eval_rows.empty())

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Run THERE (the GPU host, 2 GPUs) from the repository root, with .gpubin/run carried (stage.sh):
+# CUDA op and model tests, NCCL tests, then sequence parallelism on 2 GPUs — spindle check
+# (2 GPUs vs 1, Ulysses and ring), sft losses on 1 and 2 GPUs, and spindle bench at sp 2.
+# Results under $OUT. PARTS selects: tests check sft bench (default all).
+set -uo pipefail
+root=$PWD
+stage=$root/.gpubin/run
+for f in "$stage"/lib/*; do n=$(basename "$f"); ldconfig -p | grep -q "^[[:space:]]*$n " && rm -f "$f"; done
+export LD_LIBRARY_PATH="$stage/lib:/usr/lib/x86_64-linux-gnu/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if ! ldconfig -p | grep -q libnccl.so.2; then
+  nccl_lib="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)"
+  [[ -d "$nccl_lib" ]] && export LD_LIBRARY_PATH="$nccl_lib:$LD_LIBRARY_PATH"
+fi
+# Everything is written under $root/gpu-out and packed into one archive in $OUT at the end (the
+# device tool brings back only a few files).
+out=$root/gpu-out; rm -rf "$out"; mkdir -p "$out"
+parts=${PARTS:-tests check sft bench}
+S=$stage/bin/spindle
+summary=()
+has() { [[ " $parts " == *" $1 "* ]]; }
+ldd "$S" | grep -E "not found" > "$out/missing_libs.txt"
+
+if has tests; then
+  for t in test_cuda_ops test_cuda_model test_cuda_memory; do
+    timeout 240 "$stage/bin/$t" --gtest_color=no > "$out/$t.log" 2>&1; summary+=("$t rc=$?")
+  done
+  NCCL_DEBUG=WARN timeout 200 "$stage/bin/test_nccl" --gtest_color=no > "$out/test_nccl.log" 2>&1; summary+=("test_nccl rc=$?")
+fi
+
+M=$root/testdata/hf
+if has check; then
+  # One step on 2 GPUs (bf16) against the same rows in one process on GPU 0.
+  for mesh in "--sp 2 --ulysses 2" "--sp 2 --ring 2"; do
+    for case in "qwen2 --full" "qwen2_lora --adapter $M/qwen2_lora/adapter" "qwen3 --full"; do
+      set -- $case; name=$1; shift
+      timeout 120 "$S" check --device cuda --nproc-per-node 2 $mesh --model "$M/$name" --data "$M/$name/data.jsonl" \
+        --max-length 64 --grad-accum 2 "$@" --json > "$out/check_${name}_${mesh// /_}.json" 2> "$out/check_${name}_${mesh// /_}.err"
+      summary+=("check $name $mesh rc=$?")
+    done
+  done
+fi
+
+if has sft; then
+  common=(sft --device cuda --model "$M/qwen2" --data "$M/qwen2/data.jsonl" --full --max-length 64 --max-steps 6
+          --lr 1e-3 --lr-scheduler constant --grad-accum 2 --log-every 100)
+  timeout 120 "$S" "${common[@]}" --output "$out/sft_1gpu" > "$out/sft_1gpu.log" 2>&1; summary+=("sft 1 GPU rc=$?")
+  timeout 120 "$S" "${common[@]}" --output "$out/sft_2gpu_ring" --nproc-per-node 2 --sp 2 --ring 2 \
+    > "$out/sft_2gpu_ring.log" 2>&1; summary+=("sft 2 GPU ring rc=$?")
+  timeout 120 "$S" "${common[@]}" --output "$out/sft_2gpu_ulysses" --nproc-per-node 2 --sp 2 \
+    > "$out/sft_2gpu_ulysses.log" 2>&1; summary+=("sft 2 GPU ulysses rc=$?")
+  python3 - "$out" > "$out/sft_compare.txt" 2>&1 <<'PY'
+import json, sys, os
+out = sys.argv[1]
+runs = {n: [json.loads(l) for l in open(os.path.join(out, n, "metrics.jsonl"))]
+        for n in ("sft_1gpu", "sft_2gpu_ring", "sft_2gpu_ulysses") if os.path.exists(os.path.join(out, n, "metrics.jsonl"))}
+for n, m in runs.items():
+    print(n, "losses", [round(x["loss"], 5) for x in m], "peak GiB", round(max(x["peak_memory"] for x in m) / 2**30, 3))
+if "sft_1gpu" in runs:
+    base = runs["sft_1gpu"]
+    for n, m in runs.items():
+        rel = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(m, base))
+        print(f"{n}: max relative loss difference to 1 GPU over {len(m)} steps: {rel:.2e}")
+PY
+fi
+
+if has bench; then
+  cfg=$root/configs/qwen2.5-1.5b.json
+  IFS=";" read -ra meshes <<< "${BENCH_MESHES:---sp 2;--sp 2 --ring 2}"
+  for mesh in "${meshes[@]}"; do
+    timeout 280 "$S" bench --nproc-per-node 2 $mesh --device cuda --model "$cfg" --seq ${BENCH_SEQ:-32k,128k} \
+      --lora-rank 16 --recompute all --warmup 1 --steps 2 --profile-steps 1 \
+      > "$out/bench_sp2_${mesh// /_}.txt" 2>&1
+    summary+=("bench $mesh rc=$?")
+  done
+fi
+
+echo "==== results ===="
+grep -hE '^\[  (PASSED|FAILED) |^\[  FAILED|tests? ran' "$out"/test_*.log 2>/dev/null | head -40
+for f in "$out"/check_*.json; do [[ -s $f ]] && echo "$(basename "$f"): $(tail -1 "$f" | cut -c1-400)"; done
+for f in "$out"/check_*.err; do grep -h "error" "$f" | head -3; done
+cat "$out/sft_compare.txt" 2>/dev/null
+cat "$out"/bench_sp2_*.txt 2>/dev/null | grep -vE '^\[rank 1\]' | tail -40
+printf '%s\n' "${summary[@]}"
+[[ -n "${OUT:-}" ]] && tar czf "$OUT/gpu-out.tgz" -C "$out" .
