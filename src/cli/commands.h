@@ -23,6 +23,7 @@ void add_prepare_command(CLI::App&, CommandList&);
 void add_tokenize_command(CLI::App&, CommandList&);
 
 void add_sft_command(CLI::App& app, CommandList& commands);
+void add_dpo_command(CLI::App& app, CommandList& commands);
 void add_check_command(CLI::App& app, CommandList& commands);
 void add_bench_command(CLI::App& app, CommandList& commands);
 

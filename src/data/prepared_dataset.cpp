@@ -1,5 +1,6 @@
 #include "data/prepared_dataset.h"
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <chrono>
@@ -245,6 +246,52 @@ std::vector<RowPlan> plan_prepared_rows(const PreparedDataset& dataset, const Pa
     if (slice) slices.push_back(*slice);
   }
   return plan_rows(std::move(slices), options);
+}
+
+std::vector<std::vector<RowPlan>> plan_prepared_pairs(const PreparedDataset& dataset, const PackOptions& options,
+                                                      PackStats& stats, int64_t& pairs_dropped) {
+  options.validate();
+  if (dataset.kind() != DatasetKind::kPreferencePairs)
+    fail("{} holds {}, not preference pairs (chosen/rejected)", dataset.path().string(), dataset_kind_name(dataset.kind()));
+  std::vector<std::pair<DocumentSlice, DocumentSlice>> pairs;  // kept pairs: (chosen, rejected)
+  std::vector<DocumentSlice> units;  // one per pair packed as a whole: document = index into `pairs`
+  std::vector<std::pair<int64_t, std::vector<RowPlan>>> groups;  // (first pair, rows)
+  for (int64_t i = 0; i < dataset.num_documents() / 2; ++i) {
+    auto side = [&](int64_t d, const char* name) {
+      return fit_document(d, dataset.document(d), options, stats,
+                          fmt::format("{} pair {} ({})", dataset.path().string(), i, name));
+    };
+    const auto chosen = side(2 * i, "chosen");
+    const auto rejected = side(2 * i + 1, "rejected");
+    if (!chosen || !rejected) {
+      ++pairs_dropped;
+      continue;
+    }
+    const int64_t together = chosen->length + rejected->length;
+    if (together > options.max_length) {
+      groups.push_back({i, {RowPlan{{*chosen}, chosen->length}, RowPlan{{*rejected}, rejected->length}}});
+    } else if (!options.packing) {
+      groups.push_back({i, {RowPlan{{*chosen, *rejected}, together}}});
+    } else {
+      units.push_back({static_cast<int64_t>(pairs.size()), 0, together});
+      pairs.emplace_back(*chosen, *rejected);
+    }
+  }
+  for (const RowPlan& packed : plan_rows(std::move(units), options)) {
+    RowPlan row;
+    for (const DocumentSlice& unit : packed.slices) {
+      const auto& [chosen, rejected] = pairs[static_cast<size_t>(unit.document)];
+      row.slices.push_back(chosen);
+      row.slices.push_back(rejected);
+    }
+    row.tokens = packed.tokens;
+    groups.push_back({row.slices.front().document / 2, {std::move(row)}});
+  }
+  std::stable_sort(groups.begin(), groups.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<std::vector<RowPlan>> out;
+  out.reserve(groups.size());
+  for (auto& g : groups) out.push_back(std::move(g.second));
+  return out;
 }
 
 // ---- prepare ----

@@ -99,6 +99,16 @@ class PreparedDataset {
 std::vector<RowPlan> plan_prepared_rows(const PreparedDataset& dataset, const PackOptions& options,
                                         PackStats& stats);
 
+// Preference data (pair i = documents 2i chosen, 2i+1 rejected) as groups of rows that hold whole
+// pairs, so a pair never straddles two optimizer steps. The over-length and no-target policies
+// apply to each side; a pair with a dropped side is left out (counted in pairs_dropped). A pair
+// whose sides fit in max_length together shares one row: with packing, such pairs are packed as
+// units (best-fit decreasing, as documents are), without packing each gets its own row (its sides
+// are two documents of the row: they never attend to each other). A pair whose sides do not fit
+// together is a group of two rows, chosen then rejected. Groups are in order of their first pair.
+std::vector<std::vector<RowPlan>> plan_prepared_pairs(const PreparedDataset& dataset, const PackOptions& options,
+                                                      PackStats& stats, int64_t& pairs_dropped);
+
 struct PrepareOptions {
   std::filesystem::path data;        // JSONL input
   std::filesystem::path output_dir;  // receives dataset.bin and dataset.json

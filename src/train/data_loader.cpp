@@ -30,19 +30,34 @@ LoaderState LoaderState::from_json(const nlohmann::json& j) {
   return s;
 }
 
-TrainDataLoader::TrainDataLoader(const std::vector<DataSource>& sources, const PackOptions& pack, uint64_t seed)
+TrainDataLoader::TrainDataLoader(const std::vector<DataSource>& sources, const PackOptions& pack, uint64_t seed,
+                                 DatasetKind kind)
     : pack_(pack), seed_(seed) {
   if (sources.empty()) fail("no training data: pass --data FILE");
   for (const DataSource& src : sources) {
     if (!(src.weight > 0)) fail("data weight of {} must be positive, got {}", src.path.string(), src.weight);
     PreparedDataset dataset = PreparedDataset::open(src.path);
-    if (dataset.kind() != DatasetKind::kDocuments)
-      fail("{} holds preference pairs; spindle sft trains on documents (use spindle dpo)", src.path.string());
+    if (dataset.kind() != kind) {
+      if (kind == DatasetKind::kDocuments)
+        fail("{} holds preference pairs; spindle sft trains on documents (use spindle dpo)", src.path.string());
+      fail("{} holds documents, not preference pairs; spindle dpo needs chosen/rejected pairs (docs/formats.md) "
+           "(use spindle sft for documents)", src.path.string());
+    }
     PackStats stats;
-    std::vector<RowPlan> rows = plan_prepared_rows(dataset, pack_, stats);
+    std::vector<RowPlan> rows;
+    std::vector<int64_t> item_start{0};
+    if (kind == DatasetKind::kDocuments) {
+      rows = plan_prepared_rows(dataset, pack_, stats);
+      for (size_t i = 1; i <= rows.size(); ++i) item_start.push_back(static_cast<int64_t>(i));
+    } else {
+      for (std::vector<RowPlan>& group : plan_prepared_pairs(dataset, pack_, stats, pairs_dropped_)) {
+        for (RowPlan& row : group) rows.push_back(std::move(row));
+        item_start.push_back(static_cast<int64_t>(rows.size()));
+      }
+    }
     stats_.add(stats);
     if (rows.empty()) fail("{} yields no training row (every document was dropped: {})", src.path.string(), stats.summary());
-    sources_.push_back({std::move(dataset), std::move(rows), {}, src.weight});
+    sources_.push_back({std::move(dataset), std::move(rows), std::move(item_start), {}, src.weight});
   }
   state_.epoch.assign(sources_.size(), 0);
   state_.cursor.assign(sources_.size(), 0);
@@ -51,7 +66,7 @@ TrainDataLoader::TrainDataLoader(const std::vector<DataSource>& sources, const P
 
 void TrainDataLoader::shuffle(size_t i) {
   Source& s = sources_[i];
-  s.order.resize(s.rows.size());
+  s.order.resize(s.item_start.size() - 1);
   std::iota(s.order.begin(), s.order.end(), 0);
   std::mt19937_64 rng(mix(seed_ ^ mix(i * 1000003ULL + static_cast<uint64_t>(state_.epoch[i]))));
   // Fisher–Yates with our own index draws: std::shuffle's use of the engine is not specified.
@@ -72,7 +87,21 @@ size_t TrainDataLoader::pick_source() const {
   return sources_.size() - 1;
 }
 
-PackedRow TrainDataLoader::next() {
+LoaderItem TrainDataLoader::item(size_t source, int64_t index) const {
+  const Source& s = sources_.at(source);
+  LoaderItem item;
+  item.source = source;
+  PackStats ignored;
+  for (int64_t r = s.item_start.at(index); r < s.item_start.at(index + 1); ++r) {
+    const RowPlan& plan = s.rows[r];
+    item.rows.push_back(build_row(plan, [&](int64_t d) { return s.dataset.document(d); }, pack_, ignored));
+    std::vector<int64_t>& documents = item.documents.emplace_back();
+    for (const DocumentSlice& slice : plan.slices) documents.push_back(slice.document);
+  }
+  return item;
+}
+
+LoaderItem TrainDataLoader::next_item() {
   const size_t i = pick_source();
   Source& s = sources_[i];
   if (state_.cursor[i] >= static_cast<int64_t>(s.order.size())) {
@@ -80,15 +109,24 @@ PackedRow TrainDataLoader::next() {
     state_.cursor[i] = 0;
     shuffle(i);
   }
-  const RowPlan& plan = s.rows[s.order[state_.cursor[i]++]];
+  const int64_t index = s.order[state_.cursor[i]++];
   ++state_.rows_drawn;
-  PackStats ignored;
-  return build_row(plan, [&](int64_t d) { return s.dataset.document(d); }, pack_, ignored);
+  return item(i, index);
+}
+
+PackedRow TrainDataLoader::next() {
+  LoaderItem drawn = next_item();
+  SPINDLE_CHECK(drawn.rows.size() == 1, "TrainDataLoader::next on preference data: use next_item");
+  return std::move(drawn.rows.front());
+}
+
+int64_t TrainDataLoader::items_in(size_t source) const {
+  return static_cast<int64_t>(sources_.at(source).item_start.size()) - 1;
 }
 
 int64_t TrainDataLoader::rows_per_epoch() const {
   int64_t n = 0;
-  for (const Source& s : sources_) n += static_cast<int64_t>(s.rows.size());
+  for (size_t i = 0; i < sources_.size(); ++i) n += items_in(i);
   return n;
 }
 
@@ -102,7 +140,7 @@ void TrainDataLoader::restore(const LoaderState& state) {
          state.epoch.size(), sources_.size());
   state_ = state;
   for (size_t i = 0; i < sources_.size(); ++i) {
-    if (state_.cursor[i] > static_cast<int64_t>(sources_[i].rows.size()))
+    if (state_.cursor[i] > items_in(i))
       fail("the checkpoint's data position is past the end of {}: resume with the same --data and --max-length",
            sources_[i].dataset.path().string());
     shuffle(i);

@@ -1,6 +1,9 @@
 // Training rows from one or more prepared datasets: packed once, shuffled per epoch, mixed by
 // weight. The order is a pure function of (seed, position), so a resumed run continues exactly:
-// the state is only the cursors.
+// the state is only the cursors. The loader hands out items: one packed row of documents (SFT),
+// or, for preference datasets (DPO), the rows of whole pairs (plan_prepared_pairs: usually one
+// row, two when a pair's sides do not fit in one row together) with the dataset index of each
+// row's documents, so a pair's responses are always drawn together.
 #pragma once
 
 #include <cstdint>
@@ -20,8 +23,16 @@ struct DataSource {
   double weight = 1.0;         // share of rows drawn from this source
 };
 
+// What the loader hands out at a time.
+struct LoaderItem {
+  std::vector<PackedRow> rows;  // one row of documents; preference data: the rows of whole pairs
+  // documents[r][d]: dataset index of document d of rows[r] (its doc_ids refer to d)
+  std::vector<std::vector<int64_t>> documents;
+  size_t source = 0;  // which DataSource the rows come from
+};
+
 struct LoaderState {
-  int64_t rows_drawn = 0;              // rows handed out, all sources together
+  int64_t rows_drawn = 0;              // items handed out, all sources together
   std::vector<int64_t> epoch, cursor;  // per source: epoch and position in its shuffled order
   nlohmann::json to_json() const;
   static LoaderState from_json(const nlohmann::json& j);
@@ -29,11 +40,19 @@ struct LoaderState {
 
 class TrainDataLoader {
  public:
-  TrainDataLoader(const std::vector<DataSource>& sources, const PackOptions& pack, uint64_t seed);
+  // kind: the datasets it must hold (documents for SFT, preference pairs for DPO).
+  TrainDataLoader(const std::vector<DataSource>& sources, const PackOptions& pack, uint64_t seed,
+                  DatasetKind kind = DatasetKind::kDocuments);
 
-  PackedRow next();
-  // Rows in one pass over every source (an "epoch" of the mixture).
+  PackedRow next();       // documents: the next row
+  LoaderItem next_item();  // either kind: the next item
+  // Items (rows of documents) in one pass over every source (an "epoch" of the mixture).
   int64_t rows_per_epoch() const;
+  // Every item of a source in dataset order (not shuffled): for passes over all the data.
+  size_t num_sources() const { return sources_.size(); }
+  int64_t items_in(size_t source) const;
+  LoaderItem item(size_t source, int64_t index) const;
+  int64_t pairs_dropped() const { return pairs_dropped_; }  // preference data: pairs left out
   // Fractional epochs consumed (rows drawn / rows per epoch).
   double epochs_done() const;
   const LoaderState& state() const { return state_; }
@@ -44,7 +63,8 @@ class TrainDataLoader {
   struct Source {
     PreparedDataset dataset;
     std::vector<RowPlan> rows;
-    std::vector<int64_t> order;  // this epoch's permutation of rows
+    std::vector<int64_t> item_start;  // [items + 1] item i = rows[item_start[i] .. item_start[i+1])
+    std::vector<int64_t> order;  // this epoch's permutation of items
     double weight;
   };
   void shuffle(size_t source);
@@ -54,6 +74,7 @@ class TrainDataLoader {
   PackOptions pack_;
   PackStats stats_;
   uint64_t seed_;
+  int64_t pairs_dropped_ = 0;
   LoaderState state_;
 };
 

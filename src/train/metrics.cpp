@@ -97,6 +97,17 @@ std::string metrics_to_json_line(const StepMetrics& m) {
   line["elapsed_s"] = finite_or_null(m.elapsed_seconds);
   if (m.eval_loss) line["eval_loss"] = finite_or_null(*m.eval_loss);
   if (m.eval_num_items) line["eval_num_items"] = *m.eval_num_items;
+  if (m.eval_accuracy) line["eval_rewards/accuracies"] = finite_or_null(*m.eval_accuracy);
+  if (const auto& p = m.preference) {
+    line["rewards/chosen"] = finite_or_null(p->rewards_chosen);
+    line["rewards/rejected"] = finite_or_null(p->rewards_rejected);
+    line["rewards/margins"] = finite_or_null(p->margins);
+    line["rewards/accuracies"] = finite_or_null(p->accuracy);
+    line["logps/chosen"] = finite_or_null(p->logps_chosen);
+    line["logps/rejected"] = finite_or_null(p->logps_rejected);
+    line["nll_loss"] = finite_or_null(p->nll_loss);
+    line["pairs"] = p->pairs;
+  }
   return line.dump();
 }
 
@@ -119,6 +130,19 @@ StepMetrics metrics_from_json_line(std::string_view text) {
   m.elapsed_seconds = number_or_nan(line, "elapsed_s", false);
   if (line.contains("eval_loss")) m.eval_loss = number_or_nan(line, "eval_loss", true);
   if (line.contains("eval_num_items")) m.eval_num_items = integer(line, "eval_num_items", true);
+  if (line.contains("eval_rewards/accuracies")) m.eval_accuracy = number_or_nan(line, "eval_rewards/accuracies", true);
+  if (line.contains("rewards/chosen")) {
+    StepMetrics::Preference p;
+    p.rewards_chosen = number_or_nan(line, "rewards/chosen", true);
+    p.rewards_rejected = number_or_nan(line, "rewards/rejected", true);
+    p.margins = number_or_nan(line, "rewards/margins", true);
+    p.accuracy = number_or_nan(line, "rewards/accuracies", true);
+    p.logps_chosen = number_or_nan(line, "logps/chosen", false);
+    p.logps_rejected = number_or_nan(line, "logps/rejected", false);
+    p.nll_loss = number_or_nan(line, "nll_loss", false);
+    p.pairs = integer(line, "pairs", false);
+    m.preference = p;
+  }
   return m;
 }
 

@@ -29,6 +29,20 @@ struct StepMetrics {
   double elapsed_seconds = 0;       // wall time since the run started, resumed sessions included
   std::optional<double> eval_loss;  // set on steps after which the eval set was scored
   std::optional<int64_t> eval_num_items;  // supervised tokens the eval loss averages over
+
+  // Preference training (spindle dpo) only, under TRL's names; SFT lines leave them out.
+  struct Preference {
+    double rewards_chosen = 0;    // "rewards/chosen": mean β·(π_c − ρ_c) over the step's pairs
+    double rewards_rejected = 0;  // "rewards/rejected"
+    double margins = 0;           // "rewards/margins": rewards_chosen − rewards_rejected
+    double accuracy = 0;          // "rewards/accuracies": share of pairs with reward_c > reward_r
+    double logps_chosen = 0;      // "logps/chosen": mean Σ log π over chosen responses
+    double logps_rejected = 0;    // "logps/rejected"
+    double nll_loss = 0;          // "nll_loss": chosen responses' NLL per token
+    int64_t pairs = 0;            // "pairs" in the step
+  };
+  std::optional<Preference> preference;
+  std::optional<double> eval_accuracy;  // dpo: "eval_rewards/accuracies" over the eval pairs
 };
 
 // JSON text of one log line (no newline). Non-finite numbers are written as null, since JSON has

@@ -1,0 +1,35 @@
+// spindle dpo: preference training (DPO, IPO, RPO) with every option of `spindle sft` (data,
+// parallelism, LoRA/full, checkpoints, metrics; YAML --config too) plus the loss and the reference.
+#include <memory>
+
+#include "cli/commands.h"
+#include "train/dpo_trainer.h"
+
+namespace spindle::cli {
+
+void add_dpo_command(CLI::App& app, CommandList& commands) {
+  auto config = std::make_shared<DpoConfig>();
+  auto config_file = std::make_shared<std::string>();
+  CLI::App* cmd = app.add_subcommand("dpo", "Preference training (DPO, IPO, RPO) on chosen/rejected pairs");
+  cmd->add_option("--config", *config_file, "YAML file with the same options (flags override it)");
+  add_train_options(cmd, config->train);
+  cmd->add_option("--beta", config->beta, "strength of the KL penalty towards the reference (IPO: tau)")
+      ->capture_default_str();
+  cmd->add_option("--loss-type", config->loss_type, "sigmoid (DPO) or ipo")->capture_default_str();
+  cmd->add_option("--label-smoothing", config->label_smoothing,
+                  "conservative DPO: probability that a preference label is flipped, in [0, 0.5)")
+      ->capture_default_str();
+  cmd->add_option("--rpo-alpha", config->rpo_alpha, "weight of the chosen responses' NLL (RPO; 0: off)")
+      ->capture_default_str();
+  cmd->add_option("--ref-model", config->ref_model,
+                  "reference model folder (default: the policy with its LoRA adapters disabled; with --full, "
+                  "the initial model)");
+  cmd->add_flag("--precompute-ref", config->precompute_ref,
+                "compute the reference log-probabilities of every pair once before training and cache them");
+  commands.push_back({cmd, [config] {
+                        const TrainSummary summary = run_dpo(*config);
+                        return summary.steps > 0 ? 0 : 1;
+                      }});
+}
+
+}  // namespace spindle::cli

@@ -1,0 +1,228 @@
+// `spindle dpo`'s training loop (run_dpo) in one process: one step at lr 0 on the PyTorch + PEFT
+// reference (testdata/dpo: a tiny Qwen2 with a trained LoRA adapter, four pre-tokenized pairs)
+// reproduces TRL's loss, rewards, accuracy and gradient norm; new adapters start at exactly ln 2;
+// a precomputed reference gives the losses of the per-step one; data of the wrong kind fails.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "data/prepared_dataset.h"
+#include "train/dpo_trainer.h"
+#include "train/metrics.h"
+
+using namespace spindle;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kDir = std::string(SPINDLE_SOURCE_DIR) + "/testdata/dpo";
+
+fs::path fresh_dir(const std::string& name) {
+  fs::path p = fs::temp_directory_path() / fmt::format("spindle-test-dpo-run-{}-{}", name, getpid());
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+// testdata/dpo/pairs.jsonl as a prepared preference dataset: pair i = documents 2i (prompt +
+// chosen) and 2i+1 (prompt + rejected), only the responses supervised.
+fs::path write_pairs(const fs::path& dir) {
+  const fs::path file = dir / "pairs.bin";
+  PreparedDatasetWriter writer(file, DatasetKind::kPreferencePairs);
+  std::ifstream in(kDir + "/pairs.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    const auto prompt = j["prompt_input_ids"].get<std::vector<int32_t>>();
+    for (const char* side : {"chosen_input_ids", "rejected_input_ids"}) {
+      Document d;
+      d.input_ids = prompt;
+      d.labels.assign(prompt.size(), kIgnoreIndex);
+      for (int32_t t : j[side].get<std::vector<int32_t>>()) {
+        d.input_ids.push_back(t);
+        d.labels.push_back(t);
+      }
+      writer.add(view_of(d));
+    }
+  }
+  writer.finish();
+  return file;
+}
+
+DpoConfig base_config(const fs::path& dir, const fs::path& data) {
+  DpoConfig c;
+  c.train.model = kDir;
+  c.train.data = {data.string()};
+  c.train.output = (dir / "out").string();
+  c.train.max_length = 128;  // all four pairs fit in one packed row: one step sees them all
+  c.train.max_steps = 1;
+  c.train.threads = 1;
+  c.train.log_every = 1000;
+  c.beta = 0.5;
+  return c;
+}
+
+std::vector<train::StepMetrics> metrics_of(const DpoConfig& c) {
+  return train::read_metrics_file(fs::path(c.train.output) / "metrics.jsonl");
+}
+
+nlohmann::json expected(const std::string& variant) {
+  std::ifstream in(kDir + "/expected.json");
+  nlohmann::json j;
+  in >> j;
+  return j["variants"][variant];
+}
+
+double mean(const nlohmann::json& values) {
+  double s = 0;
+  for (const auto& v : values) s += v.get<double>();
+  return s / static_cast<double>(values.size());
+}
+
+}  // namespace
+
+TEST(RunDpo, OneStepMatchesTrl) {
+  if (!fs::exists(kDir + "/expected.json")) GTEST_SKIP() << "testdata/dpo missing";
+  const fs::path dir = fresh_dir("trl");
+  const fs::path data = write_pairs(dir);
+  for (const std::string variant : {"sigmoid", "ipo"}) {
+    const nlohmann::json want = expected(variant);
+    DpoConfig c = base_config(dir, data);
+    c.train.output = (dir / variant).string();
+    c.train.adapter = kDir + "/adapter";
+    c.train.lr = 0;
+    c.loss_type = want["options"]["loss_type"];
+    c.beta = want["options"]["beta"];
+    if (variant == "ipo") {  // one pair per row, four rows in the step: the same pairs
+      c.train.no_packing = true;
+      c.train.grad_accum = 4;
+    }
+    ASSERT_EQ(run_dpo(c).steps, 1);
+    const auto lines = metrics_of(c);
+    ASSERT_EQ(lines.size(), 1u);
+    const train::StepMetrics& m = lines[0];
+    ASSERT_TRUE(m.preference.has_value());
+    const auto& p = *m.preference;
+    EXPECT_EQ(p.pairs, 4);
+    EXPECT_NEAR(m.loss, want["loss"].get<double>(), 1e-5 * want["loss"].get<double>()) << variant;
+    EXPECT_NEAR(p.rewards_chosen, mean(want["rewards_chosen"]), 1e-5) << variant;
+    EXPECT_NEAR(p.rewards_rejected, mean(want["rewards_rejected"]), 1e-5) << variant;
+    EXPECT_NEAR(p.margins, want["margins"].get<double>(), 1e-5) << variant;
+    EXPECT_DOUBLE_EQ(p.accuracy, want["accuracy"].get<double>()) << variant;
+    EXPECT_NEAR(p.logps_chosen, mean(want["policy_chosen"]), 1e-4) << variant;
+    double norm = 0;
+    for (const auto& [name, g] : want["grad_norms"].items()) norm += g.get<double>() * g.get<double>();
+    norm = std::sqrt(norm);
+    EXPECT_NEAR(m.grad_norm, norm, 1e-4 * norm) << variant;
+    int64_t targets = 0;
+    for (const char* side : {"tokens_chosen", "tokens_rejected"})
+      for (const auto& n : want[side]) targets += n.get<int64_t>();
+    EXPECT_EQ(m.num_items, targets);
+    EXPECT_TRUE(fs::exists(fs::path(c.train.output) / "adapter" / "adapter_model.safetensors"));
+  }
+  fs::remove_all(dir);
+}
+
+TEST(RunDpo, NewAdaptersStartAtLn2AndLearn) {
+  const fs::path dir = fresh_dir("ln2");
+  const fs::path data = write_pairs(dir);
+  DpoConfig c = base_config(dir, data);
+  c.train.no_packing = true;  // a pair per row, the four pairs in every step
+  c.train.grad_accum = 4;
+  c.train.max_steps = 4;
+  c.train.lr = 1e-2;
+  c.train.lr_scheduler = "constant";
+  c.train.lora_rank = 4;
+  ASSERT_EQ(run_dpo(c).steps, 4);
+  const auto lines = metrics_of(c);
+  ASSERT_EQ(lines.size(), 4u);
+  // B = 0: the policy is its reference, every log-ratio is exactly 0.
+  EXPECT_EQ(lines[0].loss, std::log(2.0));
+  EXPECT_EQ(lines[0].preference->rewards_chosen, 0.0);
+  EXPECT_EQ(lines[0].preference->accuracy, 0.0);
+  EXPECT_EQ(lines[0].preference->pairs, 4);
+  // Every step sees the same four pairs: the chosen answers become preferred.
+  EXPECT_LT(lines[3].loss, lines[0].loss);
+  EXPECT_GT(lines[3].preference->margins, 0.0);
+  EXPECT_GT(lines[3].preference->accuracy, 0.5);
+  // The log line carries TRL's names; an SFT line leaves them out.
+  std::ifstream in(fs::path(c.train.output) / "metrics.jsonl");
+  std::string first;
+  std::getline(in, first);
+  const nlohmann::json j = nlohmann::json::parse(first);
+  for (const char* key : {"loss", "grad_norm", "lr", "tokens", "tokens_per_s", "rewards/chosen", "rewards/rejected",
+                          "rewards/margins", "rewards/accuracies", "logps/chosen", "nll_loss", "pairs"})
+    EXPECT_TRUE(j.contains(key)) << key;
+  train::StepMetrics sft;
+  EXPECT_EQ(train::metrics_to_json_line(sft).find("rewards"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST(RunDpo, PrecomputedReferenceEqualsPerStepReference) {
+  const fs::path dir = fresh_dir("precompute");
+  const fs::path data = write_pairs(dir);
+  auto run = [&](const std::string& name, bool precompute, bool full) {
+    DpoConfig c = base_config(dir, data);
+    c.train.output = (dir / name).string();
+    c.train.no_packing = true;
+    c.train.grad_accum = 2;
+    c.train.max_steps = 2;
+    c.train.lr = 1e-2;
+    if (full) c.train.full = true;
+    else c.train.adapter = kDir + "/adapter";  // trained: the reference (base) differs from the policy
+    c.precompute_ref = precompute;
+    run_dpo(c);
+    return metrics_of(c);
+  };
+  const auto every_step = run("every-step", false, false);
+  const auto cached = run("cached", true, false);
+  ASSERT_EQ(every_step.size(), 2u);
+  ASSERT_EQ(cached.size(), 2u);
+  for (size_t s = 0; s < 2; ++s) {
+    EXPECT_NEAR(cached[s].loss, every_step[s].loss, 1e-6 * every_step[s].loss) << "step " << s + 1;
+    EXPECT_NEAR(cached[s].preference->margins, every_step[s].preference->margins, 1e-6) << "step " << s + 1;
+  }
+  EXPECT_NE(every_step[0].loss, std::log(2.0));
+  // A full fine-tune's default reference is its initial model, precomputed: ln 2 at the first step.
+  const auto full = run("full", false, true);
+  ASSERT_EQ(full.size(), 2u);
+  EXPECT_EQ(full[0].loss, std::log(2.0));
+  EXPECT_NE(full[1].loss, std::log(2.0));
+  fs::remove_all(dir);
+}
+
+TEST(RunDpo, WrongDataOrOptionsFailBeforeTraining) {
+  const fs::path dir = fresh_dir("errors");
+  const fs::path docs = dir / "docs.bin";
+  {
+    PreparedDatasetWriter writer(docs, DatasetKind::kDocuments);
+    Document d{{5, 6, 7, 8}, {5, 6, 7, 8}, {}};
+    writer.add(view_of(d));
+    writer.finish();
+  }
+  DpoConfig c = base_config(dir, docs);
+  try {
+    run_dpo(c);
+    FAIL() << "documents accepted as preference pairs";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not preference pairs"), std::string::npos) << e.what();
+  }
+  c = base_config(dir, write_pairs(dir));
+  c.beta = 0;
+  EXPECT_THROW(run_dpo(c), Error);
+  c.beta = 0.1;
+  c.ref_model = (dir / "nowhere").string();
+  try {
+    run_dpo(c);
+    FAIL() << "missing --ref-model accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--ref-model"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(fs::path(c.train.output) / "metrics.jsonl"));
+  fs::remove_all(dir);
+}

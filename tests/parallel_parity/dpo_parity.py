@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""`spindle dpo` on real CPU processes against one process (DESIGN §2, docs/dpo.md).
+
+A tiny GQA Llama (4 query heads, 2 KV heads: Ulysses 4 would replicate KV heads) with the demo's
+BPE tokenizer trains for 3 optimizer steps at lr 1e-2 on text preference pairs (a prompt, a chosen
+and a rejected answer of different lengths), 2 items (rows of whole pairs) per replica and step.
+Every mesh must log the losses, rewards, margins, accuracies, pair and target counts of one
+process with the same global batch, within 1e-5 relative (F32; rewards and margins relative to
+β·|log-probability sum|, the size of the F32 sums they are differences of: at step 3 a difference
+of 2e-5 in a reward of 0.16 is rounding of sums near −30); with new LoRA adapters (B = 0) the
+reference equals the policy, so the first step's loss is ln 2 within 1e-6.
+
+Cases: packing on (several pairs share a row, chosen and rejected in the same row) at sp 2
+ulysses, sp 2 ring, sp 4 hybrid (u2 x r2) and dp 2; packing off (one pair per row) at sp 2 ring
+and dp 2 x sp 2; IPO + RPO at sp 2 ulysses; the reference from --ref-model (FSDP-
+sharded, every step, with label smoothing) at sp 2 ring; --precompute-ref at sp 4 against the per-step reference of one
+process; --full (the initial model, precomputed) at dp 2 x sp 2 ulysses.
+
+usage: dpo_parity.py SPINDLE ROOT
+"""
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+from safetensors.numpy import save_file
+
+spindle, root = sys.argv[1], sys.argv[2]
+work = tempfile.mkdtemp(prefix="spindle-dpo-parity-")
+tokenizer_dir = os.path.join(root, "demo", "tokenizer")
+
+
+def make_model(path, heads=4, kv_heads=2, hidden=32, layers=2, seed=1):
+    """The parity matrix's tiny Llama (tests/parallel_parity/parity_matrix.py), with the demo tokenizer."""
+    os.makedirs(path, exist_ok=True)
+    tokenizer = json.load(open(os.path.join(tokenizer_dir, "tokenizer.json")))
+    vocab = max([t["id"] for t in tokenizer["added_tokens"]] + list(tokenizer["model"]["vocab"].values())) + 1
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tokenizer_dir, name), path)
+    head_dim = hidden // heads
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": 48, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+              "max_position_embeddings": 256, "torch_dtype": "float32", "eos_token_id": 2}
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    rng = np.random.default_rng(seed)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden), "model.norm.weight": None}
+    for l in range(layers):
+        p = f"model.layers.{l}."
+        shapes.update({p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+                       p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                       p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+                       p + "mlp.gate_proj.weight": (48, hidden), p + "mlp.up_proj.weight": (48, hidden),
+                       p + "mlp.down_proj.weight": (hidden, 48),
+                       p + "input_layernorm.weight": None, p + "post_attention_layernorm.weight": None})
+    tensors = {}
+    for name, shape in shapes.items():
+        if shape is None:
+            tensors[name] = (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+        else:
+            tensors[name] = (0.2 * rng.standard_normal(shape)).astype(np.float32)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+
+
+def make_pairs(path, seed=3):
+    """Text pairs from the demo's capitals: the right capital (chosen) against another (rejected),
+    answers of 1 to 3 sentences so responses and rows have many lengths."""
+    rng = random.Random(seed)
+    facts = []
+    for line in open(os.path.join(root, "demo", "capitals.jsonl")):
+        m = json.loads(line)["messages"]
+        facts.append((m[0]["content"], m[1]["content"]))
+    picked = rng.sample(facts, 10)
+    with open(path, "w") as f:
+        for question, answer in picked:
+            wrong = rng.choice([a for _, a in facts if a != answer])
+            chosen = " ".join([f"{answer}."] * rng.randint(1, 3))
+            rejected = " ".join([f"It is {wrong}."] * rng.randint(1, 2))
+            f.write(json.dumps({"prompt": question, "chosen": chosen, "rejected": rejected}) + "\n")
+
+
+model = os.path.join(work, "model")
+make_model(model)
+data = os.path.join(work, "pairs.jsonl")
+make_pairs(data)
+FIELDS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+          "logps/rejected", "nll_loss")
+BETA = 0.5
+
+
+def dpo(name, nproc=1, extra=(), lr="1e-2"):
+    if "--grad-accum" not in extra:
+        extra = list(extra) + ["--grad-accum", "2"]
+    out = os.path.join(work, name)
+    cmd = [spindle, "dpo", "--model", model, "--data", data, "--output", out, "--max-length", "64", "--lr", lr,
+           "--max-steps", "3", "--beta", str(BETA), "--lora-rank", "4", "--threads", "1",
+           "--log-every", "100", "--nproc-per-node", str(nproc)] + list(extra)
+    start = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        print(f"FAIL {name}: {' '.join(cmd)}\n{p.stderr[-3000:]}")
+        return None
+    lines = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+    print(f"     {name}: {time.time() - start:.1f} s, losses {[round(l['loss'], 6) for l in lines]}")
+    return lines
+
+
+def same(name, got, want, first_is_ln2=True):
+    ok = got is not None and want is not None and len(got) == len(want) == 3
+    worst, worst_key = 0.0, ""
+    if ok:
+        for g, w in zip(got, want):
+            ok &= g["num_items"] == w["num_items"] and g["pairs"] == w["pairs"] and g["tokens"] == w["tokens"]
+            for k in FIELDS:
+                # Rewards and margins are β·(π − ρ): differences of sums of F32 log-probabilities,
+                # so their rounding is relative to the sums' size, not to the difference's.
+                scale = BETA * max(abs(w["logps/chosen"]), abs(w["logps/rejected"])) if k.startswith("rewards/") else 0
+                err = abs(g[k] - w[k]) / max(abs(w[k]), scale, 1e-3)
+                if err > worst:
+                    worst, worst_key = err, f"{k} step {g['step']}: {g[k]} vs {w[k]}"
+                ok &= err <= 1e-5
+        if first_is_ln2:
+            ln2_err = abs(got[0]["loss"] - math.log(2))
+            ok &= ln2_err <= 1e-6 and got[0]["rewards/accuracies"] == 0
+        ok &= got[2]["loss"] != got[0]["loss"]  # it trained
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: worst relative difference {worst:.1e} ({worst_key})")
+    return ok
+
+
+results = []
+start = time.time()
+one = dpo("one")
+results.append(same("sp1 (one process) first loss ln 2", one, one))
+results.append(same("packing: sp2 ulysses", dpo("sp2u", 2, ["--sp", "2", "--ulysses", "2"]), one))
+results.append(same("packing: sp2 ring", dpo("sp2r", 2, ["--sp", "2", "--ring", "2"]), one))
+results.append(same("packing: sp4 hybrid u2 x r2", dpo("sp4h", 4, ["--sp", "4", "--ulysses", "2", "--ring", "2"]), one))
+# dp 2 draws 2 items per replica: the global batch of one process with 4 items per step.
+one4 = dpo("one-accum4", 1, ["--grad-accum", "4"])
+results.append(same("packing: dp2", dpo("dp2", 2, ["--dp", "2"]), one4))
+one_rows = dpo("one-nopack", 1, ["--no-packing"])
+results.append(same("no packing: sp2 ring", dpo("sp2r-nopack", 2, ["--no-packing", "--sp", "2", "--ring", "2"]), one_rows))
+results.append(same("no packing: dp2 x sp2 ulysses (replicated weights)",
+                    dpo("dp2sp2-nopack", 4, ["--no-packing", "--sp", "2", "--no-fsdp"]),
+                    dpo("one-nopack-accum4", 1, ["--no-packing", "--grad-accum", "4"])))
+ipo = ["--loss-type", "ipo", "--rpo-alpha", "0.5"]
+results.append(same("ipo + rpo: sp2 ulysses", dpo("sp2u-ipo", 2, ipo + ["--sp", "2"]), dpo("one-ipo", 1, ipo),
+                    first_is_ln2=False))
+ref = ["--ref-model", model, "--label-smoothing", "0.1"]
+one_ref = dpo("one-ref", 1, ref)
+results.append(same("--ref-model (FSDP-sharded, every step): sp2 ring", dpo("sp2r-ref", 2, ref + ["--sp", "2", "--ring", "2"]),
+                    one_ref))
+results.append(same("--precompute-ref: sp4 ulysses vs one process computing it every step",
+                    dpo("sp4-pre", 4, ["--precompute-ref", "--sp", "4"]), one))
+results.append(same("--full (initial model precomputed): dp2 x sp2 ulysses",
+                    dpo("dp2sp2-full", 4, ["--full", "--sp", "2"], lr="1e-3"), dpo("one-full", 1, ["--full", "--grad-accum", "4"], lr="1e-3")))
+print(f"{sum(results)}/{len(results)} cases passed in {time.time() - start:.1f} s")
+if all(results): shutil.rmtree(work, ignore_errors=True)
+sys.exit(0 if results and all(results) else 1)
