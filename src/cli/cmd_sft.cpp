@@ -126,7 +126,7 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--recompute", c.recompute, "activation checkpointing: none or all")->capture_default_str();
   cmd->add_option("--device", c.device, "auto, cpu or cuda (auto: CUDA when a GPU is visible; each process uses "
                                         "the GPU of its local rank)")->capture_default_str();
-  cmd->add_option("--dtype", c.dtype, "compute precision: auto (CPU f32, CUDA bf16), f32 or f64 (CPU)")
+  cmd->add_option("--dtype", c.dtype, "compute precision: auto (CPU f32, CUDA bf16), f32, f64 (CPU) or bf16 (CUDA)")
       ->capture_default_str();
   cmd->add_option("--threads", c.threads, "CPU threads per process (default: the machine's cores / processes)");
   cmd->add_option("--dp", c.dp, "data-parallel replicas (default: processes / sp)");

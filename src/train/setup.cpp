@@ -88,9 +88,9 @@ ComputeDevice choose_device(const TrainConfig& config, const ProcessGroupInfo& p
       fail("local rank {} has no GPU: {} CUDA devices are visible and each process takes the one of its local rank; "
            "start at most {} processes per machine",
            process.local_rank, gpus, gpus);
-    if (config.dtype == "f64" || config.dtype == "f32")
-      fail("--dtype {} is a CPU precision; on CUDA spindle computes in bf16 (leave --dtype out)", config.dtype);
-    device.dtype = DType::BF16;
+    if (config.dtype == "f64") fail("--dtype f64 is a CPU precision; on CUDA choose bf16 (default) or f32");
+    // f32 on CUDA: a slower accuracy reference (same kernels, F32 storage), for checks and debugging.
+    device.dtype = config.dtype == "f32" ? DType::F32 : DType::BF16;
   } else {
     if (config.dtype == "bf16") fail("--dtype bf16 needs --device cuda; the CPU reference computes in f32 or f64");
     device.dtype = config.dtype == "f64" ? DType::F64 : DType::F32;
