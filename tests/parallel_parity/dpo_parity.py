@@ -28,46 +28,12 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-from safetensors.numpy import save_file
+
+from tiny_model import make_model
 
 spindle, root = sys.argv[1], sys.argv[2]
 work = tempfile.mkdtemp(prefix="spindle-dpo-parity-")
 tokenizer_dir = os.path.join(root, "demo", "tokenizer")
-
-
-def make_model(path, heads=4, kv_heads=2, hidden=32, layers=2, seed=1):
-    """The parity matrix's tiny Llama (tests/parallel_parity/parity_matrix.py), with the demo tokenizer."""
-    os.makedirs(path, exist_ok=True)
-    tokenizer = json.load(open(os.path.join(tokenizer_dir, "tokenizer.json")))
-    vocab = max([t["id"] for t in tokenizer["added_tokens"]] + list(tokenizer["model"]["vocab"].values())) + 1
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(tokenizer_dir, name), path)
-    head_dim = hidden // heads
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-              "intermediate_size": 48, "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
-              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-              "max_position_embeddings": 256, "torch_dtype": "float32", "eos_token_id": 2}
-    json.dump(config, open(os.path.join(path, "config.json"), "w"))
-    rng = np.random.default_rng(seed)
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden), "model.norm.weight": None}
-    for l in range(layers):
-        p = f"model.layers.{l}."
-        shapes.update({p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-                       p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-                       p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-                       p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-                       p + "mlp.gate_proj.weight": (48, hidden), p + "mlp.up_proj.weight": (48, hidden),
-                       p + "mlp.down_proj.weight": (hidden, 48),
-                       p + "input_layernorm.weight": None, p + "post_attention_layernorm.weight": None})
-    tensors = {}
-    for name, shape in shapes.items():
-        if shape is None:
-            tensors[name] = (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
-        else:
-            tensors[name] = (0.2 * rng.standard_normal(shape)).astype(np.float32)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
 
 
 def make_pairs(path, seed=3):
@@ -88,7 +54,7 @@ def make_pairs(path, seed=3):
 
 
 model = os.path.join(work, "model")
-make_model(model)
+make_model(model, tokenizer_dir=tokenizer_dir)
 data = os.path.join(work, "pairs.jsonl")
 make_pairs(data)
 FIELDS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",

@@ -24,40 +24,10 @@ import subprocess
 import sys
 import tempfile
 
-import numpy as np
-from safetensors.numpy import save_file
+from tiny_model import make_model
 
 spindle, root, part = sys.argv[1], sys.argv[2], sys.argv[3]
 work = tempfile.mkdtemp(prefix=f"spindle-parity-{part}-")
-
-
-def make_model(path, heads=4, kv_heads=2, hidden=32, layers=2, vocab=64, seed=1):
-    os.makedirs(path, exist_ok=True)
-    head_dim = hidden // heads
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-              "intermediate_size": 48, "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
-              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-              "max_position_embeddings": 256, "torch_dtype": "float32"}
-    json.dump(config, open(os.path.join(path, "config.json"), "w"))
-    rng = np.random.default_rng(seed)
-    t = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden), "model.norm.weight": None}
-    for l in range(layers):
-        p = f"model.layers.{l}."
-        t.update({p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-                  p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-                  p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-                  p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-                  p + "mlp.gate_proj.weight": (48, hidden), p + "mlp.up_proj.weight": (48, hidden),
-                  p + "mlp.down_proj.weight": (hidden, 48),
-                  p + "input_layernorm.weight": None, p + "post_attention_layernorm.weight": None})
-    tensors = {}
-    for name, shape in t.items():
-        if shape is None:
-            tensors[name] = (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
-        else:
-            tensors[name] = (0.2 * rng.standard_normal(shape)).astype(np.float32)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
 
 
 def make_data(path, loss_scale, vocab=64, seed=2):
