@@ -16,11 +16,9 @@
 #include "parallel/fsdp.h"
 #include "parallel/sequence_shard.h"
 #include "parallel/sp_attention.h"
+#include "train/setup.h"
 #include "train/step_runner.h"
 
-#if SPINDLE_WITH_CUDA
-#include "backend/cuda/cuda_backend.h"
-#endif
 
 namespace spindle::bench {
 namespace {
@@ -29,21 +27,16 @@ const std::vector<std::string> kAllProjections = {"q_proj", "k_proj", "v_proj", 
                                                   "gate_proj", "up_proj", "down_proj"};
 
 std::unique_ptr<Backend> make_backend(const BenchOptions& o) {
-  if (o.device == "cpu") return make_cpu_backend(o.cpu_threads);
-  if (o.device == "cuda") {
-#if SPINDLE_WITH_CUDA
-    return make_cuda_backend(o.device_index);
-#else
-    fail("--device cuda: this spindle was built without the CUDA backend; rebuild with -DSPINDLE_CUDA=ON or use "
-         "--device cpu");
-#endif
-  }
-  fail("--device must be cpu or cuda, got '{}'", o.device);
+  ComputeDevice device;  // the trainer's backend factory (validate() has checked o.device)
+  device.cuda = o.device == "cuda";
+  device.index = o.device_index;
+  return spindle::make_backend(device, o.cpu_threads);
 }
 
 void validate(const BenchOptions& o) {
   if (o.model.empty()) fail("bench needs --model (a model folder or its config.json)");
   if (o.seq_lengths.empty()) fail("bench needs at least one --seq length");
+  if (o.device != "cpu" && o.device != "cuda") fail("--device must be cpu or cuda, got '{}'", o.device);
   for (int64_t s : o.seq_lengths)
     if (s < 2) fail("--seq {} is too short: a step needs at least 2 tokens (one supervised target)", s);
   if (o.steps < 1) fail("--steps must be at least 1, got {}", o.steps);

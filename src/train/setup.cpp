@@ -99,9 +99,13 @@ ComputeDevice choose_device(const TrainConfig& config, const ProcessGroupInfo& p
 }
 
 std::unique_ptr<Backend> make_backend(const ComputeDevice& device, int cpu_threads) {
+  if (device.cuda) {
 #if SPINDLE_WITH_CUDA
-  if (device.cuda) return make_cuda_backend(device.index);
+    return make_cuda_backend(device.index);
+#else
+    fail("--device cuda: this spindle was built without the CUDA backend (rebuild where nvcc is installed)");
 #endif
+  }
   return make_cpu_backend(cpu_threads);
 }
 
