@@ -189,29 +189,25 @@ int main(int argc, char** argv) {
     auto be = make_cuda_backend(0);
     if (profile) {
       g_profile = true;
-      bench_attention(*be, 1, 8192, 12, 2, 128, false, "mma", 3);
+      bench_attention(*be, 1, 8192, 12, 2, 128, false, "auto", 3);
       return 0;
     }
     bench_bandwidth(*be);
     bench_gemm(*be, 8192, 8192, 8192, false, false, "gemm BF16 8192^3");
     bench_gemm(*be, 32768, 8960, 1536, false, true, "gemm BF16 x[32k,1536]·W[8960,1536]^T");
     bench_gemm(*be, 1536, 8960, 32768, true, false, "gemm BF16 dW = x^T·dy (K=32k)");
-    bench_attention(*be, 1, 32768, 12, 2, 128, false, "mma");
-    // Kernel variants (tuning knobs read per call), same shape.
-    for (const char* tile : {"64x64", "128x64", "128x32"}) {
-      setenv("SPINDLE_CUDA_ATTN_FWD_TILE", tile, 1);
-      bench_attention(*be, 1, 32768, 12, 2, 128, false, (std::string("mma tile ") + tile).c_str(), 1);
-    }
-    unsetenv("SPINDLE_CUDA_ATTN_FWD_TILE");
-    for (const char* bwd : {"wide", "atomic", "split"}) {
-      setenv("SPINDLE_CUDA_ATTN_BWD", bwd, 1);
-      bench_attention(*be, 1, 32768, 12, 2, 128, false, (std::string("mma bwd ") + bwd).c_str(), 2);
-    }
-    unsetenv("SPINDLE_CUDA_ATTN_BWD");
+    // Default kernels (wgmma forward on Hopper) and the mma.sync kernels forced, same shape.
+    bench_attention(*be, 1, 32768, 12, 2, 128, false, "auto");
+    setenv("SPINDLE_CUDA_ATTENTION", "mma", 1);
+    auto mma = make_cuda_backend(0);
+    unsetenv("SPINDLE_CUDA_ATTENTION");
+    bench_attention(*mma, 1, 32768, 12, 2, 128, false, "mma");
     if (!quick) {
-      bench_attention(*be, 1, 16384, 12, 2, 128, true, "mma");
-      bench_attention(*be, 8, 4096, 12, 2, 128, false, "mma");
-      bench_attention(*be, 1, 32768, 16, 4, 64, false, "mma");
+      bench_attention(*be, 1, 8192, 12, 2, 128, false, "auto");
+      bench_attention(*be, 1, 16384, 12, 2, 128, true, "auto");
+      bench_attention(*be, 8, 4096, 12, 2, 128, false, "auto");
+      bench_attention(*be, 1, 32768, 28, 4, 128, false, "auto");
+      bench_attention(*be, 1, 32768, 16, 4, 64, false, "auto");
       setenv("SPINDLE_CUDA_ATTENTION", "simple", 1);
       auto simple = make_cuda_backend(0);
       unsetenv("SPINDLE_CUDA_ATTENTION");

@@ -3,6 +3,7 @@
 // op overwrites are poisoned with NaN first, so an unwritten element fails the comparison.
 // Tolerance: relative norm error 1e-5 for F32, 1e-2 for BF16 (its storage rounding is 2^-9).
 // With no CUDA device every test is skipped (CI compiles this binary but has no GPU).
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -557,10 +558,12 @@ INSTANTIATE_TEST_SUITE_P(Kernels, CudaAttention,
                                   std::to_string(std::get<1>(info.param));
                          });
 
-// Every tile shape and backward variant of the tensor-core kernels (tuning knobs read per call).
+// Every tile shape and backward variant of the mma.sync kernels (tuning knobs read per call).
 TEST(CudaAttentionImpls, EveryTensorCoreVariantMatchesCpu) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
+  setenv("SPINDLE_CUDA_ATTENTION", "mma", 1);
   auto gpu = make_cuda_backend(0);
+  unsetenv("SPINDLE_CUDA_ATTENTION");
   auto cpu = make_cpu_backend();
   std::mt19937_64 rng(9);
   for (const char* tile : {"64x64", "128x64", "128x32"})
@@ -578,6 +581,33 @@ TEST(CudaAttentionImpls, EveryTensorCoreVariantMatchesCpu) {
   unsetenv("SPINDLE_CUDA_ATTN_BWD");
 }
 
+bool gpu_is_hopper() {
+  int major = 0;
+  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess && major == 9;
+}
+
+// The Hopper kernels on rows of several 128-token tiles: tails, documents across tile borders,
+// ring blocks whose tiles are partly or wholly hidden, GQA groups of 1, 3 and 6.
+TEST(CudaAttentionImpls, WgmmaMatchesCpuOnMultiTileRows) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
+  if (!gpu_is_hopper()) GTEST_SKIP() << "the wgmma kernels need a Hopper GPU";
+  setenv("SPINDLE_CUDA_ATTENTION", "wgmma", 1);
+  auto gpu = make_cuda_backend(0);
+  unsetenv("SPINDLE_CUDA_ATTENTION");
+  auto cpu = make_cpu_backend();
+  std::mt19937_64 rng(21);
+  const std::vector<AttnCase> cases = {
+      {"causal 1000", causal(1000), 6, 1},
+      {"packed across tile borders", packed({300, 700, 5, 129, 1}, 50), 6, 2},
+      {"ring block above the diagonal", block(0, 400, 500, 300), 2, 2},
+      {"ring block, partly empty rows", block(0, 450, 200, 333), 12, 2},
+      {"zigzag 4 x 160", zigzag(0, 3, 4, 160), 6, 6},
+      {"zigzag 4 x 160 reversed", zigzag(3, 1, 4, 160), 6, 2},
+      {"ring block below the diagonal", block(1000, 256, 0, 640), 4, 2},
+  };
+  for (const AttnCase& c : cases) check_attention(*cpu, *gpu, rng, c, DType::BF16, 128);
+}
+
 // The simple kernels forced on BF16 d = 128 (the tensor-core kernels' shape) also match the CPU,
 // and the two GPU implementations agree with each other at a size the CPU would take long for.
 TEST(CudaAttentionImpls, SimpleAndTensorCoreKernelsAgree) {
@@ -586,6 +616,8 @@ TEST(CudaAttentionImpls, SimpleAndTensorCoreKernelsAgree) {
   auto simple = make_cuda_backend(0);
   setenv("SPINDLE_CUDA_ATTENTION", "mma", 1);
   auto mma = make_cuda_backend(0);
+  setenv("SPINDLE_CUDA_ATTENTION", gpu_is_hopper() ? "wgmma" : "mma", 1);
+  auto wgmma = make_cuda_backend(0);
   unsetenv("SPINDLE_CUDA_ATTENTION");
   auto cpu = make_cpu_backend();
   std::mt19937_64 rng(5);
@@ -611,6 +643,12 @@ TEST(CudaAttentionImpls, SimpleAndTensorCoreKernelsAgree) {
   simple->attention_forward(ss, q, k, v, mask, scale, o2, l2);
   expect_close(to_host(*mma, o1), to_host(*simple, o2), 1e-2, "out");
   expect_close(to_host(*mma, l1), to_host(*simple, l2), 1e-4, "lse");
+  {
+    Tensor o3 = wgmma->empty(q.shape(), DType::BF16), l3 = wgmma->empty(Shape{hq, t}, DType::F32);
+    wgmma->attention_forward(wgmma->default_stream(), q, k, v, mask, scale, o3, l3);
+    expect_close(to_host(*wgmma, o3), to_host(*simple, o2), 1e-2, "out (wgmma)");
+    expect_close(to_host(*wgmma, l3), to_host(*simple, l2), 1e-4, "lse (wgmma)");
+  }
   Tensor g1[3] = {mma->empty(q.shape(), DType::BF16), mma->empty(k.shape(), DType::BF16),
                   mma->empty(v.shape(), DType::BF16)};
   Tensor g2[3] = {mma->empty(q.shape(), DType::BF16), mma->empty(k.shape(), DType::BF16),

@@ -90,22 +90,57 @@ void attention_dq_finish(cudaStream_t s, DType t, const float* dq_acc, float sca
   });
 }
 
+namespace {
+
+// Hopper's wgmma kernels run only on compute capability 9.x (they are built for sm_90a).
+bool device_is_hopper() {
+  static const bool hopper = [] {
+    int device = 0, major = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major == 9;
+  }();
+  return hopper;
+}
+
+AttentionImpl resolve(AttentionImpl impl, DType io, int d, const char* op) {
+  if (impl == AttentionImpl::Auto) {
+    if (attention_wgmma_supports(io, d) && device_is_hopper()) return AttentionImpl::Wgmma;
+    return attention_mma_supports(io, d) ? AttentionImpl::Mma : AttentionImpl::Simple;
+  }
+  if (impl == AttentionImpl::Mma && !attention_mma_supports(io, d))
+    throw_message(op, "mma kernels need BF16 and head dim 64 or 128");
+  if (impl == AttentionImpl::Wgmma && !(attention_wgmma_supports(io, d) && device_is_hopper()))
+    throw_message(op, "wgmma kernels need a Hopper GPU (sm_90), BF16 and head dim 128");
+  return impl;
+}
+
+}  // namespace
+
 void attention_forward(cudaStream_t s, AttentionImpl impl, const AttentionShape& sh, DType io, const void* q,
                        const void* k, const void* v, const AttentionMaskPtrs& mask, float scale, void* out,
                        DType out_dtype, float* lse) {
-  const bool mma = impl == AttentionImpl::Mma || (impl == AttentionImpl::Auto && attention_mma_supports(io, sh.d));
-  if (mma && !attention_mma_supports(io, sh.d)) throw_message("attention_forward", "mma kernels need BF16 and head dim 64 or 128");
-  if (mma) attention_forward_mma(s, sh, q, k, v, mask, scale, out, out_dtype, lse);
-  else attention_forward_simple(s, sh, io, q, k, v, mask, scale, out, out_dtype, lse);
+  switch (resolve(impl, io, sh.d, "attention_forward")) {
+    case AttentionImpl::Wgmma: attention_forward_wgmma(s, sh, q, k, v, mask, scale, out, out_dtype, lse); break;
+    case AttentionImpl::Mma: attention_forward_mma(s, sh, q, k, v, mask, scale, out, out_dtype, lse); break;
+    default: attention_forward_simple(s, sh, io, q, k, v, mask, scale, out, out_dtype, lse); break;
+  }
 }
 
 void attention_backward(cudaStream_t s, AttentionImpl impl, const AttentionShape& sh, DType io, const void* q,
                         const void* k, const void* v, const void* out, const void* dout, const float* lse,
                         const AttentionMaskPtrs& mask, float scale, void* dq, void* dk, void* dv, bool accumulate) {
-  const bool mma = impl == AttentionImpl::Mma || (impl == AttentionImpl::Auto && attention_mma_supports(io, sh.d));
-  if (mma && !attention_mma_supports(io, sh.d)) throw_message("attention_backward", "mma kernels need BF16 and head dim 64 or 128");
-  if (mma) attention_backward_mma(s, sh, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate);
-  else attention_backward_simple(s, sh, io, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate);
+  switch (resolve(impl, io, sh.d, "attention_backward")) {
+    case AttentionImpl::Wgmma:
+      attention_backward_wgmma(s, sh, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate);
+      break;
+    case AttentionImpl::Mma:
+      attention_backward_mma(s, sh, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate);
+      break;
+    default:
+      attention_backward_simple(s, sh, io, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate);
+      break;
+  }
 }
 
 }  // namespace spindle::cuda

@@ -62,4 +62,13 @@ void attention_backward_mma(cudaStream_t s, const AttentionShape& sh, const void
                             const void* out, const void* dout, const float* lse, const AttentionMaskPtrs& mask,
                             float scale, void* dq, void* dk, void* dv, bool accumulate);
 
+// Hopper kernels (wgmma, TMA; sm_90a): BF16, head dim 128 (attention_fwd_wgmma.cu,
+// attention_bwd_wgmma.cu).
+bool attention_wgmma_supports(DType io, int d);
+void attention_forward_wgmma(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
+                             const AttentionMaskPtrs& mask, float scale, void* out, DType out_dtype, float* lse);
+void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
+                              const void* out, const void* dout, const float* lse, const AttentionMaskPtrs& mask,
+                              float scale, void* dq, void* dk, void* dv, bool accumulate);
+
 }  // namespace spindle::cuda

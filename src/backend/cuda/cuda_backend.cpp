@@ -45,8 +45,9 @@ cuda::AttentionImpl impl_from_env() {
   const std::string s(v);
   if (s == "simple") return cuda::AttentionImpl::Simple;
   if (s == "mma") return cuda::AttentionImpl::Mma;
+  if (s == "wgmma") return cuda::AttentionImpl::Wgmma;
   if (s == "auto" || s.empty()) return cuda::AttentionImpl::Auto;
-  fail("SPINDLE_CUDA_ATTENTION={} is not one of auto, simple, mma", s);
+  fail("SPINDLE_CUDA_ATTENTION={} is not one of auto, simple, mma, wgmma", s);
 }
 
 class CudaBackend final : public Backend {

@@ -101,9 +101,10 @@ struct AttentionShape {
 struct AttentionMaskPtrs {
   const int32_t *q_doc, *q_pos, *k_doc, *k_pos;  // I32 [tq] / [tk]
 };
-// Which attention kernels to use: Auto picks the tensor-core (mma.sync) kernels for BF16 with head
-// dim 64 or 128 and the simple f32-FMA kernels for everything else; the others force one (tests).
-enum class AttentionImpl { Auto, Simple, Mma };
+// Which attention kernels to use. Auto: on Hopper (sm_90) the wgmma kernels for BF16 with head dim
+// 128, the tensor-core mma.sync kernels for BF16 with head dim 64 or 128 elsewhere, the simple
+// f32-FMA kernels for everything else. The others force one (tests, measurements).
+enum class AttentionImpl { Auto, Simple, Mma, Wgmma };
 
 // out [tq, hq, d] (io dtype, or F32 for bf16 inputs), lse F32 [hq, tq].
 void attention_forward(cudaStream_t s, AttentionImpl impl, const AttentionShape& sh, DType io, const void* q,

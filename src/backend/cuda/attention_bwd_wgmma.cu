@@ -1,0 +1,355 @@
+// Attention backward for Hopper (sm_90a), head dim 128, BF16 inputs: the FlashAttention-3
+// structure, written for this engine's document/position mask.
+//
+// A block owns one 128-key tile of K and V (of the kv head its query head reads) and one query
+// head, and walks the 64-row query tiles that can see the keys. Three warpgroups: a producer
+// streams Q, dO and the per-row terms (LSE·log2 e, delta) of each query tile into a two-stage
+// ring with the copy engine; two consumers own 64 keys each. Per query tile a consumer computes
+//   Sᵀ  = K·Qᵀ, dPᵀ = V·dOᵀ            (wgmma from shared memory, 64 keys × 64 queries)
+//   Pᵀ  = exp2(Sᵀ·scale·log2 e − LSE·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − delta)
+//   dV += Pᵀ·dO,  dK += dSᵀ·Q          (A from registers, accumulated over the whole walk)
+//   dQ  = dS·K                          (dSᵀ of both consumers through shared memory; each
+//                                        consumer takes 64 of the 128 head-dim columns)
+// and adds its dQ part to an f32 accumulator in global memory. At the end dK and dV go to f32
+// accumulators too (query heads of a GQA group add up there); small passes apply the softmax
+// scale and round to bf16 (attention_dq_finish).
+//
+// Budget per (64 queries × 128 keys) step: 5 products of 2·64·128·128 = 10.5 MFLOP on the
+// tensor cores (≈ 2560 cycles of one SM) against 8192 exp2 (≈ 512 cycles).
+#include <cmath>
+
+#include "backend/cuda/attention_common.cuh"
+#include "backend/cuda/device_util.cuh"
+#include "backend/cuda/hopper.cuh"
+#include "backend/cuda/tensor_map.h"
+
+namespace spindle::cuda {
+namespace {
+
+using namespace hopper;
+
+constexpr int kD = 128;
+constexpr int kBN = 128;  // keys per block
+constexpr int kBM = 64;   // query rows per step
+constexpr int kStages = 2;
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr float kLog2e = 1.4426950408889634f;
+
+constexpr uint32_t kKvChunk = kBN * 128;  // bytes of one [128 keys][64 cols] chunk
+constexpr uint32_t kQChunk = kBM * 128;   // bytes of one [64 rows][64 cols] chunk
+
+struct alignas(1024) Smem {
+  bf16 k[kBN * kD];  // 2 chunks [128][64]
+  bf16 v[kBN * kD];
+  bf16 q[kStages][kBM * kD];   // 2 chunks [64][64]
+  bf16 dout[kStages][kBM * kD];
+  bf16 ds[kBN * kBM];          // dSᵀ [128 keys][64 queries], one swizzled chunk
+  float lse2[kStages][kBM];    // LSE·log2 e (+inf: row has no key or is padding)
+  float delta[kStages][kBM];
+  uint64_t kv_full, full[kStages], empty[kStages];
+};
+constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
+
+struct Params {
+  AttentionShape sh;
+  AttentionMaskPtrs mask;
+  const TileRange *q_ranges, *k_ranges;  // tiles of kBM queries / kBN keys
+  const float *lse2, *delta;             // [hq, tq_pad]
+  int64_t tq_pad;
+  float scale_log2;
+  float *dq_acc, *dk_acc, *dv_acc;  // f32 [tq, hq, D], [tk, hkv, D], [tk, hkv, D]
+};
+
+// Plain 1-D bulk copy global -> shared, completion counted on `bar`.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
+// Byte offset of element (row, col) in a [rows][64] bf16 chunk with the 128-byte swizzle.
+__device__ __forceinline__ uint32_t swizzled(int row, int col) {
+  return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
+}
+
+// grid (hq, ceil(tk / 128)); key tile 0 of every head (the most query tiles under a causal mask)
+// first.
+__global__ void __launch_bounds__(kThreads, 1)
+    backward_wgmma_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                          const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
+                          const Params p) {
+  extern __shared__ unsigned char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+
+  const AttentionShape& sh = p.sh;
+  const int wg = threadIdx.x / 128;
+  const int k_tile = blockIdx.y;
+  const int h = blockIdx.x, hk = h / (sh.hq / sh.hkv);
+  const int64_t k0 = static_cast<int64_t>(k_tile) * kBN;
+  const TileRange kr = load_range(p.k_ranges + k_tile);
+  const bool k_complete = k0 + kBN <= sh.tk;
+  const int nq = static_cast<int>((sh.tq + kBM - 1) / kBM);
+  auto tile_class = [&](int i) { return classify_tile(load_range(p.q_ranges + i), kr, k_complete); };
+  auto next_active = [&](int from) {
+    for (int i = from; i < nq; ++i)
+      if (tile_class(i) != kTileSkip) return i;
+    return nq;
+  };
+
+  if (threadIdx.x == 0) {
+    mbar_init(&sm.kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&sm.full[s], 1);
+      mbar_init(&sm.empty[s], kConsumers * 4);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    regs_release<24>();
+    if (threadIdx.x == 0) {
+      tma_prefetch_descriptor(&q_map);
+      tma_prefetch_descriptor(&do_map);
+      mbar_arrive_expect_tx(&sm.kv_full, 2 * kBN * kD * 2);
+      for (int c = 0; c < kD / 64; ++c) {
+        tma_load_2d(sm.k + c * kBN * 64, &k_map, hk * kD + c * 64, static_cast<int>(k0), &sm.kv_full);
+        tma_load_2d(sm.v + c * kBN * 64, &v_map, hk * kD + c * 64, static_cast<int>(k0), &sm.kv_full);
+      }
+      int it = 0;
+      for (int i = next_active(0); i < nq; i = next_active(i + 1), ++it) {
+        const int stage = it % kStages;
+        if (it >= kStages) mbar_wait(&sm.empty[stage], ((it / kStages) - 1) & 1);
+        const int y = i * kBM;
+        mbar_arrive_expect_tx(&sm.full[stage], 2 * kBM * kD * 2 + 2 * kBM * 4);
+        for (int c = 0; c < kD / 64; ++c) {
+          tma_load_2d(sm.q[stage] + c * kBM * 64, &q_map, h * kD + c * 64, y, &sm.full[stage]);
+          tma_load_2d(sm.dout[stage] + c * kBM * 64, &do_map, h * kD + c * 64, y, &sm.full[stage]);
+        }
+        bulk_load(sm.lse2[stage], p.lse2 + h * p.tq_pad + y, kBM * 4, &sm.full[stage]);
+        bulk_load(sm.delta[stage], p.delta + h * p.tq_pad + y, kBM * 4, &sm.full[stage]);
+      }
+    }
+    return;
+  }
+
+  regs_claim<240>();
+  const int cw = wg - 1;  // keys 64·cw … 64·cw + 63 of the tile
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // This thread's two key rows (r = 0: row g of its warp's 16, r = 1: row g + 8), tile-local.
+  int krow[2], kdoc[2], kpos[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    krow[r] = cw * 64 + warp * 16 + g + 8 * r;
+    const int64_t key = k0 + krow[r];
+    kdoc[r] = key < sh.tk ? p.mask.k_doc[key] : 0;
+    kpos[r] = key < sh.tk ? p.mask.k_pos[key] : 0;
+  }
+  const uint32_t k_rows = smem_u32(sm.k) + cw * 64 * 128;  // this consumer's 64 key rows, chunk 0
+  const uint32_t v_rows = smem_u32(sm.v) + cw * 64 * 128;
+  const uint32_t ds_base = smem_u32(sm.ds);
+
+  float dk[kD / 2], dv[kD / 2];
+#pragma unroll
+  for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.f;
+
+  mbar_wait(&sm.kv_full, 0);
+  int it = 0;
+  for (int i = next_active(0); i < nq; i = next_active(i + 1), ++it) {
+    const int stage = it % kStages;
+    const int cls = tile_class(i);
+    mbar_wait(&sm.full[stage], (it / kStages) & 1);
+    const uint32_t q_base = smem_u32(sm.q[stage]), do_base = smem_u32(sm.dout[stage]);
+
+    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: 64 keys × 64 queries each, reduction over the head dim.
+    float st[kBM / 2], dpt[kBM / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      const uint32_t off = (ks / 4) * kKvChunk + (ks % 4) * 32, qoff = (ks / 4) * kQChunk + (ks % 4) * 32;
+      wgmma_ss_n64<0, 0>(st, smem_desc(k_rows + off, 16, 1024), smem_desc(q_base + qoff, 16, 1024), ks > 0);
+    }
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      const uint32_t off = (ks / 4) * kKvChunk + (ks % 4) * 32, qoff = (ks / 4) * kQChunk + (ks % 4) * 32;
+      wgmma_ss_n64<0, 0>(dpt, smem_desc(v_rows + off, 16, 1024), smem_desc(do_base + qoff, 16, 1024), ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(st);
+    fence_regs(dpt);
+
+    // Pᵀ and dSᵀ in registers; column c of this thread's accumulators is query 8j + 2t + (c & 1).
+    const int64_t qbase = static_cast<int64_t>(i) * kBM;
+    uint32_t pa[kBM / 4], dsa[kBM / 4];  // bf16 A fragments (k = queries)
+#pragma unroll
+    for (int j = 0; j < kBM / 8; ++j) {
+      float pv[4], dsv[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int col = 8 * j + 2 * t + (c & 1), r = c >> 1;
+        float x = exp2f(fmaf(st[4 * j + c], p.scale_log2, -sm.lse2[stage][col]));
+        if (cls == kTileMixed) {
+          const int64_t qi = qbase + col;
+          const bool visible = qi < sh.tq && krow[r] + k0 < sh.tk && p.mask.q_doc[qi] == kdoc[r] &&
+                               kpos[r] <= p.mask.q_pos[qi];
+          if (!visible) x = 0.f;
+        }
+        pv[c] = x;
+        dsv[c] = x * (dpt[4 * j + c] - sm.delta[stage][col]);
+      }
+      // Accumulator n8 block j -> half of the A fragment of k slice j / 2.
+      const int f = 4 * (j / 2) + 2 * (j % 2);
+      pa[f] = pack_bf16x2(pv[0], pv[1]);
+      pa[f + 1] = pack_bf16x2(pv[2], pv[3]);
+      dsa[f] = pack_bf16x2(dsv[0], dsv[1]);
+      dsa[f + 1] = pack_bf16x2(dsv[2], dsv[3]);
+    }
+
+    // dV += Pᵀ·dO and dK += dSᵀ·Q (B = dO / Q stored [query][dim]: MN-major).
+    fence_regs(dv);
+    fence_regs(dk);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk) wgmma_rs_n128<1>(dv, pa + 4 * kk, smem_desc(do_base + kk * 2048, kQChunk, 1024), 1);
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk) wgmma_rs_n128<1>(dk, dsa + 4 * kk, smem_desc(q_base + kk * 2048, kQChunk, 1024), 1);
+    wgmma_commit();
+
+    // dSᵀ to shared memory for dQ = dS·K; the other consumer must be done reading the last one.
+    named_barrier(1, 256);
+#pragma unroll
+    for (int j = 0; j < kBM / 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t v = dsa[4 * (j / 2) + 2 * (j % 2) + r];
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_base + swizzled(krow[r], 8 * j + 2 * t)), "r"(v) : "memory");
+      }
+    fence_proxy_async();
+    named_barrier(2, 256);
+
+    // dQ[:, 64·cw …] = dS·K: A = dSᵀ stored [key][query] (MN-major), B = K stored [key][dim]
+    // (MN-major), reduction over the 128 keys.
+    float dq[32];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk)
+      wgmma_ss_n64<1, 1>(dq, smem_desc(ds_base + kk * 2048, kBN * 128, 1024),
+                         smem_desc(smem_u32(sm.k) + cw * kKvChunk + kk * 2048, kKvChunk, 1024), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(dq);
+    fence_regs(dk);
+    fence_regs(dv);
+    fence_regs(pa);
+    fence_regs(dsa);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&sm.empty[stage]);
+
+    // Rows past tq must not be written (their dS is 0: Q, dO and delta are zero-filled there).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t qrow = qbase + warp * 16 + g + 8 * r;
+      if (qrow >= sh.tq) continue;
+      float* dst = p.dq_acc + (qrow * sh.hq + h) * kD + cw * 64;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        atomicAdd(reinterpret_cast<float2*>(dst + 8 * j + 2 * t), make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = k0 + krow[r];
+    if (key >= sh.tk) continue;
+    float* dkr = p.dk_acc + (key * sh.hkv + hk) * kD;
+    float* dvr = p.dv_acc + (key * sh.hkv + hk) * kD;
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      atomicAdd(reinterpret_cast<float2*>(dkr + 8 * j + 2 * t), make_float2(dk[4 * j + 2 * r], dk[4 * j + 2 * r + 1]));
+      atomicAdd(reinterpret_cast<float2*>(dvr + 8 * j + 2 * t), make_float2(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]));
+    }
+  }
+}
+
+// lse2 [hq, tq_pad] = LSE·log2 e, +inf for rows without keys and for padding rows (their P is 0);
+// delta [hq, tq_pad] = Σ dout·out (0 on padding rows). One warp per (head, row).
+__global__ void prepare_rows_kernel(const bf16* out, const bf16* dout, const float* lse, int64_t tq, int64_t tq_pad,
+                                    int hq, float* lse2, float* delta) {
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (w >= tq_pad * hq) return;
+  const int h = static_cast<int>(w / tq_pad);
+  const int64_t row = w % tq_pad;
+  float acc = 0.f, l = INFINITY;
+  if (row < tq) {
+    const bf16* o = out + (row * hq + h) * kD;
+    const bf16* g = dout + (row * hq + h) * kD;
+    for (int e = lane * 4; e < kD; e += 128) {
+      const float2 o01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o + e));
+      const float2 o23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o + e + 2));
+      const float2 g01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(g + e));
+      const float2 g23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(g + e + 2));
+      acc += o01.x * g01.x + o01.y * g01.y + o23.x * g23.x + o23.y * g23.y;
+    }
+    acc = warp_sum(acc);
+    const float x = lse[static_cast<int64_t>(h) * tq + row];
+    l = x == -INFINITY ? INFINITY : x * kLog2e;
+  }
+  if (lane == 0) {
+    lse2[w] = l;
+    delta[w] = acc;
+  }
+}
+
+}  // namespace
+
+void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
+                              const void* out, const void* dout, const float* lse, const AttentionMaskPtrs& mask,
+                              float scale, void* dq, void* dk, void* dv, bool accumulate) {
+  if (sh.tq == 0 || sh.tk == 0) {
+    attention_backward_simple(s, sh, DType::BF16, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate);
+    return;
+  }
+  if (sh.d != kD) throw_message("attention_backward", "the Hopper kernel needs head dim 128");
+  const int64_t q_tiles = (sh.tq + kBM - 1) / kBM, k_tiles = (sh.tk + kBN - 1) / kBN;
+  if (k_tiles > 65535 || sh.hq > 0x7fffffff || sh.tq > 0x7fffffff || sh.tk > 0x7fffffff)
+    throw_message("attention_backward", "too many tokens or heads for the Hopper kernel");
+  const int64_t tq_pad = q_tiles * kBM;
+  const int64_t nq = sh.tq * sh.hq * kD, nk = sh.tk * sh.hkv * kD;
+  // f32 scratch: dq/dk/dv accumulators, then the per-row terms.
+  Scratch scratch(s, static_cast<size_t>(nq + 2 * nk + 2 * sh.hq * tq_pad) * 4 +
+                         static_cast<size_t>(q_tiles + k_tiles) * sizeof(TileRange));
+  float* dq_acc = scratch.as<float>();
+  float* dk_acc = dq_acc + nq;
+  float* dv_acc = dk_acc + nk;
+  float* lse2 = dv_acc + nk;
+  float* delta = lse2 + sh.hq * tq_pad;
+  auto* ranges = reinterpret_cast<TileRange*>(delta + sh.hq * tq_pad);
+  CUDA_CHECK(cudaMemsetAsync(dq_acc, 0, static_cast<size_t>(nq + 2 * nk) * 4, s));
+  tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, kBM, ranges);
+  tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, kBN, ranges + q_tiles);
+  const int64_t warps = sh.hq * tq_pad;
+  prepare_rows_kernel<<<static_cast<unsigned>((warps * 32 + 255) / 256), 256, 0, s>>>(
+      static_cast<const bf16*>(out), static_cast<const bf16*>(dout), lse, sh.tq, tq_pad, sh.hq, lse2, delta);
+  CUDA_CHECK_LAUNCH();
+
+  const CUtensorMap q_map = bf16_tile_map(q, sh.tq, int64_t{sh.hq} * kD, kBM);
+  const CUtensorMap do_map = bf16_tile_map(dout, sh.tq, int64_t{sh.hq} * kD, kBM);
+  const CUtensorMap k_map = bf16_tile_map(k, sh.tk, int64_t{sh.hkv} * kD, kBN);
+  const CUtensorMap v_map = bf16_tile_map(v, sh.tk, int64_t{sh.hkv} * kD, kBN);
+  const Params p{sh,     mask,  ranges, ranges + q_tiles, lse2,  delta, tq_pad, scale * kLog2e,
+                 dq_acc, dk_acc, dv_acc};
+  CUDA_CHECK(cudaFuncSetAttribute(backward_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(kSmemBytes)));
+  backward_wgmma_kernel<<<dim3(static_cast<unsigned>(sh.hq), static_cast<unsigned>(k_tiles)), kThreads, kSmemBytes,
+                          s>>>(q_map, k_map, v_map, do_map, p);
+  CUDA_CHECK_LAUNCH();
+  attention_dq_finish(s, DType::BF16, dq_acc, scale, dq, nq, accumulate);
+  attention_dq_finish(s, DType::BF16, dk_acc, scale, dk, nk, accumulate);
+  attention_dq_finish(s, DType::BF16, dv_acc, 1.f, dv, nk, accumulate);
+}
+
+}  // namespace spindle::cuda
