@@ -3,7 +3,7 @@
 # CUDA op and model tests, NCCL tests, then sequence parallelism on 2 GPUs — spindle check
 # (2 GPUs vs 1, Ulysses and ring), sft losses on 1 and 2 GPUs, and spindle bench at sp 2.
 # Results under $OUT. PARTS selects: attn tests check sft bench (default all but attn).
-# attn: the attention op tests and kernel timings alone (bench_cuda --quick), plus the SASS
+# attn: the attention op tests and kernel timings alone (bench_cuda, PyTorch SDPA), plus the SASS
 # instruction mix of the attention kernels.
 set -uo pipefail
 root=$PWD
@@ -26,7 +26,8 @@ ldd "$S" | grep -E "not found" > "$out/missing_libs.txt"
 if has attn; then
   timeout 300 "$stage/bin/test_cuda_ops" --gtest_color=no --gtest_filter='*Attention*' > "$out/test_attention.log" 2>&1
   summary+=("attention tests rc=$?")
-  timeout 300 "$stage/bin/bench_cuda" --quick > "$out/bench_cuda.txt" 2>&1; summary+=("bench_cuda rc=$?")
+  timeout 300 "$stage/bin/bench_cuda" ${BENCH_CUDA_ARGS:-} > "$out/bench_cuda.txt" 2>&1; summary+=("bench_cuda rc=$?")
+  timeout 120 python3 scripts/gpu/bench_torch_attention.py > "$out/torch_attention.txt" 2>&1; summary+=("torch sdpa rc=$?")
   if command -v cuobjdump > /dev/null; then
     cuobjdump -sass "$stage/bin/test_cuda_ops" 2>/dev/null | awk '/Function :/ {f=$3} /HGMMA|USETMAXREG|UTMALDG|UBLKRED/ {n[f" "$2]++} END {for (k in n) print n[k], k}' \
       | grep -i attention | sort -k2 > "$out/sass_attention.txt"
@@ -91,6 +92,7 @@ echo "==== results ===="
 grep -hE '^\[  (PASSED|FAILED) |^\[  FAILED|tests? ran' "$out"/test_*.log 2>/dev/null | head -40
 grep -hE 'Failure|error|Expected|Which is|max rel' "$out"/test_attention.log 2>/dev/null | head -30
 sed -n '/^kernel/,$p' "$out/bench_cuda.txt" 2>/dev/null
+cat "$out/torch_attention.txt" 2>/dev/null
 cut -c1-200 "$out/sass_attention.txt" 2>/dev/null | head -20
 for f in "$out"/check_*.json; do [[ -s $f ]] && echo "$(basename "$f"): $(tail -1 "$f" | cut -c1-400)"; done
 for f in "$out"/check_*.err; do grep -h "error" "$f" | head -3; done

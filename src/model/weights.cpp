@@ -108,12 +108,24 @@ ModelWeights ModelWeights::random(Backend& backend, const ModelConfig& config, D
   w.config = config;
   w.dtype = dtype;
   w.wire(backend);
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> normal(0.0, 0.02);
+  // Uniform on ±0.02·√3 (standard deviation 0.02) from a counter-based hash of (seed, parameter,
+  // element): a 7B model's 7.6e9 values take seconds, where std::normal_distribution took minutes.
+  auto mix = [](uint64_t x) {  // splitmix64's finalizer
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+  };
+  const double half_width = 0.02 * std::sqrt(3.0);
+  uint64_t index = 0;
   for (Parameter& p : w.params_) {
     std::vector<double> values(p.value.numel());
     const bool norm = p.name.find("norm") != std::string::npos;
-    for (double& v : values) v = norm ? 1.0 : normal(rng);
+    const uint64_t stream = mix(seed ^ mix(++index));
+    for (size_t i = 0; i < values.size(); ++i) {
+      const double u = static_cast<double>(mix(stream + i) >> 11) * 0x1.0p-53;  // [0, 1)
+      values[i] = norm ? 1.0 : half_width * (2.0 * u - 1.0);
+    }
     fill_host(backend, p.value, values);
   }
   return w;

@@ -65,7 +65,8 @@ class ModelWeights {
 
   // Loads every tensor of the model from a checkpoint, converting to `dtype`.
   static ModelWeights load(Backend& backend, const ModelConfig& config, const io::Checkpoint& checkpoint, DType dtype);
-  // Random weights (normal, std 0.02; norms 1), for tests and benchmarks on synthetic models.
+  // Random weights (uniform with standard deviation 0.02; norms 1), deterministic in `seed`, for
+  // tests and benchmarks on synthetic models.
   static ModelWeights random(Backend& backend, const ModelConfig& config, DType dtype, uint64_t seed);
 
   // LoRA: a PEFT adapter folder (adapter_config.json + adapter_model.safetensors), or new

@@ -202,6 +202,13 @@ int main(int argc, char** argv) {
     auto mma = make_cuda_backend(0);
     unsetenv("SPINDLE_CUDA_ATTENTION");
     bench_attention(*mma, 1, 32768, 12, 2, 128, false, "mma");
+    // The Hopper kernels' measured alternatives (knobs read per call).
+    setenv("SPINDLE_CUDA_ATTN_PINGPONG", "0", 1);
+    bench_attention(*be, 1, 32768, 12, 2, 128, false, "wgmma no-pingpong", 1);
+    unsetenv("SPINDLE_CUDA_ATTN_PINGPONG");
+    setenv("SPINDLE_CUDA_ATTN_DQ", "atomic", 1);
+    bench_attention(*be, 1, 32768, 12, 2, 128, false, "wgmma dq-atomic", 2);
+    unsetenv("SPINDLE_CUDA_ATTN_DQ");
     if (!quick) {
       bench_attention(*be, 1, 8192, 12, 2, 128, false, "auto");
       bench_attention(*be, 1, 16384, 12, 2, 128, true, "auto");

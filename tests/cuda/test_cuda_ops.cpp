@@ -605,7 +605,17 @@ TEST(CudaAttentionImpls, WgmmaMatchesCpuOnMultiTileRows) {
       {"zigzag 4 x 160 reversed", zigzag(3, 1, 4, 160), 6, 2},
       {"ring block below the diagonal", block(1000, 256, 0, 640), 4, 2},
   };
-  for (const AttnCase& c : cases) check_attention(*cpu, *gpu, rng, c, DType::BF16, 128);
+  // Default kernels, then the measured alternatives (forward without turn-taking, dQ by atomics).
+  for (const char* variant : {"default", "alternatives"}) {
+    SCOPED_TRACE(variant);
+    if (std::string(variant) == "alternatives") {
+      setenv("SPINDLE_CUDA_ATTN_PINGPONG", "0", 1);
+      setenv("SPINDLE_CUDA_ATTN_DQ", "atomic", 1);
+    }
+    for (const AttnCase& c : cases) check_attention(*cpu, *gpu, rng, c, DType::BF16, 128);
+  }
+  unsetenv("SPINDLE_CUDA_ATTN_PINGPONG");
+  unsetenv("SPINDLE_CUDA_ATTN_DQ");
 }
 
 // The simple kernels forced on BF16 d = 128 (the tensor-core kernels' shape) also match the CPU,
@@ -648,6 +658,14 @@ TEST(CudaAttentionImpls, SimpleAndTensorCoreKernelsAgree) {
     wgmma->attention_forward(wgmma->default_stream(), q, k, v, mask, scale, o3, l3);
     expect_close(to_host(*wgmma, o3), to_host(*simple, o2), 1e-2, "out (wgmma)");
     expect_close(to_host(*wgmma, l3), to_host(*simple, l2), 1e-4, "lse (wgmma)");
+    Tensor g3[3] = {wgmma->empty(q.shape(), DType::BF16), wgmma->empty(k.shape(), DType::BF16),
+                    wgmma->empty(v.shape(), DType::BF16)};
+    Tensor g4[3] = {simple->empty(q.shape(), DType::BF16), simple->empty(k.shape(), DType::BF16),
+                    simple->empty(v.shape(), DType::BF16)};
+    wgmma->attention_backward(wgmma->default_stream(), q, k, v, o3, dout, l3, mask, scale, g3[0], g3[1], g3[2], false);
+    simple->attention_backward(ss, q, k, v, o3, dout, l3, mask, scale, g4[0], g4[1], g4[2], false);
+    const char* names[3] = {"dq (wgmma)", "dk (wgmma)", "dv (wgmma)"};
+    for (int i = 0; i < 3; ++i) expect_close(to_host(*wgmma, g3[i]), to_host(*simple, g4[i]), 1e-2, names[i]);
   }
   Tensor g1[3] = {mma->empty(q.shape(), DType::BF16), mma->empty(k.shape(), DType::BF16),
                   mma->empty(v.shape(), DType::BF16)};

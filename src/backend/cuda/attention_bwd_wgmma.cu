@@ -17,6 +17,8 @@
 // Budget per (64 queries × 128 keys) step: 5 products of 2·64·128·128 = 10.5 MFLOP on the
 // tensor cores (≈ 2560 cycles of one SM) against 8192 exp2 (≈ 512 cycles).
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/device_util.cuh"
@@ -45,6 +47,7 @@ struct alignas(1024) Smem {
   bf16 q[kStages][kBM * kD];   // 2 chunks [64][64]
   bf16 dout[kStages][kBM * kD];
   bf16 ds[kBN * kBM];          // dSᵀ [128 keys][64 queries], one swizzled chunk
+  float dq[kConsumers][2][kBM * 32];  // per consumer: its 64 dQ columns as 2 swizzled [64][32] boxes
   float lse2[kStages][kBM];    // LSE·log2 e (+inf: row has no key or is padding)
   float delta[kStages][kBM];
   uint64_t kv_full, full[kStages], empty[kStages];
@@ -75,11 +78,13 @@ __device__ __forceinline__ uint32_t swizzled(int row, int col) {
 }
 
 // grid (hq, ceil(tk / 128)); key tile 0 of every head (the most query tiles under a causal mask)
-// first.
+// first. kTmaDq: dQ parts go to global memory by the copy engine's reduce-add from shared memory
+// (else by f32x2 atomics from registers; kept for measurements).
+template <bool kTmaDq>
 __global__ void __launch_bounds__(kThreads, 1)
     backward_wgmma_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
-                          const Params p) {
+                          const __grid_constant__ CUtensorMap dq_map, const Params p) {
   extern __shared__ unsigned char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
 
@@ -149,7 +154,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const uint32_t k_rows = smem_u32(sm.k) + cw * 64 * 128;  // this consumer's 64 key rows, chunk 0
   const uint32_t v_rows = smem_u32(sm.v) + cw * 64 * 128;
-  const uint32_t ds_base = smem_u32(sm.ds);
 
   float dk[kD / 2], dv[kD / 2];
 #pragma unroll
@@ -190,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int col = 8 * j + 2 * t + (c & 1), r = c >> 1;
-        float x = exp2f(fmaf(st[4 * j + c], p.scale_log2, -sm.lse2[stage][col]));
+        float x = exp2_approx(fmaf(st[4 * j + c], p.scale_log2, -sm.lse2[stage][col]));
         if (cls == kTileMixed) {
           const int64_t qi = qbase + col;
           const bool visible = qi < sh.tq && krow[r] + k0 < sh.tk && p.mask.q_doc[qi] == kdoc[r] &&
@@ -219,6 +223,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_commit();
 
     // dSᵀ to shared memory for dQ = dS·K; the other consumer must be done reading the last one.
+    // (Two buffers by step parity without this barrier measured slower: 402 vs 441 TFLOP/s.)
+    const uint32_t ds_base = smem_u32(sm.ds);
     named_barrier(1, 256);
 #pragma unroll
     for (int j = 0; j < kBM / 8; ++j)
@@ -248,17 +254,45 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncwarp();
     if (lane == 0) mbar_arrive(&sm.empty[stage]);
 
-    // Rows past tq must not be written (their dS is 0: Q, dO and delta are zero-filled there).
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t qrow = qbase + warp * 16 + g + 8 * r;
-      if (qrow >= sh.tq) continue;
-      float* dst = p.dq_acc + (qrow * sh.hq + h) * kD + cw * 64;
+    if constexpr (kTmaDq) {
+      // Stage this consumer's dQ part in shared memory (swizzled like the copy engine reads it),
+      // then one thread has it added into dq_acc; the copy engine drops rows past tq.
+      const bool leader = threadIdx.x % 128 == 0;
+      if (leader) bulk_wait_read();  // the previous step's reduce has read the staging buffer
+      named_barrier(3 + cw, 128);
 #pragma unroll
       for (int j = 0; j < 8; ++j)
-        atomicAdd(reinterpret_cast<float2*>(dst + 8 * j + 2 * t), make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int qr = warp * 16 + g + 8 * r, col = (8 * j + 2 * t) % 32;
+          const uint32_t off = qr * 128 + ((((col * 4) >> 4) ^ (qr & 7)) << 4) + ((col * 4) & 15);
+          float* box = sm.dq[cw][j / 4];
+          *reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(box) + off) =
+              make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+        }
+      fence_proxy_async();
+      named_barrier(3 + cw, 128);
+      if (leader) {
+        const int x = h * kD + cw * 64, y = static_cast<int>(qbase);
+        tma_reduce_add_2d(&dq_map, x, y, sm.dq[cw][0]);
+        tma_reduce_add_2d(&dq_map, x + 32, y, sm.dq[cw][1]);
+        bulk_commit();
+      }
+    } else {
+      // Rows past tq must not be written (their dS is 0: Q, dO and delta are zero-filled there).
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t qrow = qbase + warp * 16 + g + 8 * r;
+        if (qrow >= sh.tq) continue;
+        float* dst = p.dq_acc + (qrow * sh.hq + h) * kD + cw * 64;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          atomicAdd(reinterpret_cast<float2*>(dst + 8 * j + 2 * t),
+                    make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
+      }
     }
   }
+  if (kTmaDq && threadIdx.x % 128 == 0) bulk_wait_all();  // staging must outlive the reduces
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -304,6 +338,14 @@ __global__ void prepare_rows_kernel(const bf16* out, const bf16* dout, const flo
   }
 }
 
+// For measurements: SPINDLE_CUDA_ATTN_DQ = tma (default) | atomic.
+bool dq_by_atomics() {
+  const char* v = std::getenv("SPINDLE_CUDA_ATTN_DQ");  // read per call: benchmarks switch it
+  if (!v || !std::strcmp(v, "tma")) return false;
+  if (!std::strcmp(v, "atomic")) return true;
+  throw_message("SPINDLE_CUDA_ATTN_DQ", "must be tma or atomic");
+}
+
 }  // namespace
 
 void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
@@ -342,10 +384,11 @@ void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const vo
   const CUtensorMap v_map = bf16_tile_map(v, sh.tk, int64_t{sh.hkv} * kD, kBN);
   const Params p{sh,     mask,  ranges, ranges + q_tiles, lse2,  delta, tq_pad, scale * kLog2e,
                  dq_acc, dk_acc, dv_acc};
-  CUDA_CHECK(cudaFuncSetAttribute(backward_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(kSmemBytes)));
-  backward_wgmma_kernel<<<dim3(static_cast<unsigned>(sh.hq), static_cast<unsigned>(k_tiles)), kThreads, kSmemBytes,
-                          s>>>(q_map, k_map, v_map, do_map, p);
+  const CUtensorMap dq_map = f32_tile_map(dq_acc, sh.tq, int64_t{sh.hq} * kD, kBM);
+  auto kernel = dq_by_atomics() ? backward_wgmma_kernel<false> : backward_wgmma_kernel<true>;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));
+  kernel<<<dim3(static_cast<unsigned>(sh.hq), static_cast<unsigned>(k_tiles)), kThreads, kSmemBytes, s>>>(
+      q_map, k_map, v_map, do_map, dq_map, p);
   CUDA_CHECK_LAUNCH();
   attention_dq_finish(s, DType::BF16, dq_acc, scale, dq, nq, accumulate);
   attention_dq_finish(s, DType::BF16, dk_acc, scale, dk, nk, accumulate);

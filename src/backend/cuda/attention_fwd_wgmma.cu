@@ -2,7 +2,7 @@
 // structure, written for this engine's document/position mask.
 //
 // A block owns 128 query rows of one head and runs three warpgroups: a producer that streams the
-// visible 128-key tiles of K and V into a two-stage shared-memory ring with the copy engine (TMA,
+// visible 128-key tiles of K and V into a three-stage shared-memory ring with the copy engine (TMA,
 // 128-byte swizzle, completion on mbarriers), and two consumers of 64 query rows each. A consumer
 // computes S = Q·Kᵀ with wgmma from shared memory, the online softmax in registers (exp2 domain,
 // f32), and O += P·V with P taken from registers. Within a consumer the next tile's Q·Kᵀ is issued
@@ -16,6 +16,8 @@
 // one SM at its dense bf16 rate) against 16384 exp2 (≈ 1024 cycles of the SFUs): the exp2 work
 // must hide under the matrix work, which is what the overlap above is for.
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/device_util.cuh"
@@ -30,7 +32,7 @@ using namespace hopper;
 constexpr int kD = 128;      // head dim
 constexpr int kBM = 128;     // query rows per block
 constexpr int kBN = 128;     // keys per tile
-constexpr int kStages = 2;   // K/V tiles in flight
+constexpr int kStages = 3;   // K/V tiles in flight
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr float kLog2e = 1.4426950408889634f;
@@ -45,7 +47,8 @@ struct alignas(1024) Smem {
   bf16 k[kStages][kTileElems];
   bf16 v[kStages][kTileElems];
   uint64_t q_full;
-  uint64_t k_full[kStages], v_full[kStages], kv_empty[kStages];
+  // K and V of a stage are released separately: K once Q·Kᵀ is done, V once P·V is.
+  uint64_t k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + room to align the dynamic base
 
@@ -70,8 +73,9 @@ __device__ __forceinline__ void store_pair<bf16>(bf16* p, float a, float b) {
 }
 
 // grid (hq, ceil(tq / 128)); blocks run the heaviest (last, for causal) query tiles of every head
-// first.
-template <typename TO>
+// first. kPingPong: the two consumers take turns issuing their matrix products (named barriers),
+// so that one's softmax runs while the other's products occupy the tensor cores (FA3).
+template <typename TO, bool kPingPong>
 __global__ void __launch_bounds__(kThreads, 1)
     forward_wgmma_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                          const __grid_constant__ CUtensorMap v_map, const Params p) {
@@ -99,7 +103,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&sm.k_full[s], 1);
       mbar_init(&sm.v_full[s], 1);
-      mbar_init(&sm.kv_empty[s], kConsumers * 4);  // one arrival per consumer warp
+      mbar_init(&sm.k_empty[s], kConsumers * 4);  // one arrival per consumer warp
+      mbar_init(&sm.v_empty[s], kConsumers * 4);
     }
     fence_barrier_init();
   }
@@ -118,11 +123,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       int it = 0;
       for (int j = next_active(0); j < nk; j = next_active(j + 1), ++it) {
         const int stage = it % kStages;
-        if (it >= kStages) mbar_wait(&sm.kv_empty[stage], ((it / kStages) - 1) & 1);
         const int y = j * kBN;
+        if (it >= kStages) mbar_wait(&sm.k_empty[stage], ((it / kStages) - 1) & 1);
         mbar_arrive_expect_tx(&sm.k_full[stage], kTileBytes);
         for (int c = 0; c < kD / 64; ++c)
           tma_load_2d(sm.k[stage] + c * kBN * 64, &k_map, hk * kD + c * 64, y, &sm.k_full[stage]);
+        if (it >= kStages) mbar_wait(&sm.v_empty[stage], ((it / kStages) - 1) & 1);
         mbar_arrive_expect_tx(&sm.v_full[stage], kTileBytes);
         for (int c = 0; c < kD / 64; ++c)
           tma_load_2d(sm.v[stage] + c * kBN * 64, &v_map, hk * kD + c * 64, y, &sm.v_full[stage]);
@@ -202,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // A row that has seen no key keeps m = −inf; exponentiate against 0 so that
       // exp2(−inf − (−inf)) never makes a NaN.
       m_use[r] = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = exp2f(m[r] - m_use[r]);
+      alpha[r] = exp2_approx(m[r] - m_use[r]);
       m[r] = m_new;
       rowsum[r] = 0.f;
     }
@@ -210,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < kBN / 8; ++i)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const float e = exp2f(fmaf(s[4 * i + c], p.scale_log2, -m_use[c >> 1]));
+        const float e = exp2_approx(fmaf(s[4 * i + c], p.scale_log2, -m_use[c >> 1]));
         s[4 * i + c] = e;
         rowsum[c >> 1] += e;
       }
@@ -235,15 +241,36 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
+  // Turn-taking between the consumers (kPingPong): barrier 3 + c is consumer c's turn; consumer 1
+  // hands the first turn to consumer 0 and skips its hand-over after its last turn, so every
+  // bar.sync is matched by exactly one bar.arrive.
+  auto my_turn = [&] {
+    if constexpr (kPingPong) named_barrier(3 + cw, 256);
+  };
+  auto their_turn = [&](bool last) {
+    if constexpr (kPingPong)
+      if (!(last && cw == 1)) named_barrier_arrive(3 + (1 - cw), 256);
+  };
+
+  // Each consumer warp arrives once per use of a stage's K and of its V.
+  auto release = [&](uint64_t* bar) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+  };
+
   mbar_wait(&sm.q_full, 0);
   int j = next_active(0), it = 0;
   if (j < nk) {
+    if (kPingPong && cw == 1) named_barrier_arrive(3, 256);
     mbar_wait(&sm.k_full[0], 0);
+    my_turn();
     wgmma_fence();
     issue_qk(0);
     wgmma_commit();
+    their_turn(false);
     wgmma_wait<0>();
     fence_regs(s);
+    release(&sm.k_empty[0]);
     softmax(j);
     rescale_and_pack();
     // Steady state: Q·Kᵀ of the next tile and P·V of this one in flight together; the next
@@ -254,37 +281,42 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (jn >= nk) break;
       const int stage = it % kStages, sn = (it + 1) % kStages;
       mbar_wait(&sm.k_full[sn], ((it + 1) / kStages) & 1);
+      mbar_wait(&sm.v_full[stage], (it / kStages) & 1);
+      my_turn();
       fence_regs(s);
       wgmma_fence();
       issue_qk(sn);
       wgmma_commit();
-      mbar_wait(&sm.v_full[stage], (it / kStages) & 1);
       fence_regs(o);
       fence_regs(pa);
       wgmma_fence();
       issue_pv(stage);
       wgmma_commit();
+      their_turn(false);
       wgmma_wait<1>();  // S of the next tile is ready; P·V may still run
       fence_regs(s);
+      release(&sm.k_empty[sn]);
       softmax(jn);
       wgmma_wait<0>();
       fence_regs(o);
       fence_regs(pa);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&sm.kv_empty[stage]);  // this warp no longer reads K/V of `stage`
+      release(&sm.v_empty[stage]);
       rescale_and_pack();
       j = jn;
       ++it;
     }
     const int stage = it % kStages;
     mbar_wait(&sm.v_full[stage], (it / kStages) & 1);
+    my_turn();
     fence_regs(o);
     fence_regs(pa);
     wgmma_fence();
     issue_pv(stage);
     wgmma_commit();
+    their_turn(true);
     wgmma_wait<0>();
     fence_regs(o);
+    release(&sm.v_empty[stage]);
   }
 
   TO* out = static_cast<TO*>(p.out);
@@ -303,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <typename TO>
+template <typename TO, bool kPingPong>
 void launch(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
             const AttentionMaskPtrs& mask, float scale, void* out, float* lse) {
   const int64_t q_tiles = (sh.tq + kBM - 1) / kBM, k_tiles = (sh.tk + kBN - 1) / kBN;
@@ -316,11 +348,19 @@ void launch(cudaStream_t s, const AttentionShape& sh, const void* q, const void*
   const CUtensorMap k_map = bf16_tile_map(k, sh.tk, int64_t{sh.hkv} * kD, kBN);
   const CUtensorMap v_map = bf16_tile_map(v, sh.tk, int64_t{sh.hkv} * kD, kBN);
   const Params p{sh, mask, ranges.as<TileRange>(), ranges.as<TileRange>() + q_tiles, scale * kLog2e, out, lse};
-  auto kernel = forward_wgmma_kernel<TO>;
+  auto kernel = forward_wgmma_kernel<TO, kPingPong>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));
   kernel<<<dim3(static_cast<unsigned>(sh.hq), static_cast<unsigned>(q_tiles)), kThreads, kSmemBytes, s>>>(
       q_map, k_map, v_map, p);
   CUDA_CHECK_LAUNCH();
+}
+
+// For measurements: SPINDLE_CUDA_ATTN_PINGPONG = 1 (default) | 0.
+bool ping_pong() {
+  const char* v = std::getenv("SPINDLE_CUDA_ATTN_PINGPONG");  // read per call: benchmarks switch it
+  if (!v || !std::strcmp(v, "1")) return true;
+  if (!std::strcmp(v, "0")) return false;
+  throw_message("SPINDLE_CUDA_ATTN_PINGPONG", "must be 1 or 0");
 }
 
 }  // namespace
@@ -336,9 +376,16 @@ void attention_forward_wgmma(cudaStream_t s, const AttentionShape& sh, const voi
     attention_forward_simple(s, sh, DType::BF16, q, k, v, mask, scale, out, out_dtype, lse);
     return;
   }
-  if (out_dtype == DType::F32) launch<float>(s, sh, q, k, v, mask, scale, out, lse);
-  else if (out_dtype == DType::BF16) launch<bf16>(s, sh, q, k, v, mask, scale, out, lse);
-  else throw_dtype("attention_forward out", out_dtype);
+  const bool pingpong = ping_pong();
+  if (out_dtype == DType::F32) {
+    pingpong ? launch<float, true>(s, sh, q, k, v, mask, scale, out, lse)
+             : launch<float, false>(s, sh, q, k, v, mask, scale, out, lse);
+  } else if (out_dtype == DType::BF16) {
+    pingpong ? launch<bf16, true>(s, sh, q, k, v, mask, scale, out, lse)
+             : launch<bf16, false>(s, sh, q, k, v, mask, scale, out, lse);
+  } else {
+    throw_dtype("attention_forward out", out_dtype);
+  }
 }
 
 }  // namespace spindle::cuda

@@ -91,6 +91,23 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
+// Adds a box of an f32 tensor map from shared memory into global memory (the copy engine does
+// the element-wise add); rows and columns outside the tensor are dropped. Grouped for bulk_wait_*.
+__device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, int x, int y, const void* src) {
+  asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(x), "r"(y), "r"(smem_u32(src))
+               : "memory");
+}
+
+// 2^x on the special-function unit, flushing denormal results to zero (FA's choice: the
+// probabilities it feeds are rounded to bf16 next, where such values vanish anyway).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---- register reallocation between warpgroups ---------------------------------------------------
 
 template <int N>
@@ -105,6 +122,10 @@ __device__ __forceinline__ void regs_claim() {
 // Named barrier for `threads` threads (a multiple of 32) of the block; id 0 is __syncthreads'.
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Arrives at a named barrier without waiting (the other threads of `threads` wait with bar.sync).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- wgmma --------------------------------------------------------------------------------------

@@ -22,22 +22,32 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
   return fn;
 }
 
-}  // namespace
-
-CUtensorMap bf16_tile_map(const void* base, int64_t rows, int64_t cols, int box_rows) {
-  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || cols % 8 != 0 || rows <= 0)
+CUtensorMap tile_map(CUtensorMapDataType type, int element_bytes, const void* base, int64_t rows, int64_t cols,
+                     int box_rows) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (cols * element_bytes) % 16 != 0 || rows <= 0)
     fail("tensor map: base {} / {} columns / {} rows do not meet TMA's alignment rules", base, cols, rows);
   CUtensorMap map{};
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};  // bytes between rows
-  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * element_bytes};  // bytes between rows
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / element_bytes), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+  const CUresult r = encoder()(&map, type, 2, const_cast<void*>(base), dims, strides, box,
                                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) fail("cuTensorMapEncodeTiled failed with CUresult {} ({} x {} bf16, box {} x 64)",
-                              static_cast<int>(r), rows, cols, box_rows);
+  if (r != CUDA_SUCCESS)
+    fail("cuTensorMapEncodeTiled failed with CUresult {} ({} x {} of {}-byte elements, box {} rows)",
+         static_cast<int>(r), rows, cols, element_bytes, box_rows);
   return map;
+}
+
+}  // namespace
+
+CUtensorMap bf16_tile_map(const void* base, int64_t rows, int64_t cols, int box_rows) {
+  return tile_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, rows, cols, box_rows);
+}
+
+CUtensorMap f32_tile_map(const void* base, int64_t rows, int64_t cols, int box_rows) {
+  return tile_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, rows, cols, box_rows);
 }
 
 }  // namespace spindle::cuda

@@ -11,5 +11,7 @@ namespace spindle::cuda {
 // columns (128 bytes) with the 128-byte swizzle; boxes past the last row read as zeros.
 // `cols` must be a multiple of 8 and `base` 16-byte aligned (TMA's rules); throws otherwise.
 CUtensorMap bf16_tile_map(const void* base, int64_t rows, int64_t cols, int box_rows);
+// The same for an f32 matrix, in boxes of box_rows × 32 columns (128 bytes, 128-byte swizzle).
+CUtensorMap f32_tile_map(const void* base, int64_t rows, int64_t cols, int box_rows);
 
 }  // namespace spindle::cuda
