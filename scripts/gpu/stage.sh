@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${1:-build}
-targets=(spindle test_cuda_ops test_cuda_model test_cuda_memory test_nccl)
+targets=(spindle test_cuda_ops test_cuda_model test_cuda_memory test_cuda_streams test_nccl)
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
 stage=.gpubin/run
 rm -rf "$stage" && mkdir -p "$stage/bin" "$stage/lib"
