@@ -35,7 +35,7 @@ if has attn; then
 fi
 
 if has tests; then
-  for t in test_cuda_ops test_cuda_model test_cuda_memory; do
+  for t in test_cuda_ops test_cuda_model test_cuda_memory test_cuda_streams; do
     timeout 240 "$stage/bin/$t" --gtest_color=no > "$out/$t.log" 2>&1; summary+=("$t rc=$?")
   done
   NCCL_DEBUG=WARN timeout 200 "$stage/bin/test_nccl" --gtest_color=no > "$out/test_nccl.log" 2>&1; summary+=("test_nccl rc=$?")

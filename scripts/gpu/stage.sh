@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${1:-build}
 # STAGE_TARGETS narrows what is built and staged (e.g. "test_cuda_ops bench_cuda" for attention work).
-targets=(${STAGE_TARGETS:-spindle test_cuda_ops test_cuda_model test_cuda_memory test_nccl bench_cuda})
+targets=(${STAGE_TARGETS:-spindle test_cuda_ops test_cuda_model test_cuda_memory test_cuda_streams test_nccl bench_cuda})
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
 stage=.gpubin/run
 rm -rf "$stage" && mkdir -p "$stage/bin" "$stage/lib"

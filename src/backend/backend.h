@@ -55,6 +55,28 @@ class Backend {
   virtual Stream default_stream() = 0;
   virtual void synchronize(Stream stream) = 0;
 
+  // ---- a second queue, for communication that overlaps compute ----------------------------------
+  // Work on different streams may run concurrently; stream_wait is the only ordering between them.
+  // CPU: one queue in all but name (every op runs inside its call, in program order), so both
+  // functions cost nothing and the handles are ignored.
+  //
+  // The side stream of this backend, for collectives and copies that should run while compute
+  // continues on default_stream() (ring attention's K/V transfer, FSDP's next all-gather). The
+  // backend creates it on first use and destroys it with itself; every call returns the same
+  // handle, so its users share one queue and their work on it runs in program order. Not for
+  // gemm: cuBLASLt's workspace is per backend and gemms on two streams at once would share it.
+  virtual Stream comm_stream() = 0;
+  // Orders two streams without blocking the host: work enqueued on `waiter` after this call starts
+  // only after all work enqueued on `signaller` before this call has finished. Later work on
+  // `signaller` is not waited for. waiter == signaller is allowed (nothing to do).
+  //
+  // Memory and streams (CUDA): tensors are allocated and freed in the order of default_stream()
+  // (stream-ordered pool). So a tensor that another stream touches must be (1) allocated, and
+  // written by default_stream(), before stream_wait(other, default_stream()) and only then used
+  // there, and (2) kept alive until stream_wait(default_stream(), other) has been called after
+  // that use; otherwise its memory can be handed to the next allocation while still in use.
+  virtual void stream_wait(Stream waiter, Stream signaller) = 0;
+
   // ---- memory ---------------------------------------------------------------------------------
   // Uninitialised memory; callers fill or overwrite it.
   virtual Tensor empty(Shape shape, DType dtype) = 0;

@@ -49,6 +49,8 @@ class TimedBackend final : public Backend {
   Device device() const override { return inner_.device(); }
   Stream default_stream() override { return inner_.default_stream(); }
   void synchronize(Stream stream) override { inner_.synchronize(stream); }
+  Stream comm_stream() override { return inner_.comm_stream(); }
+  void stream_wait(Stream waiter, Stream signaller) override { inner_.stream_wait(waiter, signaller); }
 
   Tensor empty(Shape shape, DType dtype) override { return inner_.empty(shape, dtype); }
   void copy_from_host(Stream stream, const void* src, Tensor& dst) override;

@@ -20,6 +20,7 @@ Fsdp::Fsdp(Backend& backend, ModelWeights& weights, comm::Communicator& group, F
       weights_(weights),
       group_(group),
       stream_(backend.default_stream()),
+      comm_stream_(backend.comm_stream()),
       grad_dtype_(options.grad_dtype.value_or(default_grad_dtype(weights.dtype))) {
   const int64_t world = group_.size(), rank = group_.rank();
   const size_t layers = weights_.layers.size();
@@ -108,7 +109,16 @@ Fsdp::Fsdp(Backend& backend, ModelWeights& weights, comm::Communicator& group, F
   if (entries_[entry_of(weights_.lm_head->name)].bucket == 0) head_unit_.push_back(0);
 }
 
-Fsdp::~Fsdp() = default;
+Fsdp::~Fsdp() {
+  // A prefetch still in flight (a step that threw midway) must finish before its buffer is freed on
+  // the compute stream. Destructors cannot throw: a CUDA failure here shows at the next call.
+  if (comm_pending_) {
+    try {
+      backend_.stream_wait(stream_, comm_stream_);
+    } catch (...) {
+    }
+  }
+}
 
 const std::vector<size_t>& Fsdp::unit_buckets(const ParameterUnit& unit) const {
   switch (unit.kind) {
@@ -136,11 +146,63 @@ Tensor Fsdp::gather_padded(const Tensor& shard) {
   return full;
 }
 
+std::vector<size_t> Fsdp::next_unit_buckets(const ParameterUnit& unit, bool backward) const {
+  const int64_t layers = static_cast<int64_t>(layer_units_.size());
+  switch (unit.kind) {
+    case ParameterUnit::Kind::Embedding:
+      if (backward) return {};  // the last window of a step
+      return layers ? layer_units_[0] : head_unit_;
+    case ParameterUnit::Kind::Layer:
+      if (!backward) return unit.layer + 1 < layers ? layer_units_[unit.layer + 1] : head_unit_;
+      // Below layer 0 comes the embedding's backward window, which reads no value.
+      return unit.layer > 0 ? layer_units_[unit.layer - 1] : std::vector<size_t>{};
+    case ParameterUnit::Kind::Head:
+      // Training: the head's (backward) window is followed by the layers' backward windows, from
+      // the top. Evaluation: the head's forward window is the last.
+      return backward && layers ? layer_units_[layers - 1] : std::vector<size_t>{};
+  }
+  return {};
+}
+
+void Fsdp::prefetch(const std::vector<size_t>& buckets) {
+  std::vector<size_t> started;
+  for (size_t i : buckets) {
+    Bucket& b = buckets_[i];
+    if (b.value_users > 0 || b.prefetched.defined()) continue;
+    // Allocated here, on the compute stream, before the comm stream's wait below: see backend.h.
+    b.prefetched = backend_.empty(Shape{b.value_numel * group_.size()}, b.values.dtype());
+    started.push_back(i);
+  }
+  if (started.empty()) return;
+  backend_.stream_wait(comm_stream_, stream_);  // the buffers, and the shards as the optimizer left them
+  for (size_t i : started) group_.all_gather(comm_stream_, buckets_[i].values, buckets_[i].prefetched);
+  comm_pending_ = true;
+}
+
+void Fsdp::join_prefetches(bool drop_unused) {
+  if (comm_pending_) {
+    backend_.stream_wait(stream_, comm_stream_);
+    comm_pending_ = false;
+  }
+  if (drop_unused)  // freed on the compute stream, now ordered after the gathers that wrote them
+    for (Bucket& b : buckets_) b.prefetched = Tensor();
+}
+
 void Fsdp::acquire_values(Bucket& b) {
   if (b.value_users++ > 0) return;
   const int64_t world = group_.size();
   // gathered [world, value_numel]: row r is rank r's shards of every parameter of the bucket.
-  Tensor gathered = gather_padded(b.values);
+  Tensor gathered;
+  if (b.prefetched.defined()) {
+    join_prefetches(false);  // the gather ran on the comm stream
+    gathered = std::move(b.prefetched);
+    b.prefetched = Tensor();
+  } else {
+    // A collective of this group on the compute stream: ordered after any still on the comm
+    // stream explicitly, rather than relying on NCCL to order one communicator's two streams.
+    join_prefetches(false);
+    gathered = gather_padded(b.values);
+  }
   for (size_t i : b.entries) {
     Entry& e = entries_[i];
     if (b.entries.size() == 1) {
@@ -198,6 +260,7 @@ void Fsdp::finish_gradients(Bucket& b) {
     }
   }
   Tensor reduced = backend_.empty(Shape{b.grad_numel}, weights_.dtype);
+  join_prefetches(false);  // a collective of this group on the compute stream (see acquire_values)
   group_.reduce_scatter_sum(stream_, send, reduced);
   if (reduced.dtype() != b.grads.dtype()) {
     Tensor converted = backend_.empty(reduced.shape(), b.grads.dtype());
@@ -216,9 +279,22 @@ void Fsdp::check_no_export(const char* hook) const {
     fail("FSDP: {} called while a gather_full scope is alive; end the export before the next decoder step", hook);
 }
 
+// A prefetch the coming window does not use (only if the Decoder left its documented order) is
+// dropped, then the window's values are taken (from the prefetch when there is one) and the next
+// unit's gather starts on the comm stream, to run while this unit computes.
+void Fsdp::drop_unused_prefetches(const std::vector<size_t>& used) {
+  for (size_t i = 0; i < buckets_.size(); ++i)
+    if (buckets_[i].prefetched.defined() && std::find(used.begin(), used.end(), i) == used.end()) {
+      join_prefetches(false);
+      buckets_[i].prefetched = Tensor();
+    }
+}
+
 void Fsdp::before_forward(const ParameterUnit& unit) {
   check_no_export("before_forward");
+  drop_unused_prefetches(unit_buckets(unit));
   for (size_t b : unit_buckets(unit)) acquire_values(buckets_[b]);
+  prefetch(next_unit_buckets(unit, false));
 }
 
 void Fsdp::after_forward(const ParameterUnit& unit) {
@@ -229,10 +305,12 @@ void Fsdp::before_backward(const ParameterUnit& unit) {
   check_no_export("before_backward");
   // The embedding's backward scatters dout into rows of the gradient and reads no value.
   const bool reads_values = unit.kind != ParameterUnit::Kind::Embedding;
+  drop_unused_prefetches(reads_values ? unit_buckets(unit) : std::vector<size_t>{});
   for (size_t b : unit_buckets(unit)) {
     if (reads_values) acquire_values(buckets_[b]);
     begin_gradients(buckets_[b]);
   }
+  prefetch(next_unit_buckets(unit, true));
 }
 
 void Fsdp::after_backward(const ParameterUnit& unit) {
@@ -275,6 +353,7 @@ Fsdp::GatheredValues Fsdp::gather_full(const std::function<bool(const Parameter&
   for (const Bucket& b : buckets_)
     if (b.value_users > 0 || b.grad_users > 0) fail("FSDP: gather_full called inside a decoder window");
   if (open_exports_ > 0) fail("FSDP: gather_full called while another gather_full scope is alive");
+  join_prefetches(true);
   const bool keep = keep_on < 0 || keep_on == group_.rank();
   std::vector<size_t> held;
   for (size_t i = 0; i < entries_.size(); ++i) {
@@ -294,6 +373,7 @@ Tensor Fsdp::gather_shard(const std::string& name, const Tensor& shard) {
   const Entry& e = entries_[entry_of(name)];
   SPINDLE_CHECK(shard.numel() == e.shard_numel, "gather_shard: {} has {} elements, a shard of {} has {}",
                 shard.describe(), shard.numel(), name, e.shard_numel);
+  join_prefetches(true);
   return gather_padded(shard.reshape(Shape{e.shard_numel})).flat(0, e.numel).reshape(e.shape);
 }
 
@@ -306,6 +386,7 @@ void Fsdp::load_shard(const std::string& name, const Tensor& full, Tensor& shard
                 shard.describe(), name, e.shard_numel);
   const int64_t begin = std::min(group_.rank() * e.shard_numel, e.numel);
   const int64_t count = std::min(e.shard_numel, e.numel - begin);
+  join_prefetches(true);  // no gather may still be reading (or have read) the shard being replaced
   backend_.fill(stream_, shard, 0.0);
   if (count > 0) {
     Tensor dst = shard.flat(0, count);

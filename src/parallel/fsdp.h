@@ -149,11 +149,22 @@ class Fsdp final : public ParameterHooks {
     Tensor grads;                 // [grad_numel] grad dtype
     int value_users = 0;          // open windows using the gathered values
     int grad_users = 0;           // open backward windows writing full gradients
+    Tensor prefetched;            // [world·value_numel] being gathered on the comm stream, or undefined
   };
   const std::vector<size_t>& unit_buckets(const ParameterUnit& unit) const;
   size_t entry_of(const std::string& name) const;
   Tensor gather_padded(const Tensor& shard);  // [s] -> [s·world]
   void acquire_values(Bucket& b);
+  // Prefetch: while a unit computes, the all-gather of the unit the Decoder opens next (its
+  // documented window order) runs on the backend's comm stream. next_unit_buckets names those
+  // buckets (none after the last window that reads values); prefetch starts their gathers;
+  // join_prefetches makes the compute stream wait for the comm stream and drops prefetches
+  // that were not used (only before a collective of this group on the compute stream or outside
+  // the decoder's windows: nothing is left pending across them).
+  std::vector<size_t> next_unit_buckets(const ParameterUnit& unit, bool backward) const;
+  void prefetch(const std::vector<size_t>& buckets);
+  void join_prefetches(bool drop_unused);
+  void drop_unused_prefetches(const std::vector<size_t>& used);
   void release_values(Bucket& b);
   void begin_gradients(Bucket& b);
   void finish_gradients(Bucket& b);  // reduce-scatter into the gradient shards
@@ -163,6 +174,8 @@ class Fsdp final : public ParameterHooks {
   ModelWeights& weights_;
   comm::Communicator& group_;
   Stream stream_;
+  Stream comm_stream_;
+  bool comm_pending_ = false;  // work of this object on comm_stream_ the compute stream has not waited for
   DType grad_dtype_;
   std::vector<Entry> entries_;  // in weights.parameters() order
   std::unordered_map<std::string, size_t> by_name_;

@@ -231,15 +231,27 @@ KvPair empty_pair(Backend& backend, const Tensor& like) {
 
 }  // namespace
 
+// Overlap (CUDA; on the CPU every call runs to completion in program order, so the same code is
+// the plain sequential loop). Attention runs on the caller's stream C, the ring's transfers on the
+// backend's comm stream M, ordered only by stream_wait. K/V are double-buffered: at step s the
+// attention reads kv[s % 2] while M sends it on and receives block s+1 into kv[(s+1) % 2], which
+// step s−1's attention has finished reading. Each stream_wait is issued at the one point of the
+// host's program order where the other stream's queue ends with exactly the work to wait for, so
+// a step's attention never waits for the transfer that it should overlap. Every buffer M touches
+// is allocated (and first written) on C before M's first wait for C, and outlives the final wait
+// of C for M, so the stream-ordered allocator (whose frees follow C) cannot hand it out while M
+// still uses it. The arithmetic and its order are those of the sequential loop.
+
 void RingAttention::forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q,
                             const Tensor& k, const Tensor& v, double scale, Tensor& out, Tensor& lse) {
   check_attention_shapes("RingAttention", batch, q, k, v);
   const int size = ring_.size(), rank = ring_.rank();
   const int next = (rank + 1) % size, previous = (rank + size - 1) % size;
   const int64_t t = q.dim(0);
+  const Stream comm = backend.comm_stream();
   const Tensor table = gather_mask_table(backend, stream, ring_, batch, t);
-  KvPair current = empty_pair(backend, k), incoming = empty_pair(backend, k);
-  Tensor ck = current.k(), cv = current.v();
+  const KvPair kv[2] = {empty_pair(backend, k), empty_pair(backend, k)};
+  Tensor ck = kv[0].k(), cv = kv[0].v();
   backend.copy(stream, k, ck);
   backend.copy(stream, v, cv);
   // The accumulator is in the statistics dtype (F32, F64 for F64 models): out itself when it
@@ -248,9 +260,16 @@ void RingAttention::forward(Backend& backend, Stream stream, const MicroBatch& b
   Tensor acc = accumulate_in_out ? out : backend.empty(out.shape(), lse.dtype());  // [t, Hq, D]
   Tensor out_b = backend.empty(q.shape(), q.dtype());                              // [t, Hq, D]
   Tensor lse_b = backend.empty(lse.shape(), lse.dtype());                          // [Hq, t]
+  backend.stream_wait(comm, stream);  // kv[0] written, kv[1] allocated, the table gathered
   for (int step = 0; step < size; ++step) {
     const int source = (rank - step + size) % size;  // whose k/v block this rank holds now
-    if (step + 1 < size) ring_.send_recv(stream, current.both, next, incoming.both, previous);
+    const KvPair& current = kv[step % 2];
+    const KvPair& incoming = kv[(step + 1) % 2];
+    // M: block step+1 arrives while C attends over this one (M already waited for step−1's attention).
+    if (step + 1 < size) {
+      Tensor into = incoming.both;
+      ring_.send_recv(comm, current.both, next, into, previous);
+    }
     const AttentionMask mask = block_mask(batch, table, source, t);
     if (step == 0) {
       // The own block starts the accumulator (rows with no visible key: out 0, lse −inf).
@@ -258,14 +277,21 @@ void RingAttention::forward(Backend& backend, Stream stream, const MicroBatch& b
         backend.attention_forward(stream, q, current.k(), current.v(), mask, scale, acc, lse);
       } else {
         backend.attention_forward(stream, q, current.k(), current.v(), mask, scale, out_b, lse);
-        backend.copy(stream, out_b, acc);
       }
     } else {
       backend.attention_forward(stream, q, current.k(), current.v(), mask, scale, out_b, lse_b);
+    }
+    // The next receive lands in this block's buffer: only once this attention has read it.
+    if (step + 2 < size) backend.stream_wait(comm, stream);
+    if (step == 0) {
+      if (!accumulate_in_out) backend.copy(stream, out_b, acc);
+    } else {
       backend.attention_merge(stream, acc, lse, out_b, lse_b);
     }
-    std::swap(current, incoming);
+    // Step step+1's attention reads what M received (M's queue ends with that send_recv now).
+    if (step + 1 < size) backend.stream_wait(stream, comm);
   }
+  backend.stream_wait(stream, comm);  // before the buffers go back to the pool (see above)
   if (!accumulate_in_out) backend.copy(stream, acc, out);
 }
 
@@ -276,9 +302,10 @@ void RingAttention::backward(Backend& backend, Stream stream, const MicroBatch& 
   const int size = ring_.size(), rank = ring_.rank();
   const int next = (rank + 1) % size, previous = (rank + size - 1) % size;
   const int64_t t = q.dim(0);
+  const Stream comm = backend.comm_stream();
   const Tensor table = gather_mask_table(backend, stream, ring_, batch, t);
-  KvPair current = empty_pair(backend, k), incoming = empty_pair(backend, k);
-  Tensor ck = current.k(), cv = current.v();
+  const KvPair kv[2] = {empty_pair(backend, k), empty_pair(backend, k)};
+  Tensor ck = kv[0].k(), cv = kv[0].v();
   backend.copy(stream, k, ck);
   backend.copy(stream, v, cv);
   // Partial gradients of the blocks cancel each other (dS = P∘(dP − D)), so with BF16/F16
@@ -287,45 +314,64 @@ void RingAttention::backward(Backend& backend, Stream stream, const MicroBatch& 
   const bool widen = k.dtype() != DType::F32 && k.dtype() != DType::F64;
   const DType acc_dtype = widen ? DType::F32 : k.dtype();
   auto pair_of = [&](DType dtype) { return KvPair{backend.empty(Shape{2, k.dim(0), k.dim(1), k.dim(2)}, dtype)}; };
-  // dK/dV of the block this rank holds, with the contributions of the ranks it has visited.
-  KvPair grad = pair_of(acc_dtype), grad_incoming = pair_of(acc_dtype);
+  // grad[step % 2]: dK/dV of the block this rank holds, with the contributions of the ranks it has
+  // visited; the other buffer receives the next block's accumulator.
+  const KvPair grad[2] = {pair_of(acc_dtype), pair_of(acc_dtype)};
   Tensor dq_acc = widen ? backend.empty(q.shape(), DType::F32) : dq;
   KvPair partial = widen ? pair_of(k.dtype()) : KvPair{};
   Tensor dq_partial = widen ? backend.empty(q.shape(), q.dtype()) : Tensor();
   Tensor wide_kv = widen ? backend.empty(partial.both.shape(), DType::F32) : Tensor();
   Tensor wide_q = widen ? backend.empty(q.shape(), DType::F32) : Tensor();
+  backend.stream_wait(comm, stream);  // kv[0] written, the other buffers allocated, the table gathered
   for (int step = 0; step < size; ++step) {
     const int source = (rank - step + size) % size;
-    if (step + 1 < size) ring_.send_recv(stream, current.both, next, incoming.both, previous);
+    const KvPair& current = kv[step % 2];
+    const KvPair& incoming = kv[(step + 1) % 2];
+    Tensor g = grad[step % 2].both, g_incoming = grad[(step + 1) % 2].both;
     // Exact partial gradients from the final out and lse: dq accumulates here, dK/dV in the
-    // travelling accumulator; step 0 (own block, fresh accumulator) overwrites both.
+    // travelling accumulator; step 0 (own block, fresh accumulator) overwrites both. C already
+    // waited for this block's K/V (end of the previous step).
     const AttentionMask mask = block_mask(batch, table, source, t);
-    if (!widen) {
-      Tensor gk = grad.k(), gv = grad.v();
-      backend.attention_backward(stream, q, current.k(), current.v(), out, dout, lse, mask, scale, dq, gk, gv, step > 0);
-    } else {
+    if (widen) {
+      // Into scratch first: this part needs no accumulator, so it overlaps the accumulator's hop.
       Tensor pk = partial.k(), pv = partial.v();
       backend.attention_backward(stream, q, current.k(), current.v(), out, dout, lse, mask, scale, dq_partial, pk, pv,
                                  false);
       backend.copy(stream, dq_partial, wide_q);
       backend.copy(stream, partial.both, wide_kv);
-      if (step == 0) {
-        backend.copy(stream, wide_q, dq_acc);
-        backend.copy(stream, wide_kv, grad.both);
-      } else {
-        backend.axpy(stream, 1.0, wide_q, dq_acc);
-        backend.axpy(stream, 1.0, wide_kv, grad.both);
-      }
     }
-    // Pass the accumulator on; after the last step what arrives is this rank's own block, complete.
-    if (size > 1) ring_.send_recv(stream, grad.both, next, grad_incoming.both, previous);
-    std::swap(grad, grad_incoming);
-    std::swap(current, incoming);
+    // The accumulator of this block has arrived (M's queue ends with the previous step's hop).
+    if (step > 0) backend.stream_wait(stream, comm);
+    if (!widen) {
+      Tensor gk = grad[step % 2].k(), gv = grad[step % 2].v();
+      backend.attention_backward(stream, q, current.k(), current.v(), out, dout, lse, mask, scale, dq, gk, gv, step > 0);
+    } else if (step == 0) {
+      backend.copy(stream, wide_q, dq_acc);
+      backend.copy(stream, wide_kv, g);
+    } else {
+      backend.axpy(stream, 1.0, wide_q, dq_acc);
+      backend.axpy(stream, 1.0, wide_kv, g);
+    }
+    // M: the next block's K/V, into the buffer the previous step's attention read (M waited for
+    // that step before its accumulator hop); C's next attention waits for exactly this transfer.
+    if (step + 1 < size) {
+      Tensor into = incoming.both;
+      ring_.send_recv(comm, current.both, next, into, previous);
+      backend.stream_wait(stream, comm);
+    }
+    // Pass the accumulator on once this step's contribution is in it; after the last step what
+    // arrives is this rank's own block, complete.
+    if (size > 1) {
+      backend.stream_wait(comm, stream);
+      ring_.send_recv(comm, g, next, g_incoming, previous);
+    }
   }
-  // (With one rank nothing moved: grad still holds the own block's gradient.)
+  backend.stream_wait(stream, comm);  // the last hop arrived; the buffers may go back to the pool
+  // After `size` hops the own block's accumulator is in grad[size % 2] (with one rank nothing moved).
+  const KvPair& own = grad[size > 1 ? size % 2 : 0];
   if (widen) backend.copy(stream, dq_acc, dq);
-  backend.copy(stream, grad.k(), dk);
-  backend.copy(stream, grad.v(), dv);
+  backend.copy(stream, own.k(), dk);
+  backend.copy(stream, own.v(), dv);
 }
 
 // ---- factory ------------------------------------------------------------------------------------

@@ -239,6 +239,48 @@ TEST(Nccl, DataMovementMatchesTheHostLayout) {
   expect_all_succeeded(outcomes);
 }
 
+// Ring attention's overlap (sp_attention.cpp): send_recv on the backend's comm stream while the
+// compute stream works on the block it holds, double-buffered, ordered only by stream_wait. Each
+// rank's block holds rank + 1; over `steps` ring steps the compute stream adds every block it
+// holds into `sum` after long busy work reading it. A missing or misplaced wait lets a receive
+// overwrite a block that is still being read, or a block be read before it has arrived.
+TEST(Nccl, RingSendRecvOnTheCommStreamOverlapsCompute) {
+  REQUIRE_GPUS(kRanks);
+  auto outcomes = run_ranks(kRanks, [](const ProcessGroupInfo& info) {
+    Rank r(info, {});
+    Backend& be = *r.backend;
+    const Stream compute = r.stream, comm = be.comm_stream();
+    const int me = info.rank, next = (me + 1) % kRanks, previous = (me + kRanks - 1) % kRanks;
+    const int64_t n = int64_t{8} << 20;  // 32 MiB of F32 per block
+    const int steps = 6, work = 30;
+    Tensor block[2] = {be.empty(Shape{n}, DType::F32), be.empty(Shape{n}, DType::F32)};
+    Tensor sum = be.empty(Shape{n}, DType::F32), busy = be.empty(Shape{n}, DType::F32);
+    be.fill(compute, block[0], me + 1.0);
+    be.fill(compute, block[1], -1.0);
+    be.fill(compute, sum, 0.0);
+    be.fill(compute, busy, 0.0);
+    be.stream_wait(comm, compute);
+    for (int step = 0; step < steps; ++step) {
+      Tensor& held = block[step % 2];
+      Tensor& incoming = block[(step + 1) % 2];
+      if (step + 1 < steps) r.world->send_recv(comm, held, next, incoming, previous);
+      for (int w = 0; w < work; ++w) be.axpy(compute, 0.0, held, busy);
+      be.axpy(compute, 1.0, held, sum);
+      if (step + 2 < steps) be.stream_wait(comm, compute);
+      if (step + 1 < steps) be.stream_wait(compute, comm);
+    }
+    be.stream_wait(compute, comm);
+    double want = 0;
+    for (int step = 0; step < steps; ++step) want += (me - step + 2 * kRanks) % kRanks + 1.0;
+    std::vector<float> got(static_cast<size_t>(n));
+    be.copy_to_host(compute, sum, got.data());
+    int64_t bad = 0;
+    for (float v : got) bad += v != static_cast<float>(want);
+    require(bad == 0, "rank {}: {} of {} sums differ from {} (first {})", me, bad, n, want, got[0]);
+  });
+  expect_all_succeeded(outcomes);
+}
+
 TEST(Nccl, NcclSumOrderAgreesToRoundingAndAcrossRanks) {
   REQUIRE_GPUS(kRanks);
   auto outcomes = run_ranks(kRanks, [](const ProcessGroupInfo& info) {

@@ -391,5 +391,69 @@ TEST(Fsdp, Bf16ShardsWithF32GradientsAndMasterCopies) {
   }));
 }
 
+
+// The hooks gather the next unit on the comm stream while the current one computes (prefetch).
+// Whatever order the windows come in, each must see exactly its unit's loaded values: in the
+// Decoder's order (every prefetch used), and out of it (a prefetch of a unit that does not come
+// next is dropped, the unit that does come is gathered then). Tied embeddings: the head's unit
+// holds the embedding's bucket too.
+TEST(Fsdp, WindowsSeeTheirValuesWithPrefetchInAnyOrder) {
+  expect_all_succeeded(run_ranks(2, [](const ProcessGroupInfo& info) {
+    auto backend = make_cpu_backend(1);
+    Backend& be = *backend;
+    auto world = comm::connect_cpu_world(info);
+    ModelWeights weights = make_weights(be, tiny_gqa(true), true);
+    std::map<std::string, std::vector<double>> initial;
+    for (const Parameter& p : weights.parameters()) initial[p.name] = to_host(be, p.value);
+    Fsdp fsdp(be, weights, *world);
+    const std::vector<Parameter*> embed_params{weights.embed};
+    auto layer_params = [&](int64_t l) {
+      LayerWeights& w = weights.layers[l];
+      std::vector<Parameter*> ps{w.input_norm, w.post_norm};
+      for (Linear* lin : {&w.q, &w.k, &w.v, &w.o, &w.gate, &w.up, &w.down})
+        for (Parameter* p : {lin->weight, lin->lora_a, lin->lora_b})
+          if (p) ps.push_back(p);
+      return ps;
+    };
+    const std::vector<Parameter*> head_params{weights.final_norm, weights.lm_head, weights.embed};
+    int windows = 0;
+    // Opens the window, checks every parameter of the unit (and that no other layer's is
+    // materialised), closes it.
+    auto window = [&](const ParameterUnit& unit, bool backward, const std::vector<Parameter*>& expected) {
+      backward ? fsdp.before_backward(unit) : fsdp.before_forward(unit);
+      for (Parameter* p : expected) {
+        require(p->value.defined(), "window {}: {} has no value", windows, p->name);
+        require(to_host(be, p->value) == initial[p->name], "window {}: {} differs from the loaded tensor", windows,
+                p->name);
+      }
+      backward ? fsdp.after_backward(unit) : fsdp.after_forward(unit);
+      for (Parameter* p : expected)
+        require(!p->value.defined(), "window {}: {} still gathered after its window", windows, p->name);
+      ++windows;
+    };
+    using U = ParameterUnit;
+    // The Decoder's training order: embedding, layers up, head (backward window), layers down.
+    window(U::embedding(), false, embed_params);
+    window(U::layer_unit(0), false, layer_params(0));
+    window(U::layer_unit(1), false, layer_params(1));
+    window(U::head(), true, head_params);
+    window(U::layer_unit(1), true, layer_params(1));
+    window(U::layer_unit(0), true, layer_params(0));
+    // Out of order: each of these windows had the wrong unit prefetched before it.
+    window(U::embedding(), false, embed_params);  // prefetched layer 0
+    window(U::head(), false, head_params);
+    window(U::layer_unit(1), true, layer_params(1));  // prefetched layer 0 (backward from 1)
+    window(U::layer_unit(1), false, layer_params(1));  // prefetched layer 0 again
+    window(U::layer_unit(0), false, layer_params(0));  // prefetched the head
+    // An export in between drops what is pending and gathers everything itself.
+    window(U::embedding(), false, embed_params);  // prefetched layer 0
+    {
+      auto full = fsdp.gather_full([](const Parameter&) { return true; });
+      for (const Parameter& p : weights.parameters())
+        require(to_host(be, p.value) == initial[p.name], "gathered {} differs from the loaded tensor", p.name);
+    }
+    window(U::layer_unit(0), false, layer_params(0));
+  }));
+}
 }  // namespace
 }  // namespace spindle::parallel

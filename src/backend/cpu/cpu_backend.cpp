@@ -118,6 +118,9 @@ class CpuBackend final : public Backend {
   Device device() const override { return Device{DeviceKind::CPU, 0}; }
   Stream default_stream() override { return Stream{}; }
   void synchronize(Stream) override {}
+  // Ops run inside their calls, in program order: one queue, whatever the handle says.
+  Stream comm_stream() override { return Stream{}; }
+  void stream_wait(Stream, Stream) override {}
 
   Tensor empty(Shape shape, DType dtype) override {
     auto storage = std::make_shared<Storage>();

@@ -32,6 +32,7 @@ Context::Context(int device) : device_(device) {
   if (device < 0 || device >= count) fail("CUDA device {} does not exist: this machine has {}", device, count);
   activate();
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
   CUBLAS_CHECK(cublasLtCreate(&lt_));
   CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
   workspace_bytes_ = kWorkspaceBytes;
@@ -53,11 +54,30 @@ Context::~Context() {
   // with the driver already torn down).
   cudaSetDevice(device_);
   gemm_cache_.reset();
+  if (comm_stream_) cudaStreamSynchronize(comm_stream_);
   if (stream_) cudaStreamSynchronize(stream_);
   if (workspace_) cudaFree(workspace_);
   if (lt_) cublasLtDestroy(lt_);
   if (error_host_) cudaFreeHost(error_host_);
+  if (order_event_) cudaEventDestroy(order_event_);
+  if (comm_stream_) cudaStreamDestroy(comm_stream_);
   if (stream_) cudaStreamDestroy(stream_);
+}
+
+cudaStream_t Context::comm_stream() {
+  if (!comm_stream_) {
+    activate();
+    // Non-blocking: no implicit ordering with the legacy default stream; only stream_wait orders it.
+    CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+  }
+  return comm_stream_;
+}
+
+void Context::stream_wait(cudaStream_t waiter, cudaStream_t signaller) {
+  if (waiter == signaller) return;  // a stream is already ordered with itself
+  activate();
+  CUDA_CHECK(cudaEventRecord(order_event_, signaller));
+  CUDA_CHECK(cudaStreamWaitEvent(waiter, order_event_, 0));
 }
 
 void Context::activate() const {

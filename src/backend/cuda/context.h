@@ -24,6 +24,10 @@ class Context {
 
   int device() const { return device_; }
   cudaStream_t stream() const { return stream_; }
+  // The side stream (Backend::comm_stream), non-blocking like stream(); created on first use.
+  cudaStream_t comm_stream();
+  // Work enqueued on `waiter` from now on waits for everything enqueued on `signaller` so far.
+  void stream_wait(cudaStream_t waiter, cudaStream_t signaller);
   cublasLtHandle_t lt() const { return lt_; }
   void* workspace() const { return workspace_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
@@ -38,6 +42,10 @@ class Context {
  private:
   int device_;
   cudaStream_t stream_ = nullptr;
+  cudaStream_t comm_stream_ = nullptr;
+  // One event serves every stream_wait: cudaStreamWaitEvent captures the event's latest record when
+  // it is called, so re-recording it for the next wait cannot change an earlier one.
+  cudaEvent_t order_event_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;

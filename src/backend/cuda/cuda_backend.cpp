@@ -6,7 +6,9 @@
 //
 // Memory: tensors come from cudaMallocAsync on the backend's stream (the device's default pool,
 // freed blocks kept cached) and are freed with cudaFreeAsync on that stream when the last view
-// goes away. A tensor used on another stream must be synchronized by its user before release.
+// goes away. A tensor used on another stream (comm_stream) must be kept alive by its user until
+// the backend's stream has waited for that use (stream_wait, backend.h), so the free is ordered
+// after it.
 #include "backend/cuda/cuda_backend.h"
 
 #include <cmath>
@@ -62,6 +64,9 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaStreamSynchronize(s(stream)));
     ctx_->check_device_error();
   }
+
+  Stream comm_stream() override { return Stream{ctx_->comm_stream()}; }
+  void stream_wait(Stream waiter, Stream signaller) override { ctx_->stream_wait(s(waiter), s(signaller)); }
 
   // ---- memory -----------------------------------------------------------------------------------
   Tensor empty(Shape shape, DType dtype) override {
