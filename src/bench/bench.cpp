@@ -42,7 +42,7 @@ void validate(const BenchOptions& o) {
   if (o.steps < 1) fail("--steps must be at least 1, got {}", o.steps);
   if (o.warmup < 0 || o.profile_steps < 0) fail("--warmup and --profile-steps cannot be negative");
   if (!o.full && o.lora_rank <= 0) fail("--lora-rank must be positive (or use --full), got {}", o.lora_rank);
-  if (o.recompute != "none" && o.recompute != "all") fail("--recompute must be none or all, got '{}'", o.recompute);
+  parse_recompute_mode(o.recompute);
   if (o.sp < 0 || o.ulysses < 0 || o.ring < 0) fail("--sp, --ulysses and --ring must be positive");
 }
 
@@ -101,8 +101,8 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   if (mesh.sp > 1) row = parallel::shard_row(row, mesh)[par.run.mesh->sp_rank()];
   const MicroBatch batch = make_micro_batch(backend, {row}, dtype);
 
-  DecoderOptions decoder_options;
-  if (o.recompute == "all") decoder_options.recompute.assign(config.num_layers, true);
+  const RecomputeMode recompute = parse_recompute_mode(o.recompute);
+  const DecoderOptions decoder_options = recompute_options(recompute, config.num_layers);
   Stream stream = backend.default_stream();
   Tensor loss = backend.zeros(Shape{1}, stat_dtype(dtype));
 
@@ -137,7 +137,7 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   FlopSetup setup;
   setup.tokens = seq;  // one replica's sequence; its FLOPs are spread over the replica's sp GPUs
   setup.lora_rank = o.full ? 0 : o.lora_rank;
-  setup.recompute = o.recompute == "all";
+  setup.recompute = recompute;
   const StepFlops flops = step_flops(config, setup);
   const double step_s = total_ms / 1000.0 / o.steps;
   r.model_flops = flops.model();
@@ -256,7 +256,8 @@ std::string format_report(const BenchReport& rep) {
                      rep.world, rep.dp, rep.sp, rep.ulysses, rep.ring);
   s += "  step = forward + backward (gradients zeroed first); the optimizer step is not included\n";
   s += "  model FLOPs = 6·N_matmul·T + 3.5·L·4·Hq·D·T(T+1)/2 (no recompute; frozen LoRA base weights counted as "
-       "trained); executed FLOPs count what runs\n";
+       "trained); executed FLOPs count what runs (recompute: the layers' dense forward again, and the attention "
+       "forward again with 'all' but not with 'keep-attention')\n";
   if (rep.peak_tflops > 0)
     s += fmt::format("  MFU = model FLOP/s / {:.1f} TFLOP/s (dense BF16 peak)\n", rep.peak_tflops);
   s += "\n";

@@ -20,7 +20,7 @@ struct BenchOptions {
   int64_t lora_rank = 16;              // 0 with full = true
   double lora_alpha = 32;
   bool full = false;                   // full fine-tuning instead of LoRA
-  std::string recompute = "all";       // none | all
+  std::string recompute = "all";       // none | all | keep-attention (RecomputeMode)
   int warmup = 1, steps = 3;
   int profile_steps = 1;               // extra steps through the timing decorator (0: no split)
   std::string device = "cuda";         // cuda | cpu

@@ -29,8 +29,9 @@ StepFlops step_flops(const ModelConfig& c, const FlopSetup& s) {
   f.dense_model = 6 * (base + lora) * T;
   f.attention_model = 3.5 * attention_forward;
   const bool frozen = s.lora_rank > 0;
-  f.dense_executed = ((frozen ? 4 : 6) * base + 6 * lora) * T + (s.recompute ? 2 * (layer_base + lora) * T : 0);
-  f.attention_executed = (3.5 + (s.recompute ? 1.0 : 0.0)) * attention_forward;
+  const bool recompute = s.recompute != RecomputeMode::None;
+  f.dense_executed = ((frozen ? 4 : 6) * base + 6 * lora) * T + (recompute ? 2 * (layer_base + lora) * T : 0);
+  f.attention_executed = (3.5 + (s.recompute == RecomputeMode::All ? 1.0 : 0.0)) * attention_forward;
   return f;
 }
 

@@ -12,12 +12,14 @@
 //
 //   executed FLOPs = what the engine really does: frozen weights need only the input gradient
 //   (4 instead of 6 per weight and token), recomputed layers run their forward twice (dense 2·N
-//   and attention 1 × forward more).
+//   more; attention 1 × forward more with --recompute all, none with keep-attention, which keeps
+//   each layer's attention output from the first forward).
 #pragma once
 
 #include <cstdint>
 
 #include "model/config.h"
+#include "model/recompute.h"
 
 namespace spindle::bench {
 
@@ -32,7 +34,7 @@ struct FlopSetup {
   int64_t tokens = 0;        // T, one causal document
   int64_t lora_rank = 0;     // 0: full fine-tuning
   int64_t lora_targets = 7;  // projections per layer carrying LoRA
-  bool recompute = false;    // every layer recomputed in backward
+  RecomputeMode recompute = RecomputeMode::None;  // applied to every layer
 };
 
 // Parameters in matrix products per token (N_matmul above), base weights and LoRA separately.

@@ -96,8 +96,10 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--lora-rank", o.lora_rank, "LoRA rank on all 7 projections")->capture_default_str();
   cmd->add_option("--lora-alpha", o.lora_alpha, "LoRA alpha")->capture_default_str();
   cmd->add_flag("--full", o.full, "full fine-tuning instead of LoRA");
-  cmd->add_option("--recompute", o.recompute, "recompute layer activations in backward: none or all")
-      ->check(CLI::IsMember({"none", "all"}))
+  cmd->add_option("--recompute", o.recompute,
+                  "recompute layer activations in backward: none (keep all), all (keep only layer inputs) or "
+                  "keep-attention (also keep attention outputs: no second attention forward)")
+      ->check(CLI::IsMember({"none", "all", "keep-attention"}))
       ->capture_default_str();
   cmd->add_option("--steps", o.steps, "timed steps per length")->capture_default_str();
   cmd->add_option("--warmup", o.warmup, "untimed steps first")->capture_default_str();

@@ -123,7 +123,11 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_flag("--resume", c.resume, "continue from the latest checkpoint in --output");
   cmd->add_option("--metrics-file", c.metrics_file, "JSONL metrics (default OUTPUT/metrics.jsonl)");
   cmd->add_option("--log-every", c.log_every, "plain progress lines every N steps")->capture_default_str();
-  cmd->add_option("--recompute", c.recompute, "activation checkpointing: none or all")->capture_default_str();
+  cmd->add_option("--recompute", c.recompute,
+                  "activation checkpointing: none (keep every activation), all (keep layer inputs, recompute "
+                  "layers in backward) or keep-attention (as all, but keep each layer's attention output: "
+                  "no second attention forward)")
+      ->capture_default_str();
   cmd->add_option("--device", c.device, "auto, cpu or cuda (auto: CUDA when a GPU is visible; each process uses "
                                         "the GPU of its local rank)")->capture_default_str();
   cmd->add_option("--dtype", c.dtype, "compute precision: auto (CPU f32, CUDA bf16), f32, f64 (CPU) or bf16 (CUDA)")

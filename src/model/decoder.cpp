@@ -50,6 +50,31 @@ void LocalAttention::backward(Backend& backend, Stream stream, const MicroBatch&
   backend.attention_backward(stream, q, k, v, out, dout, lse, self_mask(batch), scale, dq, dk, dv, false);
 }
 
+RecomputeMode parse_recompute_mode(const std::string& value, const std::string& option) {
+  if (value == "none") return RecomputeMode::None;
+  if (value == "all") return RecomputeMode::All;
+  if (value == "keep-attention") return RecomputeMode::KeepAttention;
+  fail("{} must be none, all or keep-attention, got \"{}\" (none: fastest, most memory; all: least memory; "
+       "keep-attention: in between, see docs/usage.md)",
+       option, value);
+}
+
+const char* recompute_mode_name(RecomputeMode mode) {
+  switch (mode) {
+    case RecomputeMode::None: return "none";
+    case RecomputeMode::All: return "all";
+    case RecomputeMode::KeepAttention: return "keep-attention";
+  }
+  return "?";
+}
+
+DecoderOptions recompute_options(RecomputeMode mode, int64_t num_layers) {
+  DecoderOptions options;
+  if (mode != RecomputeMode::None) options.recompute.assign(static_cast<size_t>(num_layers), true);
+  options.keep_attention = mode == RecomputeMode::KeepAttention;
+  return options;
+}
+
 Decoder::Decoder(Backend& backend, ModelWeights& weights, DecoderOptions options)
     : backend_(backend), weights_(weights), options_(std::move(options)), stream_(backend.default_stream()),
       attention_(&local_attention_) {
@@ -61,12 +86,16 @@ Decoder::Decoder(Backend& backend, ModelWeights& weights, DecoderOptions options
   backend_.copy_from_host(stream_, inv.data(), inv_freq_);
 }
 
-void Decoder::allocate(LayerActivations& a, int64_t t, bool full) {
+void Decoder::allocate(LayerActivations& a, int64_t t, bool intermediates, bool attention) {
   const ModelConfig& c = weights_.config;
   const DType dt = weights_.dtype, st = stat_dtype(dt);
   auto& be = backend_;
   if (!a.x_in.defined() || a.x_in.dim(0) != t) a.x_in = be.empty(Shape{t, c.hidden_size}, dt);
-  if (!full) return;
+  if (attention && (!a.attn.defined() || a.attn.dim(0) != t)) {
+    a.attn = be.empty(Shape{t, c.num_heads, c.head_dim}, dt);
+    a.lse = be.empty(Shape{c.num_heads, t}, st);
+  }
+  if (!intermediates) return;
   if (a.xn1.defined() && a.xn1.dim(0) == t) return;
   a.xn1 = be.empty(Shape{t, c.hidden_size}, dt);
   a.rstd1 = be.empty(Shape{t}, st);
@@ -79,8 +108,6 @@ void Decoder::allocate(LayerActivations& a, int64_t t, bool full) {
   a.q = be.empty(Shape{t, c.num_heads, c.head_dim}, dt);
   a.k = be.empty(Shape{t, c.num_kv_heads, c.head_dim}, dt);
   a.v = be.empty(Shape{t, c.num_kv_heads, c.head_dim}, dt);
-  a.attn = be.empty(Shape{t, c.num_heads, c.head_dim}, dt);
-  a.lse = be.empty(Shape{c.num_heads, t}, st);
   a.x_mid = be.empty(Shape{t, c.hidden_size}, dt);
   a.xn2 = be.empty(Shape{t, c.hidden_size}, dt);
   a.rstd2 = be.empty(Shape{t}, st);
@@ -91,10 +118,25 @@ void Decoder::allocate(LayerActivations& a, int64_t t, bool full) {
     for (Tensor& xa : a.lora_xa) xa = be.empty(Shape{t, weights_.lora.rank}, dt);
 }
 
+LayerActivations Decoder::scratch_view(LayerActivations& scratch, const LayerActivations& layer, int64_t t,
+                                       bool kept_attention) {
+  scratch.x_in = layer.x_in;  // first, so the scratch allocates no input of its own
+  allocate(scratch, t, true, !kept_attention);
+  // A copy of the handles: the scratch itself never refers to a layer's kept attention output, so
+  // a later layer can never overwrite it.
+  LayerActivations view = scratch;
+  if (kept_attention) {
+    view.attn = layer.attn;
+    view.lse = layer.lse;
+  }
+  return view;
+}
+
 Tensor Decoder::scratch_grad(const Parameter& p) { return backend_.empty(p.value.shape(), p.value.dtype()); }
 
 // x_out = x_mid + down(silu(gate(n2)) · up(n2)),  x_mid = x_in + o(attention(rope(q(n1)), rope(k(n1)), v(n1)))
-void Decoder::forward_layer(int64_t l, const MicroBatch& batch, LayerActivations& a, Tensor& x_out) {
+void Decoder::forward_layer(int64_t l, const MicroBatch& batch, LayerActivations& a, Tensor& x_out,
+                            bool run_attention) {
   const ModelConfig& c = weights_.config;
   const LayerWeights& w = weights_.layers[l];
   auto& be = backend_;
@@ -119,7 +161,13 @@ void Decoder::forward_layer(int64_t l, const MicroBatch& batch, LayerActivations
   linear_forward(be, st, w.v, a.xn1, flat_v, a.lora_xa[2]);
   be.rope(st, a.q, batch.positions, inv_freq_, 1.0, +1);
   be.rope(st, a.k, batch.positions, inv_freq_, 1.0, +1);
-  attention_->forward(be, st, batch, a.q, a.k, a.v, 1.0 / std::sqrt(static_cast<double>(c.head_dim)), a.attn, a.lse);
+  if (run_attention) {
+    attention_->forward(be, st, batch, a.q, a.k, a.v, 1.0 / std::sqrt(static_cast<double>(c.head_dim)), a.attn, a.lse);
+  } else {
+    // Kept from the forward pass, which computed it from the same q, k, v as this recompute.
+    SPINDLE_CHECK(a.attn.defined() && a.attn.shape() == a.q.shape() && a.lse.defined() && a.lse.dim(1) == t,
+                  "layer {}: no kept attention output for {} tokens", l, t);
+  }
 
   Tensor flat_attn = a.attn.reshape(Shape{t, c.q_dim()});
   linear_forward(be, st, w.o, flat_attn, a.x_mid, a.lora_xa[3]);
@@ -191,22 +239,25 @@ Tensor Decoder::forward(const MicroBatch& batch, bool keep, std::vector<LayerAct
   const Stream st = stream_;
   const int64_t t = batch.num_tokens, layers = c.num_layers;
   auto recompute = [&](int64_t l) { return !keep || (!options_.recompute.empty() && options_.recompute[l]); };
-  // Kept layers own their activations; recomputed layers keep only their input and run in a shared
-  // scratch set (also used for every layer when nothing is kept).
+  auto keeps_attention = [&](int64_t l) { return keep && options_.keep_attention && recompute(l); };
+  // Kept layers own their activations; recomputed layers keep only their input (and, with
+  // keep_attention, their attention output) and run in a shared scratch set (also used for every
+  // layer when nothing is kept).
   acts.assign(layers, LayerActivations());
   LayerActivations scratch;
   Tensor x_final = be.empty(Shape{t, c.hidden_size}, weights_.dtype);
-  if (layers) allocate(acts[0], t, !recompute(0));
+  auto allocate_layer = [&](int64_t l) { allocate(acts[l], t, !recompute(l), !recompute(l) || keeps_attention(l)); };
+  if (layers) allocate_layer(0);
   before_forward(ParameterUnit::embedding());
   be.embedding_forward(st, batch.input_ids, weights_.embed->value, layers ? acts[0].x_in : x_final);
   after_forward(ParameterUnit::embedding());
   for (int64_t l = 0; l < layers; ++l) {
-    if (l + 1 < layers) allocate(acts[l + 1], t, !recompute(l + 1));
+    if (l + 1 < layers) allocate_layer(l + 1);
+    LayerActivations view;
     LayerActivations* a = &acts[l];
     if (recompute(l)) {
-      allocate(scratch, t, true);
-      scratch.x_in = acts[l].x_in;
-      a = &scratch;
+      view = scratch_view(scratch, acts[l], t, keeps_attention(l));  // attention lands in acts[l] when kept
+      a = &view;
     }
     Tensor& out = l + 1 < layers ? acts[l + 1].x_in : x_final;
     before_forward(ParameterUnit::layer_unit(l));
@@ -268,6 +319,8 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
     return;
   }
   auto recompute = [&](int64_t l) { return !backward || (!options_.recompute.empty() && options_.recompute[l]); };
+  // Layers whose attention output forward() kept (see forward): their recompute skips attention.
+  auto keeps_attention = [&](int64_t l) { return backward && options_.keep_attention && recompute(l); };
   std::vector<LayerActivations> acts;
   LayerActivations scratch;
   Tensor x_final = forward(batch, backward, acts);
@@ -314,13 +367,14 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   after_backward(head);
   for (int64_t l = layers - 1; l >= 0; --l) {
     before_backward(ParameterUnit::layer_unit(l));
+    LayerActivations view;
     const LayerActivations* a = &acts[l];
     if (recompute(l)) {
-      allocate(scratch, t, true);
-      scratch.x_in = acts[l].x_in;
+      const bool kept = keeps_attention(l);
+      view = scratch_view(scratch, acts[l], t, kept);
       Tensor discard = be.empty(Shape{t, c.hidden_size}, dt);
-      forward_layer(l, batch, scratch, discard);
-      a = &scratch;
+      forward_layer(l, batch, view, discard, /*run_attention=*/!kept);
+      a = &view;
     }
     backward_layer(l, batch, *a, d_res, l > 0 || weights_.embed->trainable);
     after_backward(ParameterUnit::layer_unit(l));

@@ -9,12 +9,17 @@
 
 #include "backend/backend.h"
 #include "model/batch.h"
+#include "model/recompute.h"
 #include "model/weights.h"
 
 namespace spindle {
 
 // How attention sees the sequence. The local strategy attends over the micro-batch it holds;
 // sequence-parallel strategies (Ulysses, ring) exchange heads or key blocks between ranks.
+// backward must depend on its arguments only, never on state left by a forward call: the decoder
+// calls forward for every layer before any backward, calls it again for a recomputed layer, and
+// not again for a layer that keeps its attention output (DecoderOptions::keep_attention), so the
+// forward call before a layer's backward may be another layer's or another micro-batch's.
 class AttentionStrategy {
  public:
   virtual ~AttentionStrategy() = default;
@@ -78,11 +83,28 @@ struct DecoderOptions {
   // Layers whose activations are recomputed in backward instead of kept (checkpointing): only the
   // layer input is stored. Empty means keep everything.
   std::vector<bool> recompute;
+  // Recomputed layers also keep their attention output and LSE from the forward pass, so their
+  // recompute rebuilds norms, projections, RoPE'd q/k/v and the MLP but does not run the attention
+  // forward again (the O(T²) part); the attention backward then reads the recomputed q, k, v with
+  // the kept out and lse. Costs T·Hq·D activation-dtype + Hq·T stat-dtype elements per recomputed
+  // layer (LayerActivations::attn, lse). Ignored for layers that are not recomputed.
+  bool keep_attention = false;
   // Upper bound of the logits chunk of the fused LM-head loss.
   size_t logits_budget_bytes = size_t{64} << 20;
 };
 
+// Options that apply a --recompute mode to all `num_layers` layers (other fields at their defaults).
+DecoderOptions recompute_options(RecomputeMode mode, int64_t num_layers);
+
 // Saved activations of one layer (T tokens, H hidden, Hq/Hkv heads of D, F MLP width, r LoRA rank).
+// What a step holds per layer between forward and backward (b = bytes of the activation dtype,
+// s = bytes of the stat dtype: 4, or 8 for F64 models):
+//   kept layer:                   every tensor below;
+//   recomputed layer:             x_in only, T·H·b; the rest lives in one scratch set shared by
+//                                 all recomputed layers, refilled in backward;
+//   recomputed, keep_attention:   x_in, attn and lse, T·H·b + T·Hq·D·b + Hq·T·s.
+// A layer's tensors are allocated in forward just before the layer runs and released in backward
+// once the layer below no longer needs them.
 struct LayerActivations {
   Tensor x_in;                // [T, H]   layer input (the residual stream), always kept
   Tensor xn1, rstd1;          // [T, H], [T]      input RMSNorm
@@ -117,10 +139,19 @@ class Decoder {
 
  private:
   Tensor forward(const MicroBatch& batch, bool keep, std::vector<LayerActivations>& acts);
-  void forward_layer(int64_t layer, const MicroBatch& batch, LayerActivations& a, Tensor& x_out);
+  // With run_attention = false, a.attn and a.lse already hold this layer's attention output (kept
+  // from the forward pass) and the attention strategy is not called.
+  void forward_layer(int64_t layer, const MicroBatch& batch, LayerActivations& a, Tensor& x_out,
+                     bool run_attention = true);
   void backward_layer(int64_t layer, const MicroBatch& batch, const LayerActivations& a, Tensor& d_res,
                       bool need_input_grad);
-  void allocate(LayerActivations& a, int64_t tokens, bool full);
+  // x_in always; attn and lse when `attention`; every other tensor when `intermediates`. Tensors
+  // already allocated for `tokens` are kept.
+  void allocate(LayerActivations& a, int64_t tokens, bool intermediates, bool attention);
+  // The tensors a recomputed layer runs in: the shared scratch set (allocated on first use) with
+  // the layer's kept x_in, and its kept attn and lse when kept_attention.
+  LayerActivations scratch_view(LayerActivations& scratch, const LayerActivations& layer, int64_t tokens,
+                                bool kept_attention);
   Tensor scratch_grad(const Parameter& p);  // a sink for gradients of frozen parameters
   // The hook calls of one step without any compute: a rank with no token keeps the collectives
   // of its peers' hooks matched.

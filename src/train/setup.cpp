@@ -157,9 +157,7 @@ ModelWeights load_training_weights(Backend& backend, const TrainConfig& config, 
 }
 
 DecoderOptions decoder_options(const TrainConfig& config, const ModelConfig& model_config) {
-  DecoderOptions options;
-  if (config.recompute == "all") options.recompute.assign(model_config.num_layers, true);
-  return options;
+  return recompute_options(parse_recompute_mode(config.recompute), model_config.num_layers);
 }
 
 std::vector<PackedRow> load_rows(const fs::path& prepared, const PackOptions& pack) {

@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "model/recompute.h"
 #include "train/schedule.h"
 
 namespace spindle {
@@ -34,7 +35,7 @@ void TrainConfig::validate() const {
   if (eval_steps < 0) fail("--eval-steps must be >= 0, got {}", eval_steps);
   if (eval_steps > 0 && eval_data.empty()) fail("--eval-steps needs --eval-data");
   if (log_every <= 0) fail("--log-every must be positive, got {}", log_every);
-  if (recompute != "none" && recompute != "all") fail("--recompute must be none or all, got \"{}\"", recompute);
+  parse_recompute_mode(recompute);
   if (device != "auto" && device != "cpu" && device != "cuda")
     fail("--device must be auto, cpu or cuda, got \"{}\"", device);
   if (dtype != "auto" && dtype != "f32" && dtype != "f64" && dtype != "bf16")

@@ -41,7 +41,7 @@ struct TrainConfig {
   bool resume = false;                // continue from the latest checkpoint in --output
   std::string metrics_file;           // default: OUTPUT/metrics.jsonl
   int64_t log_every = 1;
-  std::string recompute = "none";     // none | all: activation checkpointing per layer
+  std::string recompute = "none";     // none | all | keep-attention: activation checkpointing (RecomputeMode)
   std::string device = "auto";        // auto | cpu | cuda (auto: CUDA when built with it and a GPU is visible)
   std::string dtype = "auto";         // auto (cpu: f32, cuda: bf16) | f32 | f64 (cpu) | bf16 (cuda)
   int threads = 0;

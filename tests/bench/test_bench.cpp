@@ -102,14 +102,26 @@ TEST(Bench, FlopFormulasCountTheAllocatedParameters) {
     FlopSetup setup;
     setup.tokens = 100;
     setup.lora_rank = 4;
-    setup.recompute = true;
+    setup.recompute = RecomputeMode::All;
     const StepFlops f = step_flops(config, setup);
     EXPECT_DOUBLE_EQ(f.dense_model, 6.0 * (projections + head + adapters) * 100);
     const double attention_forward = config.num_layers * 4.0 * config.num_heads * config.head_dim * 100 * 101 / 2;
     EXPECT_DOUBLE_EQ(f.attention_model, 3.5 * attention_forward);
     EXPECT_DOUBLE_EQ(f.attention_executed, 4.5 * attention_forward);
-    EXPECT_DOUBLE_EQ(f.dense_executed, (4.0 * (projections + head) + 6.0 * adapters) * 100 +
-                                           2.0 * (projections + adapters) * 100);
+    const double dense_recomputed = (4.0 * (projections + head) + 6.0 * adapters) * 100 +
+                                    2.0 * (projections + adapters) * 100;
+    EXPECT_DOUBLE_EQ(f.dense_executed, dense_recomputed);
+
+    // keep-attention: the layers' dense forward runs again, the attention forward does not.
+    setup.recompute = RecomputeMode::KeepAttention;
+    const StepFlops kept = step_flops(config, setup);
+    EXPECT_DOUBLE_EQ(kept.model(), f.model());
+    EXPECT_DOUBLE_EQ(kept.attention_executed, 3.5 * attention_forward);
+    EXPECT_DOUBLE_EQ(kept.dense_executed, dense_recomputed);
+    setup.recompute = RecomputeMode::None;
+    const StepFlops plain = step_flops(config, setup);
+    EXPECT_DOUBLE_EQ(plain.attention_executed, 3.5 * attention_forward);
+    EXPECT_DOUBLE_EQ(plain.dense_executed, (4.0 * (projections + head) + 6.0 * adapters) * 100);
   }
 }
 
@@ -156,6 +168,28 @@ TEST(Bench, TinySweepOnTheCpu) {
   EXPECT_EQ(j["results"].size(), 2u);
   EXPECT_FALSE(j["optimizer_step_included"].get<bool>());
   EXPECT_NE(format_report(report).find("optimizer step is not included"), std::string::npos);
+
+  // keep-attention runs, and its executed FLOPs are one attention forward below recompute all.
+  o.seq_lengths = {32};
+  o.steps = 1;
+  o.warmup = 0;
+  o.profile_steps = 0;
+  o.recompute = "keep-attention";
+  const BenchReport kept = run_bench(o);
+  ASSERT_EQ(kept.results.size(), 1u);
+  EXPECT_TRUE(kept.results[0].error.empty()) << kept.results[0].error;
+  EXPECT_NEAR(kept.results[0].loss, ln_vocab, 0.1);
+  FlopSetup all;
+  all.tokens = 32;
+  all.lora_rank = 4;
+  all.recompute = RecomputeMode::All;
+  const ModelConfig& c = kept.config;
+  const double attention_forward = c.num_layers * 4.0 * c.num_heads * c.head_dim * 32 * 33 / 2;
+  EXPECT_DOUBLE_EQ(kept.results[0].executed_flops, step_flops(c, all).executed() - attention_forward);
+  EXPECT_EQ(report_json(kept)["recompute"], "keep-attention");
+  o.recompute = "attention";
+  EXPECT_THROW(run_bench(o), Error);
+  o.recompute = "all";
 
   o.sp = 2;
   EXPECT_THROW(run_bench(o), Error);

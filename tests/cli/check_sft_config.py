@@ -38,6 +38,16 @@ with tempfile.TemporaryDirectory() as tmp:
     elif losses(os.path.join(tmp, "by_yaml")) != losses(os.path.join(tmp, "by_flags")):
         failures.append("YAML + override did not reproduce the flags-only run")
 
+    # A JSON file is YAML too; --recompute keep-attention gives the losses of no recompute, bit for bit.
+    with open(os.path.join(tmp, "sft.json"), "w") as f:
+        json.dump({"model": case, "data": [os.path.join(case, "data.jsonl")], "max_steps": 3, "lr": 0.01,
+                   "lora_rank": 4, "max_length": 32, "threads": 1, "recompute": "keep-attention"}, f)
+    json_run = run(["--config", "sft.json", "--output", "by_json"], tmp)
+    if json_run.returncode != 0:
+        failures.append(f"json run with recompute keep-attention failed: {json_run.stderr}")
+    elif flags.returncode == 0 and losses(os.path.join(tmp, "by_json")) != losses(os.path.join(tmp, "by_flags")):
+        failures.append("recompute keep-attention (JSON config) did not reproduce the losses of recompute none")
+
     def expect_error(yaml_text, needle):
         with open(os.path.join(tmp, "bad.yaml"), "w") as f:
             f.write(yaml_text)
@@ -53,6 +63,8 @@ with tempfile.TemporaryDirectory() as tmp:
     expect_error(f"model: {case}\ndata: [{os.path.join(case, 'data.jsonl')}]\ngrad_accum: 0\n",
                  "--grad-accum must be positive")
     expect_error("model: [unclosed\n", "not valid YAML")
+    expect_error(f"model: {case}\ndata: [{os.path.join(case, 'data.jsonl')}]\nrecompute: attention\n",
+                 "--recompute must be none, all or keep-attention")
 
 for f in failures:
     print("FAIL:", f)

@@ -11,7 +11,8 @@ loss_scale has 96 cases. Pruned, because the factors act on different code:
   - the attention strategy and the layout depend on sp/ulysses/ring only, so every strategy runs at
     every degree with dp 1 and dp 2, with packing, loss_scale and grad-accum 2 on (the hardest setting);
   - grad-accum, packing and loss_scale change the rows and weights, not the strategy: each is turned
-    off one at a time on the strategies that shard differently (contiguous, zigzag, hybrid).
+    off one at a time on the strategies that shard differently (contiguous, zigzag, hybrid);
+  - --recompute all and keep-attention run once or twice each (part lora), on HF-made models.
 The data holds a document shorter than the ranks (2-3 tokens), one supervised only in its first
 tokens (all its targets fall on the first rank), and rows whose later shards have no supervised target.
 
@@ -125,6 +126,11 @@ elif part == "lora":
         results.append(check(f"{case} hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=d, extra=extra))
         results.append(check(f"{case} ring sp2 dp2 recompute", sp=2, ring=2, dp=2, model_dir=d,
                              extra=extra + ["--recompute", "all"]))
+        # Recompute around the kept attention output (no second attention forward), one strategy
+        # per model; bit-identity with the other modes is tested in tests/model and tests/sp.
+        mesh = {"ring": 2} if case == "qwen2_lora" else {"ulysses": 2}
+        results.append(check(f"{case} {next(iter(mesh))} sp2 recompute keep-attention", sp=2, model_dir=d,
+                             extra=extra + ["--recompute", "keep-attention"], **mesh))
 elif part == "sft":
     # Training itself: 3 optimizer steps at lr 1e-2 on 4 processes (sp 4) log the losses of one process.
     one = run_sft(os.path.join(work, "sft1"), 1, ["--grad-accum", "2"])

@@ -1,7 +1,8 @@
 // The whole decoder under sequence parallelism (DESIGN §2.1, §2.2, §2.5): each rank runs
 // Decoder::step on its shard of a packed row with the mesh's attention strategy and the global
 // denominator, the losses and gradients are summed over the sp group, and the result must equal
-// Decoder::step on the whole row in one process (F32, LoRA and full training with a recomputed layer).
+// Decoder::step on the whole row in one process (F32, LoRA and full training with a recomputed layer);
+// recomputing every layer around its kept attention output gives the same bits as not recomputing.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -160,6 +161,10 @@ TEST_P(SpModel, ShardedStepEqualsTheWholeRowInOneProcess) {
       DecoderOptions options;
       if (!lora) options.recompute = {true, false};
       Decoder decoder(*be, w, options);
+      // Every layer recomputed around its kept attention output: the strategy's forward runs once
+      // per layer, its backward reads the kept out/lse; bit-identical to the decoder above.
+      Decoder kept_decoder(*be, w, recompute_options(RecomputeMode::KeepAttention, w.config.num_layers));
+      kept_decoder.set_attention(strategy.get());
       for (size_t which = 0; which < rows.size(); ++which) {
         const PackedRow& row = rows[which];
         const double inv_n = 1.0 / static_cast<double>(row.num_items());
@@ -182,6 +187,13 @@ TEST_P(SpModel, ShardedStepEqualsTheWholeRowInOneProcess) {
           require(error <= 1e-5, "{}: gradient {} relative error {:.3g}", what, i, error);
         }
         if (info.rank == 0) fmt::print("{}: loss error {:.2g}, worst gradient error {:.2g}\n", what, loss_error, worst);
+
+        const StepResult kept =
+            run_step(*be, w, kept_decoder, make_micro_batch(*be, {shard}, DType::F32), inv_n, &mesh.sp());
+        require(kept.loss == got.loss, "{} keep-attention: loss {} vs {}", what, kept.loss, got.loss);
+        for (size_t i = 0; i < got.grads.size(); ++i)
+          require(kept.grads[i] == got.grads[i], "{} keep-attention: gradient {} differs (relative error {:.3g})", what,
+                  i, relative_error(kept.grads[i], got.grads[i]));
       }
     }
   }));

@@ -1,0 +1,20 @@
+// The --recompute modes of sft, dpo, check and bench: what a training step keeps of each layer
+// between forward and backward (docs/usage.md compares their memory and time).
+//   None          every activation of every layer: no recompute, the most memory;
+//   All           each layer's input only; backward re-runs the whole layer forward, attention too;
+//   KeepAttention each layer's input, attention output and LSE; backward re-runs the layer forward
+//                 except the attention (the O(T²) op), for T·Hq·D + Hq·T more elements per layer.
+// Decoder::step gives bit-identical losses and gradients in all three (same kernels, same inputs).
+#pragma once
+
+#include <string>
+
+namespace spindle {
+
+enum class RecomputeMode { None, All, KeepAttention };
+
+// "none" | "all" | "keep-attention"; anything else throws an Error naming `option` and the values.
+RecomputeMode parse_recompute_mode(const std::string& value, const std::string& option = "--recompute");
+const char* recompute_mode_name(RecomputeMode mode);
+
+}  // namespace spindle
