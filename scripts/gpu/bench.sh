@@ -7,6 +7,7 @@
 #                     scripts/gpu/build.sh spindle when missing). A lib/ folder beside its bin/
 #                     folder is put on LD_LIBRARY_PATH (runtime libraries the host lacks).
 #   MODEL=config.json (default configs/qwen2.5-1.5b.json)   LORA_RANK=16 (0: --full)
+#   RECOMPUTE=all (or none, keep-attention)
 #   SWEEPS="GPU:LENGTHS[:STEPS:WARMUP:PROFILE] ..."  one process per entry; entries on different GPUs
 #                     run at the same time, entries on one GPU one after another.
 #                     Default "0:32k,64k:3:1:1 0:128k:1:1:0".
@@ -51,7 +52,7 @@ for gpu in "${!per_gpu[@]}"; do
     for item in ${per_gpu[$gpu]}; do
       IFS=: read -r i seqs steps warmup profile <<< "$item"
       start=$(date +%s)
-      timeout "${LIMIT:-560}" "$bin" bench --model "$model" --seq "$seqs" "${lora[@]}" --recompute all \
+      timeout "${LIMIT:-560}" "$bin" bench --model "$model" --seq "$seqs" "${lora[@]}" --recompute "${RECOMPUTE:-all}" \
         --steps "$steps" --warmup "$warmup" --profile-steps "$profile" --device cuda --device-index "$gpu" \
         --json-file "$out/bench_$i.json" > "$out/bench_$i.log" 2>&1
       echo "sweep $i (GPU $gpu, $seqs): rc=$? in $(( $(date +%s) - start )) s" >> "$out/bench_$i.log"

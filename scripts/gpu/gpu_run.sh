@@ -82,7 +82,7 @@ if has bench; then
   IFS=";" read -ra meshes <<< "${BENCH_MESHES:---sp 2;--sp 2 --ring 2}"
   for mesh in "${meshes[@]}"; do
     timeout 280 "$S" bench --nproc-per-node 2 $mesh --device cuda --model "$cfg" --seq ${BENCH_SEQ:-32k,128k} \
-      --lora-rank 16 --recompute all --warmup 1 --steps 2 --profile-steps 1 \
+      --lora-rank 16 --recompute "${BENCH_RECOMPUTE:-all}" --warmup 1 --steps 2 --profile-steps 1 \
       > "$out/bench_sp2_${mesh// /_}.txt" 2>&1
     summary+=("bench $mesh rc=$?")
   done
