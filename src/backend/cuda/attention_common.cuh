@@ -7,6 +7,7 @@
 // per-element test on tiles that are visible everywhere.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -29,6 +30,18 @@ __device__ __forceinline__ int classify_tile(const TileRange& q, const TileRange
       k.pos_max <= q.pos_min)
     return kTileFull;
   return kTileMixed;
+}
+
+// Two neighbouring output values of a row (an accumulator pair) to F32 or BF16 storage.
+template <typename TO>
+__device__ __forceinline__ void store_pair(TO* p, float a, float b);
+template <>
+__device__ __forceinline__ void store_pair<float>(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <>
+__device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
 
 __device__ __forceinline__ TileRange load_range(const TileRange* r) {

@@ -59,17 +59,6 @@ __device__ __forceinline__ void load_tile(bf16* dst, const bf16* x, int64_t row0
   }
 }
 
-template <typename TO>
-__device__ __forceinline__ void store_pair(TO* p, float a, float b);
-template <>
-__device__ __forceinline__ void store_pair<float>(float* p, float a, float b) {
-  *reinterpret_cast<float2*>(p) = make_float2(a, b);
-}
-template <>
-__device__ __forceinline__ void store_pair<bf16>(bf16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-
 // grid (ceil(tq / kBr), hq); blocks run the heaviest (last, for causal) query tiles first.
 template <int D, int RB, int BC, typename TO>
 __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const FwdParams p) {

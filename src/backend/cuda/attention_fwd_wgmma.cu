@@ -61,17 +61,6 @@ struct Params {
   float* lse;
 };
 
-template <typename TO>
-__device__ __forceinline__ void store_pair(TO* p, float a, float b);
-template <>
-__device__ __forceinline__ void store_pair<float>(float* p, float a, float b) {
-  *reinterpret_cast<float2*>(p) = make_float2(a, b);
-}
-template <>
-__device__ __forceinline__ void store_pair<bf16>(bf16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-
 // grid (hq, ceil(tq / 128)); blocks run the heaviest (last, for causal) query tiles of every head
 // first. kPingPong: the two consumers take turns issuing their matrix products (named barriers),
 // so that one's softmax runs while the other's products occupy the tensor cores (FA3).
