@@ -19,8 +19,8 @@ done
 # Libraries spindle links that a stock CUDA/PyTorch host may not have.
 for lib in libgloo.so.0 libhiredis.so.0.14 libibverbs.so.1 libnl-3.so.200 libnl-route-3.so.200 libutf8proc.so.2 \
            libyaml-cpp.so.0.7 libfmt.so.9; do
-  src=$(ldconfig -p | awk -v n="$lib" '$1 == n {print $NF; exit}')
-  [[ -n "$src" ]] && cp -L "$src" "$stage/lib/"
+  src=$(ldconfig -p | awk -v n="$lib" '$1 == n && !found {print $NF; found = 1}')
+  if [[ -n "$src" ]]; then cp -L "$src" "$stage/lib/"; fi
 done
 cp scripts/gpu/gpu_run.sh "$stage/"
 du -sh "$stage"

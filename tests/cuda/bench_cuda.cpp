@@ -5,7 +5,7 @@
 // sequence of T tokens the pairs are T(T+1)/2. GEMM = 2·M·N·K. Bandwidth = bytes read + written.
 // Inputs are random (zeros run faster than real data), times are medians of CUDA-event timings
 // after warm-up. Usage: bench_cuda [--quick | --profile]
-// --profile runs the default attention forward and backward once each at 8k causal (Hq=12, Hkv=2,
+// --profile runs the default attention forward and backward once each at 32k causal (Hq=12, Hkv=2,
 // D=128), for a profiler (scripts/gpu/profile_attention.sh).
 #include <cuda_runtime.h>
 
@@ -189,7 +189,7 @@ int main(int argc, char** argv) {
     auto be = make_cuda_backend(0);
     if (profile) {
       g_profile = true;
-      bench_attention(*be, 1, 8192, 12, 2, 128, false, "auto", 3);
+      bench_attention(*be, 1, 32768, 12, 2, 128, false, "auto", 3);
       return 0;
     }
     bench_bandwidth(*be);
@@ -208,6 +208,14 @@ int main(int argc, char** argv) {
     unsetenv("SPINDLE_CUDA_ATTN_PINGPONG");
     setenv("SPINDLE_CUDA_ATTN_DQ", "atomic", 1);
     bench_attention(*be, 1, 32768, 12, 2, 128, false, "wgmma dq-atomic", 2);
+    for (const char* dq : {"tma", "split"})
+      for (const char* order : {"0", "1"}) {
+        setenv("SPINDLE_CUDA_ATTN_DQ", dq, 1);
+        setenv("SPINDLE_CUDA_ATTN_BWD_ORDER", order, 1);
+        const std::string label = std::string("wgmma dq-") + dq + " order " + order;
+        bench_attention(*be, 1, 32768, 12, 2, 128, false, label.c_str(), 2);
+      }
+    unsetenv("SPINDLE_CUDA_ATTN_BWD_ORDER");
     unsetenv("SPINDLE_CUDA_ATTN_DQ");
     if (!quick) {
       bench_attention(*be, 1, 8192, 12, 2, 128, false, "auto");

@@ -47,9 +47,12 @@ struct alignas(1024) Smem {
   bf16 q[kStages][kBM * kD];   // 2 chunks [64][64]
   bf16 dout[kStages][kBM * kD];
   bf16 ds[kBN * kBM];          // dSᵀ [128 keys][64 queries], one swizzled chunk
-  float dq[kConsumers][2][kBM * 32];  // per consumer: its 64 dQ columns as 2 swizzled [64][32] boxes
+  float dq[kConsumers][4][kBM * 32];  // per consumer: dQ staging, swizzled [64][32] boxes (kDqTma:
+                                     // two buffers of its 64 columns; kDqSplit: its 128 columns)
   float lse2[kStages][kBM];    // LSE·log2 e (+inf: row has no key or is padding)
   float delta[kStages][kBM];
+  int step_tile[kStages];   // query tile of the step in this stage (-1: the walk is over)
+  int step_class[kStages];  // its TileClass
   uint64_t kv_full, full[kStages], empty[kStages];
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
@@ -77,10 +80,34 @@ __device__ __forceinline__ uint32_t swizzled(int row, int col) {
   return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
 }
 
+// How a consumer's dQ part reaches the f32 accumulator in global memory:
+//   kDqTma    the two consumers share dSᵀ through shared memory (two barriers per step), each
+//             takes 64 columns; reduce-add by the copy engine from shared memory;
+//   kDqSplit  each consumer multiplies its own 64 keys' dS into all 128 columns and reduce-adds
+//             them itself (twice the reduce traffic, no barrier between the consumers);
+//   kDqAtomic as kDqTma but f32x2 atomics from registers.
+enum DqMode { kDqAtomic, kDqTma, kDqSplit };
+
+// dQ accumulator fragment (m64, kBlocks n8 blocks) -> swizzled [64 rows][32 f32] boxes in shared
+// memory, laid out as the copy engine reads them for the reduce-add.
+// Element (row, 8j + 2t) of a box sits at row·128 + ((2·(j % 4) + t / 2) ⊕ (row % 8))·16 + 8·(t % 2).
+template <int kBlocks>
+__device__ __forceinline__ void stage_dq(const float* dq, uint32_t boxes, int warp, int g, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int qr = warp * 16 + g + 8 * r;
+    const uint32_t base = qr * 128 + ((((t >> 1) ^ (qr & 7))) << 4) + 8 * (t & 1);
+#pragma unroll
+    for (int j = 0; j < kBlocks; ++j)
+      st_shared_f32x2(boxes + (j / 4) * (kBM * 128) + (base ^ ((j % 4) << 5)), dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+  }
+}
+
 // grid (hq, ceil(tk / 128)); key tile 0 of every head (the most query tiles under a causal mask)
-// first. kTmaDq: dQ parts go to global memory by the copy engine's reduce-add from shared memory
-// (else by f32x2 atomics from registers; kept for measurements).
-template <bool kTmaDq>
+// first. kDq: how dQ parts reach dq_acc (DqMode). kEarlyP: Pᵀ is computed while dPᵀ's product
+// runs and dV is queued before dSᵀ. (Flushing each step's dQ during the next step's products
+// needs 32 more registers and spilled: 142 TFLOP/s.)
+template <int kDq, bool kEarlyP>
 __global__ void __launch_bounds__(kThreads, 1)
     backward_wgmma_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -97,11 +124,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool k_complete = k0 + kBN <= sh.tk;
   const int nq = static_cast<int>((sh.tq + kBM - 1) / kBM);
   auto tile_class = [&](int i) { return classify_tile(load_range(p.q_ranges + i), kr, k_complete); };
-  auto next_active = [&](int from) {
-    for (int i = from; i < nq; ++i)
-      if (tile_class(i) != kTileSkip) return i;
-    return nq;
-  };
 
   if (threadIdx.x == 0) {
     mbar_init(&sm.kv_full, 1);
@@ -123,10 +145,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         tma_load_2d(sm.k + c * kBN * 64, &k_map, hk * kD + c * 64, static_cast<int>(k0), &sm.kv_full);
         tma_load_2d(sm.v + c * kBN * 64, &v_map, hk * kD + c * 64, static_cast<int>(k0), &sm.kv_full);
       }
+      // The producer posts each step's query tile and class next to its data, so the consumers
+      // never read the tile ranges from global memory themselves.
       int it = 0;
-      for (int i = next_active(0); i < nq; i = next_active(i + 1), ++it) {
+      for (int i = 0; i < nq; ++i) {
+        const int cls = tile_class(i);
+        if (cls == kTileSkip) continue;
         const int stage = it % kStages;
         if (it >= kStages) mbar_wait(&sm.empty[stage], ((it / kStages) - 1) & 1);
+        ++it;
+        sm.step_tile[stage] = i;
+        sm.step_class[stage] = cls;
         const int y = i * kBM;
         mbar_arrive_expect_tx(&sm.full[stage], 2 * kBM * kD * 2 + 2 * kBM * 4);
         for (int c = 0; c < kD / 64; ++c) {
@@ -136,6 +165,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         bulk_load(sm.lse2[stage], p.lse2 + h * p.tq_pad + y, kBM * 4, &sm.full[stage]);
         bulk_load(sm.delta[stage], p.delta + h * p.tq_pad + y, kBM * 4, &sm.full[stage]);
       }
+      const int stage = it % kStages;
+      if (it >= kStages) mbar_wait(&sm.empty[stage], ((it / kStages) - 1) & 1);
+      sm.step_tile[stage] = -1;
+      mbar_arrive(&sm.full[stage]);
     }
     return;
   }
@@ -160,11 +193,51 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.f;
 
   mbar_wait(&sm.kv_full, 0);
-  int it = 0;
-  for (int i = next_active(0); i < nq; i = next_active(i + 1), ++it) {
+  const uint32_t ds_base = smem_u32(sm.ds);
+  const bool leader = threadIdx.x % 128 == 0;
+
+  int flushes = 0;
+  // This consumer's dQ part of query tile `qbase` (registers) -> dq_acc.
+  auto flush_dq = [&](const float (&dq)[32], int64_t qbase) {
+    if constexpr (kDq == kDqAtomic) {
+      // Rows past tq must not be written (their dS is 0: Q, dO and delta are zero-filled there).
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t qrow = qbase + warp * 16 + g + 8 * r;
+        if (qrow >= sh.tq) continue;
+        float* dst = p.dq_acc + (qrow * sh.hq + h) * kD + cw * 64;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          atomicAdd(reinterpret_cast<float2*>(dst + 8 * j + 2 * t),
+                    make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
+      }
+    } else {
+      // Staged in shared memory (swizzled like the copy engine reads it), then one thread has it
+      // added into dq_acc; the copy engine drops rows past tq.
+      // Two staging buffers by flush parity: only the reduce of two flushes ago must be done.
+      float* const boxes = sm.dq[cw][2 * (flushes++ & 1)];
+      if (leader) bulk_wait_read<1>();
+      named_barrier(3 + cw, 128);
+      stage_dq<8>(dq, smem_u32(boxes), warp, g, t);
+      fence_proxy_async();
+      named_barrier(3 + cw, 128);
+      if (leader) {
+        const int x = h * kD + cw * 64, y = static_cast<int>(qbase);
+        tma_reduce_add_2d(&dq_map, x, y, boxes);
+        tma_reduce_add_2d(&dq_map, x + 32, y, boxes + kBM * 32);
+        bulk_commit();
+      }
+    }
+  };
+
+  for (int it = 0;; ++it) {
     const int stage = it % kStages;
-    const int cls = tile_class(i);
     mbar_wait(&sm.full[stage], (it / kStages) & 1);
+    const int i = ld_shared_s32(smem_u32(&sm.step_tile[stage]));
+    if (i < 0) break;
+    const int cls = ld_shared_s32(smem_u32(&sm.step_class[stage]));
+    const int64_t qbase = static_cast<int64_t>(i) * kBM;
+    const uint32_t lse2_row = smem_u32(sm.lse2[stage]), delta_row = smem_u32(sm.delta[stage]);
     const uint32_t q_base = smem_u32(sm.q[stage]), do_base = smem_u32(sm.dout[stage]);
 
     // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: 64 keys × 64 queries each, reduction over the head dim.
@@ -175,63 +248,130 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t off = (ks / 4) * kKvChunk + (ks % 4) * 32, qoff = (ks / 4) * kQChunk + (ks % 4) * 32;
       wgmma_ss_n64<0, 0>(st, smem_desc(k_rows + off, 16, 1024), smem_desc(q_base + qoff, 16, 1024), ks > 0);
     }
+    wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
       const uint32_t off = (ks / 4) * kKvChunk + (ks % 4) * 32, qoff = (ks / 4) * kQChunk + (ks % 4) * 32;
       wgmma_ss_n64<0, 0>(dpt, smem_desc(v_rows + off, 16, 1024), smem_desc(do_base + qoff, 16, 1024), ks > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(st);
-    fence_regs(dpt);
 
-    // Pᵀ and dSᵀ in registers; column c of this thread's accumulators is query 8j + 2t + (c & 1).
-    const int64_t qbase = static_cast<int64_t>(i) * kBM;
+    // Pᵀ = exp2(Sᵀ·scale·log2 e − LSE·log2 e), in place of Sᵀ; column c of this thread's
+    // accumulators is query 8j + 2t + (c & 1). kEarlyP: while dPᵀ is still being computed.
+    if constexpr (kEarlyP) wgmma_wait<1>();
+    else wgmma_wait<0>();
+    fence_regs(st);
+    if constexpr (!kEarlyP) fence_regs(dpt);
     uint32_t pa[kBM / 4], dsa[kBM / 4];  // bf16 A fragments (k = queries)
 #pragma unroll
     for (int j = 0; j < kBM / 8; ++j) {
-      float pv[4], dsv[4];
+      const float2 lse2 = ld_shared_f32x2(lse2_row + 4 * (8 * j + 2 * t));
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int col = 8 * j + 2 * t + (c & 1), r = c >> 1;
-        float x = exp2_approx(fmaf(st[4 * j + c], p.scale_log2, -sm.lse2[stage][col]));
+        float x = exp2_approx(fmaf(st[4 * j + c], p.scale_log2, -(c & 1 ? lse2.y : lse2.x)));
         if (cls == kTileMixed) {
           const int64_t qi = qbase + col;
           const bool visible = qi < sh.tq && krow[r] + k0 < sh.tk && p.mask.q_doc[qi] == kdoc[r] &&
                                kpos[r] <= p.mask.q_pos[qi];
           if (!visible) x = 0.f;
         }
-        pv[c] = x;
-        dsv[c] = x * (dpt[4 * j + c] - sm.delta[stage][col]);
+        st[4 * j + c] = x;
       }
       // Accumulator n8 block j -> half of the A fragment of k slice j / 2.
       const int f = 4 * (j / 2) + 2 * (j % 2);
-      pa[f] = pack_bf16x2(pv[0], pv[1]);
-      pa[f + 1] = pack_bf16x2(pv[2], pv[3]);
+      pa[f] = pack_bf16x2(st[4 * j], st[4 * j + 1]);
+      pa[f + 1] = pack_bf16x2(st[4 * j + 2], st[4 * j + 3]);
+    }
+
+    // dV += Pᵀ·dO (B = dO stored [query][dim]: MN-major). kEarlyP: queued behind dPᵀ.
+    if constexpr (kEarlyP) {
+      fence_regs(dv);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        wgmma_rs_n128<1>(dv, pa + 4 * kk, smem_desc(do_base + kk * 2048, kQChunk, 1024), 1);
+      wgmma_commit();
+      wgmma_wait<1>();  // dPᵀ done; dV may still run
+      fence_regs(dpt);
+    }
+
+    // dSᵀ = Pᵀ ∘ (dPᵀ − delta)
+#pragma unroll
+    for (int j = 0; j < kBM / 8; ++j) {
+      const float2 delta = ld_shared_f32x2(delta_row + 4 * (8 * j + 2 * t));
+      float dsv[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) dsv[c] = st[4 * j + c] * (dpt[4 * j + c] - (c & 1 ? delta.y : delta.x));
+      const int f = 4 * (j / 2) + 2 * (j % 2);
       dsa[f] = pack_bf16x2(dsv[0], dsv[1]);
       dsa[f + 1] = pack_bf16x2(dsv[2], dsv[3]);
     }
 
-    // dV += Pᵀ·dO and dK += dSᵀ·Q (B = dO / Q stored [query][dim]: MN-major).
-    fence_regs(dv);
+    // dK += dSᵀ·Q (B = Q stored [query][dim]: MN-major).
     fence_regs(dk);
+    fence_regs(dv);
     wgmma_fence();
+    if constexpr (!kEarlyP) {
 #pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk) wgmma_rs_n128<1>(dv, pa + 4 * kk, smem_desc(do_base + kk * 2048, kQChunk, 1024), 1);
+      for (int kk = 0; kk < kBM / 16; ++kk)
+        wgmma_rs_n128<1>(dv, pa + 4 * kk, smem_desc(do_base + kk * 2048, kQChunk, 1024), 1);
+    }
 #pragma unroll
     for (int kk = 0; kk < kBM / 16; ++kk) wgmma_rs_n128<1>(dk, dsa + 4 * kk, smem_desc(q_base + kk * 2048, kQChunk, 1024), 1);
     wgmma_commit();
 
+    if constexpr (kDq == kDqSplit) {
+      // Each consumer computes dQ = dS·K over its own 64 keys, all 128 columns, and adds it to
+      // dq_acc by itself: the consumers never wait for each other. Its dSᵀ rows are free to
+      // overwrite: every warp of this warpgroup passed the staging barriers of the last step.
+#pragma unroll
+      for (int j = 0; j < kBM / 8; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const uint32_t v = dsa[4 * (j / 2) + 2 * (j % 2) + r];
+          st_shared_b32(ds_base + swizzled(krow[r], 8 * j + 2 * t), v);
+        }
+      fence_proxy_async();
+      named_barrier(5 + cw, 128);
+      wgmma_wait<0>();  // dV and dK: frees the P and dS fragments before the 64 dQ registers
+      fence_regs(dk);
+      fence_regs(dv);
+      fence_regs(pa);
+      fence_regs(dsa);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&sm.empty[stage]);  // Q and dO are read; dQ needs K and dS only
+      float dq_all[kD / 2];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 64 / 16; ++kk)
+        wgmma_ss_n128<1, 1>(dq_all, smem_desc(ds_base + cw * 64 * 128 + kk * 2048, kBN * 128, 1024),
+                            smem_desc(smem_u32(sm.k) + cw * 64 * 128 + kk * 2048, kKvChunk, 1024), kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(dq_all);
+      if (leader) bulk_wait_read();  // the previous step's reduces have read the staging boxes
+      named_barrier(3 + cw, 128);
+      stage_dq<kD / 8>(dq_all, smem_u32(sm.dq[cw][0]), warp, g, t);
+      fence_proxy_async();
+      named_barrier(3 + cw, 128);
+      if (leader) {
+        for (int box = 0; box < kD / 32; ++box)
+          tma_reduce_add_2d(&dq_map, h * kD + 32 * box, static_cast<int>(qbase), sm.dq[cw][box]);
+        bulk_commit();
+      }
+      continue;
+    }
+
     // dSᵀ to shared memory for dQ = dS·K; the other consumer must be done reading the last one.
     // (Two buffers by step parity without this barrier measured slower: 402 vs 441 TFLOP/s.)
-    const uint32_t ds_base = smem_u32(sm.ds);
     named_barrier(1, 256);
 #pragma unroll
     for (int j = 0; j < kBM / 8; ++j)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const uint32_t v = dsa[4 * (j / 2) + 2 * (j % 2) + r];
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_base + swizzled(krow[r], 8 * j + 2 * t)), "r"(v) : "memory");
+        st_shared_b32(ds_base + swizzled(krow[r], 8 * j + 2 * t), v);
       }
     fence_proxy_async();
     named_barrier(2, 256);
@@ -253,46 +393,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_regs(dsa);
     __syncwarp();
     if (lane == 0) mbar_arrive(&sm.empty[stage]);
-
-    if constexpr (kTmaDq) {
-      // Stage this consumer's dQ part in shared memory (swizzled like the copy engine reads it),
-      // then one thread has it added into dq_acc; the copy engine drops rows past tq.
-      const bool leader = threadIdx.x % 128 == 0;
-      if (leader) bulk_wait_read();  // the previous step's reduce has read the staging buffer
-      named_barrier(3 + cw, 128);
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int qr = warp * 16 + g + 8 * r, col = (8 * j + 2 * t) % 32;
-          const uint32_t off = qr * 128 + ((((col * 4) >> 4) ^ (qr & 7)) << 4) + ((col * 4) & 15);
-          float* box = sm.dq[cw][j / 4];
-          *reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(box) + off) =
-              make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
-        }
-      fence_proxy_async();
-      named_barrier(3 + cw, 128);
-      if (leader) {
-        const int x = h * kD + cw * 64, y = static_cast<int>(qbase);
-        tma_reduce_add_2d(&dq_map, x, y, sm.dq[cw][0]);
-        tma_reduce_add_2d(&dq_map, x + 32, y, sm.dq[cw][1]);
-        bulk_commit();
-      }
-    } else {
-      // Rows past tq must not be written (their dS is 0: Q, dO and delta are zero-filled there).
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t qrow = qbase + warp * 16 + g + 8 * r;
-        if (qrow >= sh.tq) continue;
-        float* dst = p.dq_acc + (qrow * sh.hq + h) * kD + cw * 64;
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          atomicAdd(reinterpret_cast<float2*>(dst + 8 * j + 2 * t),
-                    make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
-      }
-    }
+    flush_dq(dq, qbase);
   }
-  if (kTmaDq && threadIdx.x % 128 == 0) bulk_wait_all();  // staging must outlive the reduces
+  if (kDq != kDqAtomic && leader) bulk_wait_all();  // staging must outlive the reduces
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -338,12 +441,21 @@ __global__ void prepare_rows_kernel(const bf16* out, const bf16* dout, const flo
   }
 }
 
-// For measurements: SPINDLE_CUDA_ATTN_DQ = tma (default) | atomic.
-bool dq_by_atomics() {
+// For measurements: SPINDLE_CUDA_ATTN_DQ = tma (default) | split | atomic.
+DqMode dq_mode() {
   const char* v = std::getenv("SPINDLE_CUDA_ATTN_DQ");  // read per call: benchmarks switch it
-  if (!v || !std::strcmp(v, "tma")) return false;
-  if (!std::strcmp(v, "atomic")) return true;
-  throw_message("SPINDLE_CUDA_ATTN_DQ", "must be tma or atomic");
+  if (!v || !std::strcmp(v, "tma")) return kDqTma;
+  if (!std::strcmp(v, "split")) return kDqSplit;
+  if (!std::strcmp(v, "atomic")) return kDqAtomic;
+  throw_message("SPINDLE_CUDA_ATTN_DQ", "must be tma, split or atomic");
+}
+
+// For measurements: SPINDLE_CUDA_ATTN_BWD_ORDER = 0 | 1 (kEarlyP).
+int bwd_order() {
+  const char* v = std::getenv("SPINDLE_CUDA_ATTN_BWD_ORDER");
+  if (!v || !std::strcmp(v, "0")) return 0;
+  if (!std::strcmp(v, "1")) return 1;
+  throw_message("SPINDLE_CUDA_ATTN_BWD_ORDER", "must be 0 or 1");
 }
 
 }  // namespace
@@ -385,7 +497,12 @@ void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const vo
   const Params p{sh,     mask,  ranges, ranges + q_tiles, lse2,  delta, tq_pad, scale * kLog2e,
                  dq_acc, dk_acc, dv_acc};
   const CUtensorMap dq_map = f32_tile_map(dq_acc, sh.tq, int64_t{sh.hq} * kD, kBM);
-  auto kernel = dq_by_atomics() ? backward_wgmma_kernel<false> : backward_wgmma_kernel<true>;
+  const DqMode mode = dq_mode();
+  const int order = bwd_order();
+  auto kernel = mode == kDqSplit    ? (order ? backward_wgmma_kernel<kDqSplit, true> : backward_wgmma_kernel<kDqSplit, false>)
+                : mode == kDqAtomic ? backward_wgmma_kernel<kDqAtomic, false>
+                : order             ? backward_wgmma_kernel<kDqTma, true>
+                                    : backward_wgmma_kernel<kDqTma, false>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));
   kernel<<<dim3(static_cast<unsigned>(sh.hq), static_cast<unsigned>(k_tiles)), kThreads, kSmemBytes, s>>>(
       q_map, k_map, v_map, do_map, dq_map, p);

@@ -46,6 +46,8 @@ struct alignas(1024) Smem {
   bf16 q[kBM * kD];            // 2 chunks [128][64]
   bf16 k[kStages][kTileElems];
   bf16 v[kStages][kTileElems];
+  int step_tile[kStages];   // key tile of the step in this stage (-1: the walk is over)
+  int step_class[kStages];  // its TileClass
   uint64_t q_full;
   // K and V of a stage are released separately: K once Q·Kᵀ is done, V once P·V is.
   uint64_t k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
@@ -81,11 +83,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto tile_class = [&](int j) {
     return classify_tile(qr, load_range(p.k_ranges + j), static_cast<int64_t>(j + 1) * kBN <= sh.tk);
   };
-  auto next_active = [&](int from) {
-    for (int j = from; j < nk; ++j)
-      if (tile_class(j) != kTileSkip) return j;
-    return nk;
-  };
 
   if (threadIdx.x == 0) {
     mbar_init(&sm.q_full, 1);
@@ -109,11 +106,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_arrive_expect_tx(&sm.q_full, kBM * kD * 2);
       for (int c = 0; c < kD / 64; ++c)
         tma_load_2d(sm.q + c * kBM * 64, &q_map, h * kD + c * 64, static_cast<int>(q0), &sm.q_full);
+      // Each step's key tile and class are posted next to its K (the consumers never read the
+      // tile ranges from global memory), then an end marker.
       int it = 0;
-      for (int j = next_active(0); j < nk; j = next_active(j + 1), ++it) {
+      for (int j = 0; j < nk; ++j) {
+        const int cls = tile_class(j);
+        if (cls == kTileSkip) continue;
         const int stage = it % kStages;
         const int y = j * kBN;
         if (it >= kStages) mbar_wait(&sm.k_empty[stage], ((it / kStages) - 1) & 1);
+        sm.step_tile[stage] = j;
+        sm.step_class[stage] = cls;
         mbar_arrive_expect_tx(&sm.k_full[stage], kTileBytes);
         for (int c = 0; c < kD / 64; ++c)
           tma_load_2d(sm.k[stage] + c * kBN * 64, &k_map, hk * kD + c * 64, y, &sm.k_full[stage]);
@@ -121,7 +124,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive_expect_tx(&sm.v_full[stage], kTileBytes);
         for (int c = 0; c < kD / 64; ++c)
           tma_load_2d(sm.v[stage] + c * kBN * 64, &v_map, hk * kD + c * 64, y, &sm.v_full[stage]);
+        ++it;
       }
+      const int stage = it % kStages;
+      if (it >= kStages) mbar_wait(&sm.k_empty[stage], ((it / kStages) - 1) & 1);
+      sm.step_tile[stage] = -1;
+      mbar_arrive(&sm.k_full[stage]);
     }
     return;
   }
@@ -167,9 +175,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Masks S of tile j, updates the running max; returns the row maxima's rescale factors in
   // alpha and leaves exp2(S·scale − m) in s with its row sums in rowsum.
   float alpha[2], rowsum[2];
-  auto softmax = [&](int j) {
+  auto softmax = [&](int j, int cls) {
     const int64_t j0 = static_cast<int64_t>(j) * kBN;
-    if (tile_class(j) == kTileMixed) {
+    if (cls == kTileMixed) {
 #pragma unroll
       for (int i = 0; i < kBN / 8; ++i)
 #pragma unroll
@@ -247,11 +255,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) mbar_arrive(bar);
   };
 
+  auto step_tile = [&](int stage) { return ld_shared_s32(smem_u32(&sm.step_tile[stage])); };
+  auto step_class = [&](int stage) { return ld_shared_s32(smem_u32(&sm.step_class[stage])); };
   mbar_wait(&sm.q_full, 0);
-  int j = next_active(0), it = 0;
-  if (j < nk) {
+  mbar_wait(&sm.k_full[0], 0);
+  int j = step_tile(0), it = 0;
+  if (j >= 0) {
     if (kPingPong && cw == 1) named_barrier_arrive(3, 256);
-    mbar_wait(&sm.k_full[0], 0);
     my_turn();
     wgmma_fence();
     issue_qk(0);
@@ -260,16 +270,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<0>();
     fence_regs(s);
     release(&sm.k_empty[0]);
-    softmax(j);
+    softmax(j, step_class(0));
     rescale_and_pack();
     // Steady state: Q·Kᵀ of the next tile and P·V of this one in flight together; the next
     // tile's softmax runs while P·V does. The loop has no conditional wgmma (ptxas serializes
     // wgmma whose accumulators it cannot prove idle on every path).
     while (true) {
-      const int jn = next_active(j + 1);
-      if (jn >= nk) break;
       const int stage = it % kStages, sn = (it + 1) % kStages;
       mbar_wait(&sm.k_full[sn], ((it + 1) / kStages) & 1);
+      const int jn = step_tile(sn);
+      if (jn < 0) break;
+      const int cn = step_class(sn);
       mbar_wait(&sm.v_full[stage], (it / kStages) & 1);
       my_turn();
       fence_regs(s);
@@ -285,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<1>();  // S of the next tile is ready; P·V may still run
       fence_regs(s);
       release(&sm.k_empty[sn]);
-      softmax(jn);
+      softmax(jn, cn);
       wgmma_wait<0>();
       fence_regs(o);
       fence_regs(pa);
