@@ -206,17 +206,6 @@ int main(int argc, char** argv) {
     setenv("SPINDLE_CUDA_ATTN_PINGPONG", "0", 1);
     bench_attention(*be, 1, 32768, 12, 2, 128, false, "wgmma no-pingpong", 1);
     unsetenv("SPINDLE_CUDA_ATTN_PINGPONG");
-    setenv("SPINDLE_CUDA_ATTN_DQ", "atomic", 1);
-    bench_attention(*be, 1, 32768, 12, 2, 128, false, "wgmma dq-atomic", 2);
-    for (const char* dq : {"tma", "split"})
-      for (const char* order : {"0", "1"}) {
-        setenv("SPINDLE_CUDA_ATTN_DQ", dq, 1);
-        setenv("SPINDLE_CUDA_ATTN_BWD_ORDER", order, 1);
-        const std::string label = std::string("wgmma dq-") + dq + " order " + order;
-        bench_attention(*be, 1, 32768, 12, 2, 128, false, label.c_str(), 2);
-      }
-    unsetenv("SPINDLE_CUDA_ATTN_BWD_ORDER");
-    unsetenv("SPINDLE_CUDA_ATTN_DQ");
     if (!quick) {
       bench_attention(*be, 1, 8192, 12, 2, 128, false, "auto");
       bench_attention(*be, 1, 16384, 12, 2, 128, true, "auto");

@@ -2,15 +2,17 @@
 // structure, written for this engine's document/position mask.
 //
 // A block owns one 128-key tile of K and V (of the kv head its query head reads) and one query
-// head, and walks the 64-row query tiles that can see the keys. Three warpgroups: a producer
-// streams Q, dO and the per-row terms (LSE·log2 e, delta) of each query tile into a two-stage
-// ring with the copy engine; two consumers own 64 keys each. Per query tile a consumer computes
+// head, and walks the 64-row query tiles that can see the keys. Three warpgroups: in the first,
+// one thread streams Q, dO and the per-row terms (LSE·log2 e, delta) of each query tile into a
+// two-stage ring with the copy engine and another adds the consumers' staged dQ parts to global
+// memory; two consumers own 64 keys each. Per query tile a consumer computes
 //   Sᵀ  = K·Qᵀ, dPᵀ = V·dOᵀ            (wgmma from shared memory, 64 keys × 64 queries)
 //   Pᵀ  = exp2(Sᵀ·scale·log2 e − LSE·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − delta)
 //   dV += Pᵀ·dO,  dK += dSᵀ·Q          (A from registers, accumulated over the whole walk)
 //   dQ  = dS·K                          (dSᵀ of both consumers through shared memory; each
 //                                        consumer takes 64 of the 128 head-dim columns)
-// and adds its dQ part to an f32 accumulator in global memory. At the end dK and dV go to f32
+// and stages its dQ part in shared memory, from where the copy engine's reduce-add puts it into an
+// f32 accumulator in global memory. At the end dK and dV go to f32
 // accumulators too (query heads of a GQA group add up there); small passes apply the softmax
 // scale and round to bf16 (attention_dq_finish).
 //
@@ -47,13 +49,14 @@ struct alignas(1024) Smem {
   bf16 q[kStages][kBM * kD];   // 2 chunks [64][64]
   bf16 dout[kStages][kBM * kD];
   bf16 ds[kBN * kBM];          // dSᵀ [128 keys][64 queries], one swizzled chunk
-  float dq[kConsumers][4][kBM * 32];  // per consumer: dQ staging, swizzled [64][32] boxes (kDqTma:
-                                     // two buffers of its 64 columns; kDqSplit: its 128 columns)
+  float dq[kConsumers][2][2][kBM * 32];  // per consumer, 2 buffers of its 64 dQ columns as
+                                        // swizzled [64][32] boxes, for the writer's reduce-add
   float lse2[kStages][kBM];    // LSE·log2 e (+inf: row has no key or is padding)
   float delta[kStages][kBM];
   int step_tile[kStages];   // query tile of the step in this stage (-1: the walk is over)
   int step_class[kStages];  // its TileClass
   uint64_t kv_full, full[kStages], empty[kStages];
+  uint64_t dq_full[kConsumers][2], dq_empty[kConsumers][2];
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
 
@@ -80,34 +83,22 @@ __device__ __forceinline__ uint32_t swizzled(int row, int col) {
   return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
 }
 
-// How a consumer's dQ part reaches the f32 accumulator in global memory:
-//   kDqTma    the two consumers share dSᵀ through shared memory (two barriers per step), each
-//             takes 64 columns; reduce-add by the copy engine from shared memory;
-//   kDqSplit  each consumer multiplies its own 64 keys' dS into all 128 columns and reduce-adds
-//             them itself (twice the reduce traffic, no barrier between the consumers);
-//   kDqAtomic as kDqTma but f32x2 atomics from registers.
-enum DqMode { kDqAtomic, kDqTma, kDqSplit };
-
-// dQ accumulator fragment (m64, kBlocks n8 blocks) -> swizzled [64 rows][32 f32] boxes in shared
-// memory, laid out as the copy engine reads them for the reduce-add.
-// Element (row, 8j + 2t) of a box sits at row·128 + ((2·(j % 4) + t / 2) ⊕ (row % 8))·16 + 8·(t % 2).
-template <int kBlocks>
-__device__ __forceinline__ void stage_dq(const float* dq, uint32_t boxes, int warp, int g, int t) {
+// dQ accumulator fragment (m64n64) -> two swizzled [64 rows][32 f32] boxes in shared memory at
+// `boxes`, laid out as the copy engine reads them for the reduce-add. Element (row, 8j + 2t)
+// sits at row·128 + ((2·(j % 4) + t / 2) ⊕ (row % 8))·16 + 8·(t % 2) of box j / 4.
+__device__ __forceinline__ void stage_dq(const float (&dq)[32], uint32_t boxes, int warp, int g, int t) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int qr = warp * 16 + g + 8 * r;
-    const uint32_t base = qr * 128 + ((((t >> 1) ^ (qr & 7))) << 4) + 8 * (t & 1);
+    const uint32_t base = qr * 128 + (((t >> 1) ^ (qr & 7)) << 4) + 8 * (t & 1);
 #pragma unroll
-    for (int j = 0; j < kBlocks; ++j)
+    for (int j = 0; j < 8; ++j)
       st_shared_f32x2(boxes + (j / 4) * (kBM * 128) + (base ^ ((j % 4) << 5)), dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
   }
 }
 
 // grid (hq, ceil(tk / 128)); key tile 0 of every head (the most query tiles under a causal mask)
-// first. kDq: how dQ parts reach dq_acc (DqMode). kEarlyP: Pᵀ is computed while dPᵀ's product
-// runs and dV is queued before dSᵀ. (Flushing each step's dQ during the next step's products
-// needs 32 more registers and spilled: 142 TFLOP/s.)
-template <int kDq, bool kEarlyP>
+// first.
 __global__ void __launch_bounds__(kThreads, 1)
     backward_wgmma_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -131,6 +122,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&sm.full[s], 1);
       mbar_init(&sm.empty[s], kConsumers * 4);
     }
+    for (int c = 0; c < kConsumers; ++c)
+      for (int b = 0; b < 2; ++b) {
+        mbar_init(&sm.dq_full[c][b], 4);  // one arrival per consumer warp
+        mbar_init(&sm.dq_empty[c][b], 1);
+      }
     fence_barrier_init();
   }
   __syncthreads();
@@ -138,6 +134,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     regs_release<24>();
     if (threadIdx.x == 0) {
+      // Loader: K and V once, then Q, dO and the row terms of every query tile that sees the
+      // keys, each step's tile and class posted next to its data (the consumers never read the
+      // tile ranges from global memory), then an end marker.
       tma_prefetch_descriptor(&q_map);
       tma_prefetch_descriptor(&do_map);
       mbar_arrive_expect_tx(&sm.kv_full, 2 * kBN * kD * 2);
@@ -145,8 +144,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         tma_load_2d(sm.k + c * kBN * 64, &k_map, hk * kD + c * 64, static_cast<int>(k0), &sm.kv_full);
         tma_load_2d(sm.v + c * kBN * 64, &v_map, hk * kD + c * 64, static_cast<int>(k0), &sm.kv_full);
       }
-      // The producer posts each step's query tile and class next to its data, so the consumers
-      // never read the tile ranges from global memory themselves.
       int it = 0;
       for (int i = 0; i < nq; ++i) {
         const int cls = tile_class(i);
@@ -169,6 +166,29 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (it >= kStages) mbar_wait(&sm.empty[stage], ((it / kStages) - 1) & 1);
       sm.step_tile[stage] = -1;
       mbar_arrive(&sm.full[stage]);
+    } else if (threadIdx.x == 32) {
+      // dQ writer: walks the same query tiles; each consumer's staged dQ part goes into dq_acc
+      // by the copy engine's reduce-add (rows past tq are dropped by it). A staging buffer goes
+      // back to its consumer once the copy engine has read it, so the consumers never wait for
+      // the reduce themselves.
+      tma_prefetch_descriptor(&dq_map);
+      int n = 0;
+      for (int i = 0; i < nq; ++i) {
+        if (tile_class(i) == kTileSkip) continue;
+        const int b = n & 1;
+        for (int c = 0; c < kConsumers; ++c) {
+          mbar_wait(&sm.dq_full[c][b], (n >> 1) & 1);
+          const int x = h * kD + c * 64;
+          tma_reduce_add_2d(&dq_map, x, i * kBM, sm.dq[c][b][0]);
+          tma_reduce_add_2d(&dq_map, x + 32, i * kBM, sm.dq[c][b][1]);
+          bulk_commit();
+        }
+        bulk_wait_read<kConsumers>();  // the previous step's reduces have read their buffers
+        if (n > 0)
+          for (int c = 0; c < kConsumers; ++c) mbar_arrive(&sm.dq_empty[c][b ^ 1]);
+        ++n;
+      }
+      bulk_wait_all();  // the block's shared memory must outlive the reduces
     }
     return;
   }
@@ -187,49 +207,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const uint32_t k_rows = smem_u32(sm.k) + cw * 64 * 128;  // this consumer's 64 key rows, chunk 0
   const uint32_t v_rows = smem_u32(sm.v) + cw * 64 * 128;
+  const uint32_t ds_base = smem_u32(sm.ds);
 
   float dk[kD / 2], dv[kD / 2];
 #pragma unroll
   for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.f;
 
   mbar_wait(&sm.kv_full, 0);
-  const uint32_t ds_base = smem_u32(sm.ds);
-  const bool leader = threadIdx.x % 128 == 0;
-
-  int flushes = 0;
-  // This consumer's dQ part of query tile `qbase` (registers) -> dq_acc.
-  auto flush_dq = [&](const float (&dq)[32], int64_t qbase) {
-    if constexpr (kDq == kDqAtomic) {
-      // Rows past tq must not be written (their dS is 0: Q, dO and delta are zero-filled there).
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t qrow = qbase + warp * 16 + g + 8 * r;
-        if (qrow >= sh.tq) continue;
-        float* dst = p.dq_acc + (qrow * sh.hq + h) * kD + cw * 64;
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          atomicAdd(reinterpret_cast<float2*>(dst + 8 * j + 2 * t),
-                    make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]));
-      }
-    } else {
-      // Staged in shared memory (swizzled like the copy engine reads it), then one thread has it
-      // added into dq_acc; the copy engine drops rows past tq.
-      // Two staging buffers by flush parity: only the reduce of two flushes ago must be done.
-      float* const boxes = sm.dq[cw][2 * (flushes++ & 1)];
-      if (leader) bulk_wait_read<1>();
-      named_barrier(3 + cw, 128);
-      stage_dq<8>(dq, smem_u32(boxes), warp, g, t);
-      fence_proxy_async();
-      named_barrier(3 + cw, 128);
-      if (leader) {
-        const int x = h * kD + cw * 64, y = static_cast<int>(qbase);
-        tma_reduce_add_2d(&dq_map, x, y, boxes);
-        tma_reduce_add_2d(&dq_map, x + 32, y, boxes + kBM * 32);
-        bulk_commit();
-      }
-    }
-  };
-
   for (int it = 0;; ++it) {
     const int stage = it % kStages;
     mbar_wait(&sm.full[stage], (it / kStages) & 1);
@@ -237,10 +221,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (i < 0) break;
     const int cls = ld_shared_s32(smem_u32(&sm.step_class[stage]));
     const int64_t qbase = static_cast<int64_t>(i) * kBM;
-    const uint32_t lse2_row = smem_u32(sm.lse2[stage]), delta_row = smem_u32(sm.delta[stage]);
     const uint32_t q_base = smem_u32(sm.q[stage]), do_base = smem_u32(sm.dout[stage]);
+    const uint32_t lse2_row = smem_u32(sm.lse2[stage]), delta_row = smem_u32(sm.delta[stage]);
 
-    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: 64 keys × 64 queries each, reduction over the head dim.
+    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: 64 keys × 64 queries each, reduction over the head dim; two
+    // commit groups, so that Pᵀ is computed while dPᵀ's product still runs.
     float st[kBM / 2], dpt[kBM / 2];
     wgmma_fence();
 #pragma unroll
@@ -255,13 +240,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_ss_n64<0, 0>(dpt, smem_desc(v_rows + off, 16, 1024), smem_desc(do_base + qoff, 16, 1024), ks > 0);
     }
     wgmma_commit();
-
-    // Pᵀ = exp2(Sᵀ·scale·log2 e − LSE·log2 e), in place of Sᵀ; column c of this thread's
-    // accumulators is query 8j + 2t + (c & 1). kEarlyP: while dPᵀ is still being computed.
-    if constexpr (kEarlyP) wgmma_wait<1>();
-    else wgmma_wait<0>();
+    wgmma_wait<1>();
     fence_regs(st);
-    if constexpr (!kEarlyP) fence_regs(dpt);
+
+    // Pᵀ = exp2(Sᵀ·scale·log2 e − LSE·log2 e) in place of Sᵀ; column c of this thread's
+    // accumulators is query 8j + 2t + (c & 1).
     uint32_t pa[kBM / 4], dsa[kBM / 4];  // bf16 A fragments (k = queries)
 #pragma unroll
     for (int j = 0; j < kBM / 8; ++j) {
@@ -284,17 +267,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       pa[f + 1] = pack_bf16x2(st[4 * j + 2], st[4 * j + 3]);
     }
 
-    // dV += Pᵀ·dO (B = dO stored [query][dim]: MN-major). kEarlyP: queued behind dPᵀ.
-    if constexpr (kEarlyP) {
-      fence_regs(dv);
-      wgmma_fence();
+    // dV += Pᵀ·dO (B = dO stored [query][dim]: MN-major), queued behind dPᵀ.
+    fence_regs(dv);
+    wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk)
-        wgmma_rs_n128<1>(dv, pa + 4 * kk, smem_desc(do_base + kk * 2048, kQChunk, 1024), 1);
-      wgmma_commit();
-      wgmma_wait<1>();  // dPᵀ done; dV may still run
-      fence_regs(dpt);
-    }
+    for (int kk = 0; kk < kBM / 16; ++kk)
+      wgmma_rs_n128<1>(dv, pa + 4 * kk, smem_desc(do_base + kk * 2048, kQChunk, 1024), 1);
+    wgmma_commit();
+    wgmma_wait<1>();  // dPᵀ done; dV may still run
+    fence_regs(dpt);
 
     // dSᵀ = Pᵀ ∘ (dPᵀ − delta)
 #pragma unroll
@@ -310,69 +291,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // dK += dSᵀ·Q (B = Q stored [query][dim]: MN-major).
     fence_regs(dk);
-    fence_regs(dv);
     wgmma_fence();
-    if constexpr (!kEarlyP) {
-#pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk)
-        wgmma_rs_n128<1>(dv, pa + 4 * kk, smem_desc(do_base + kk * 2048, kQChunk, 1024), 1);
-    }
 #pragma unroll
     for (int kk = 0; kk < kBM / 16; ++kk) wgmma_rs_n128<1>(dk, dsa + 4 * kk, smem_desc(q_base + kk * 2048, kQChunk, 1024), 1);
     wgmma_commit();
 
-    if constexpr (kDq == kDqSplit) {
-      // Each consumer computes dQ = dS·K over its own 64 keys, all 128 columns, and adds it to
-      // dq_acc by itself: the consumers never wait for each other. Its dSᵀ rows are free to
-      // overwrite: every warp of this warpgroup passed the staging barriers of the last step.
-#pragma unroll
-      for (int j = 0; j < kBM / 8; ++j)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const uint32_t v = dsa[4 * (j / 2) + 2 * (j % 2) + r];
-          st_shared_b32(ds_base + swizzled(krow[r], 8 * j + 2 * t), v);
-        }
-      fence_proxy_async();
-      named_barrier(5 + cw, 128);
-      wgmma_wait<0>();  // dV and dK: frees the P and dS fragments before the 64 dQ registers
-      fence_regs(dk);
-      fence_regs(dv);
-      fence_regs(pa);
-      fence_regs(dsa);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&sm.empty[stage]);  // Q and dO are read; dQ needs K and dS only
-      float dq_all[kD / 2];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 64 / 16; ++kk)
-        wgmma_ss_n128<1, 1>(dq_all, smem_desc(ds_base + cw * 64 * 128 + kk * 2048, kBN * 128, 1024),
-                            smem_desc(smem_u32(sm.k) + cw * 64 * 128 + kk * 2048, kKvChunk, 1024), kk > 0);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(dq_all);
-      if (leader) bulk_wait_read();  // the previous step's reduces have read the staging boxes
-      named_barrier(3 + cw, 128);
-      stage_dq<kD / 8>(dq_all, smem_u32(sm.dq[cw][0]), warp, g, t);
-      fence_proxy_async();
-      named_barrier(3 + cw, 128);
-      if (leader) {
-        for (int box = 0; box < kD / 32; ++box)
-          tma_reduce_add_2d(&dq_map, h * kD + 32 * box, static_cast<int>(qbase), sm.dq[cw][box]);
-        bulk_commit();
-      }
-      continue;
-    }
-
     // dSᵀ to shared memory for dQ = dS·K; the other consumer must be done reading the last one.
-    // (Two buffers by step parity without this barrier measured slower: 402 vs 441 TFLOP/s.)
+    // (Two buffers by step parity without this barrier measured slower: 402 vs 441 TFLOP/s; so
+    // did each consumer multiplying only its own keys into all 128 columns, which doubles the
+    // reduce traffic: 421-426 vs 446-449.)
     named_barrier(1, 256);
 #pragma unroll
     for (int j = 0; j < kBM / 8; ++j)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const uint32_t v = dsa[4 * (j / 2) + 2 * (j % 2) + r];
-        st_shared_b32(ds_base + swizzled(krow[r], 8 * j + 2 * t), v);
-      }
+      for (int r = 0; r < 2; ++r) st_shared_b32(ds_base + swizzled(krow[r], 8 * j + 2 * t), dsa[4 * (j / 2) + 2 * (j % 2) + r]);
     fence_proxy_async();
     named_barrier(2, 256);
 
@@ -393,9 +325,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_regs(dsa);
     __syncwarp();
     if (lane == 0) mbar_arrive(&sm.empty[stage]);
-    flush_dq(dq, qbase);
+
+    // Stage this consumer's dQ part for the writer (two buffers by step parity).
+    const int b = it & 1;
+    if (it >= 2) mbar_wait(&sm.dq_empty[cw][b], ((it >> 1) - 1) & 1);
+    stage_dq(dq, smem_u32(sm.dq[cw][b][0]), warp, g, t);
+    fence_proxy_async();  // the copy engine reads what these threads wrote
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&sm.dq_full[cw][b]);
   }
-  if (kDq != kDqAtomic && leader) bulk_wait_all();  // staging must outlive the reduces
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -441,23 +379,6 @@ __global__ void prepare_rows_kernel(const bf16* out, const bf16* dout, const flo
   }
 }
 
-// For measurements: SPINDLE_CUDA_ATTN_DQ = tma (default) | split | atomic.
-DqMode dq_mode() {
-  const char* v = std::getenv("SPINDLE_CUDA_ATTN_DQ");  // read per call: benchmarks switch it
-  if (!v || !std::strcmp(v, "tma")) return kDqTma;
-  if (!std::strcmp(v, "split")) return kDqSplit;
-  if (!std::strcmp(v, "atomic")) return kDqAtomic;
-  throw_message("SPINDLE_CUDA_ATTN_DQ", "must be tma, split or atomic");
-}
-
-// For measurements: SPINDLE_CUDA_ATTN_BWD_ORDER = 0 | 1 (kEarlyP).
-int bwd_order() {
-  const char* v = std::getenv("SPINDLE_CUDA_ATTN_BWD_ORDER");
-  if (!v || !std::strcmp(v, "0")) return 0;
-  if (!std::strcmp(v, "1")) return 1;
-  throw_message("SPINDLE_CUDA_ATTN_BWD_ORDER", "must be 0 or 1");
-}
-
 }  // namespace
 
 void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
@@ -497,12 +418,7 @@ void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const vo
   const Params p{sh,     mask,  ranges, ranges + q_tiles, lse2,  delta, tq_pad, scale * kLog2e,
                  dq_acc, dk_acc, dv_acc};
   const CUtensorMap dq_map = f32_tile_map(dq_acc, sh.tq, int64_t{sh.hq} * kD, kBM);
-  const DqMode mode = dq_mode();
-  const int order = bwd_order();
-  auto kernel = mode == kDqSplit    ? (order ? backward_wgmma_kernel<kDqSplit, true> : backward_wgmma_kernel<kDqSplit, false>)
-                : mode == kDqAtomic ? backward_wgmma_kernel<kDqAtomic, false>
-                : order             ? backward_wgmma_kernel<kDqTma, true>
-                                    : backward_wgmma_kernel<kDqTma, false>;
+  auto kernel = backward_wgmma_kernel;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));
   kernel<<<dim3(static_cast<unsigned>(sh.hq), static_cast<unsigned>(k_tiles)), kThreads, kSmemBytes, s>>>(
       q_map, k_map, v_map, do_map, dq_map, p);
