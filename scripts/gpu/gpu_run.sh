@@ -36,6 +36,7 @@ fi
 
 if has tests; then
   for t in test_cuda_ops test_cuda_model test_cuda_memory test_cuda_streams; do
+    [[ -x "$stage/bin/$t" ]] || { summary+=("$t not staged"); continue; }
     timeout 240 "$stage/bin/$t" --gtest_color=no > "$out/$t.log" 2>&1; summary+=("$t rc=$?")
   done
   NCCL_DEBUG=WARN timeout 200 "$stage/bin/test_nccl" --gtest_color=no > "$out/test_nccl.log" 2>&1; summary+=("test_nccl rc=$?")

@@ -4,7 +4,7 @@
 // 2.5× forward (FlashAttention's convention; 5 GEMM-shaped products instead of 2); for a causal
 // sequence of T tokens the pairs are T(T+1)/2. GEMM = 2·M·N·K. Bandwidth = bytes read + written.
 // Inputs are random (zeros run faster than real data), times are medians of CUDA-event timings
-// after warm-up. Usage: bench_cuda [--quick | --profile]
+// after warm-up. Usage: bench_cuda [--quick | --profile | --attention]
 // --profile runs the default attention forward and backward once each at 32k causal (Hq=12, Hkv=2,
 // D=128), for a profiler (scripts/gpu/profile_attention.sh).
 #include <cuda_runtime.h>
@@ -177,6 +177,7 @@ void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, in
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const bool profile = argc > 1 && std::strcmp(argv[1], "--profile") == 0;
+  const bool attention = argc > 1 && std::strcmp(argv[1], "--attention") == 0;
   if (cuda_device_count() == 0) {
     std::printf("bench_cuda: no CUDA device\n");
     return 0;
@@ -192,6 +193,9 @@ int main(int argc, char** argv) {
       bench_attention(*be, 1, 32768, 12, 2, 128, false, "auto", 3);
       return 0;
     }
+    if (attention) {  // the default attention at 32k causal, three times (kernel comparisons)
+      for (int i = 0; i < 3; ++i) bench_attention(*be, 1, 32768, 12, 2, 128, false, "auto");
+    } else {
     bench_bandwidth(*be);
     bench_gemm(*be, 8192, 8192, 8192, false, false, "gemm BF16 8192^3");
     bench_gemm(*be, 32768, 8960, 1536, false, true, "gemm BF16 x[32k,1536]·W[8960,1536]^T");
@@ -216,6 +220,7 @@ int main(int argc, char** argv) {
       auto simple = make_cuda_backend(0);
       unsetenv("SPINDLE_CUDA_ATTENTION");
       bench_attention(*simple, 1, 4096, 12, 2, 128, false, "simple");
+    }
     }
   } catch (const Error& e) {
     std::fprintf(stderr, "bench_cuda: %s\n", e.what());

@@ -35,7 +35,11 @@ using namespace hopper;
 constexpr int kD = 128;
 constexpr int kBN = 128;  // keys per block
 constexpr int kBM = 64;   // query rows per step
+// Q/dO ring stages, dSᵀ exchange buffers (2: no barrier before writing) and dQ staging buffers
+// per consumer. 2/1/2, 2/2/2, 3/1/1 and 3/2/1 measured the same (435-453 TFLOP/s at 32k causal).
 constexpr int kStages = 2;
+constexpr int kDsBuffers = 1;
+constexpr int kDqBuffers = 2;
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr float kLog2e = 1.4426950408889634f;
@@ -48,17 +52,18 @@ struct alignas(1024) Smem {
   bf16 v[kBN * kD];
   bf16 q[kStages][kBM * kD];   // 2 chunks [64][64]
   bf16 dout[kStages][kBM * kD];
-  bf16 ds[kBN * kBM];          // dSᵀ [128 keys][64 queries], one swizzled chunk
-  float dq[kConsumers][2][2][kBM * 32];  // per consumer, 2 buffers of its 64 dQ columns as
+  bf16 ds[kDsBuffers][kBN * kBM];  // dSᵀ [128 keys][64 queries], one swizzled chunk
+  float dq[kConsumers][kDqBuffers][2][kBM * 32];  // per consumer, 2 buffers of its 64 dQ columns as
                                         // swizzled [64][32] boxes, for the writer's reduce-add
   float lse2[kStages][kBM];    // LSE·log2 e (+inf: row has no key or is padding)
   float delta[kStages][kBM];
   int step_tile[kStages];   // query tile of the step in this stage (-1: the walk is over)
   int step_class[kStages];  // its TileClass
   uint64_t kv_full, full[kStages], empty[kStages];
-  uint64_t dq_full[kConsumers][2], dq_empty[kConsumers][2];
+  uint64_t dq_full[kConsumers][kDqBuffers], dq_empty[kConsumers][kDqBuffers];
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;
+static_assert(kSmemBytes <= 227 * 1024, "the backward kernel needs more shared memory than an H100/H200 block has");
 
 struct Params {
   AttentionShape sh;
@@ -123,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&sm.empty[s], kConsumers * 4);
     }
     for (int c = 0; c < kConsumers; ++c)
-      for (int b = 0; b < 2; ++b) {
+      for (int b = 0; b < kDqBuffers; ++b) {
         mbar_init(&sm.dq_full[c][b], 4);  // one arrival per consumer warp
         mbar_init(&sm.dq_empty[c][b], 1);
       }
@@ -175,17 +180,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       int n = 0;
       for (int i = 0; i < nq; ++i) {
         if (tile_class(i) == kTileSkip) continue;
-        const int b = n & 1;
+        const int b = n % kDqBuffers;
         for (int c = 0; c < kConsumers; ++c) {
-          mbar_wait(&sm.dq_full[c][b], (n >> 1) & 1);
+          mbar_wait(&sm.dq_full[c][b], (n / kDqBuffers) & 1);
           const int x = h * kD + c * 64;
           tma_reduce_add_2d(&dq_map, x, i * kBM, sm.dq[c][b][0]);
           tma_reduce_add_2d(&dq_map, x + 32, i * kBM, sm.dq[c][b][1]);
           bulk_commit();
         }
-        bulk_wait_read<kConsumers>();  // the previous step's reduces have read their buffers
-        if (n > 0)
-          for (int c = 0; c < kConsumers; ++c) mbar_arrive(&sm.dq_empty[c][b ^ 1]);
+        // Step m's buffers are read once at most the later steps' reduces are pending.
+        bulk_wait_read<kConsumers * (kDqBuffers - 1)>();
+        const int m = n - (kDqBuffers - 1);
+        if (m >= 0)
+          for (int c = 0; c < kConsumers; ++c) mbar_arrive(&sm.dq_empty[c][m % kDqBuffers]);
         ++n;
       }
       bulk_wait_all();  // the block's shared memory must outlive the reduces
@@ -207,7 +214,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const uint32_t k_rows = smem_u32(sm.k) + cw * 64 * 128;  // this consumer's 64 key rows, chunk 0
   const uint32_t v_rows = smem_u32(sm.v) + cw * 64 * 128;
-  const uint32_t ds_base = smem_u32(sm.ds);
 
   float dk[kD / 2], dv[kD / 2];
 #pragma unroll
@@ -267,6 +273,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       pa[f + 1] = pack_bf16x2(st[4 * j + 2], st[4 * j + 3]);
     }
 
+    float2 delta[kBM / 8];  // read before waiting for dPᵀ
+#pragma unroll
+    for (int j = 0; j < kBM / 8; ++j) delta[j] = ld_shared_f32x2(delta_row + 4 * (8 * j + 2 * t));
+
     // dV += Pᵀ·dO (B = dO stored [query][dim]: MN-major), queued behind dPᵀ.
     fence_regs(dv);
     wgmma_fence();
@@ -280,10 +290,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // dSᵀ = Pᵀ ∘ (dPᵀ − delta)
 #pragma unroll
     for (int j = 0; j < kBM / 8; ++j) {
-      const float2 delta = ld_shared_f32x2(delta_row + 4 * (8 * j + 2 * t));
       float dsv[4];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) dsv[c] = st[4 * j + c] * (dpt[4 * j + c] - (c & 1 ? delta.y : delta.x));
+      for (int c = 0; c < 4; ++c) dsv[c] = st[4 * j + c] * (dpt[4 * j + c] - (c & 1 ? delta[j].y : delta[j].x));
       const int f = 4 * (j / 2) + 2 * (j % 2);
       dsa[f] = pack_bf16x2(dsv[0], dsv[1]);
       dsa[f + 1] = pack_bf16x2(dsv[2], dsv[3]);
@@ -297,10 +306,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_commit();
 
     // dSᵀ to shared memory for dQ = dS·K; the other consumer must be done reading the last one.
-    // (Two buffers by step parity without this barrier measured slower: 402 vs 441 TFLOP/s; so
-    // did each consumer multiplying only its own keys into all 128 columns, which doubles the
-    // reduce traffic: 421-426 vs 446-449.)
-    named_barrier(1, 256);
+    // (Each consumer multiplying only its own keys into all 128 columns, which doubles the
+    // reduce traffic but needs no exchange, measured slower: 421-426 vs 446-449 TFLOP/s.)
+    const uint32_t ds_base = smem_u32(sm.ds[it % kDsBuffers]);
+    if (kDsBuffers == 1) named_barrier(1, 256);
 #pragma unroll
     for (int j = 0; j < kBM / 8; ++j)
 #pragma unroll
@@ -327,8 +336,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) mbar_arrive(&sm.empty[stage]);
 
     // Stage this consumer's dQ part for the writer (two buffers by step parity).
-    const int b = it & 1;
-    if (it >= 2) mbar_wait(&sm.dq_empty[cw][b], ((it >> 1) - 1) & 1);
+    const int b = it % kDqBuffers;
+    if (it >= kDqBuffers) mbar_wait(&sm.dq_empty[cw][b], ((it / kDqBuffers) - 1) & 1);
     stage_dq(dq, smem_u32(sm.dq[cw][b][0]), warp, g, t);
     fence_proxy_async();  // the copy engine reads what these threads wrote
     __syncwarp();
