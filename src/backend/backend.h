@@ -133,7 +133,9 @@ class Backend {
   virtual void attention_forward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
                                  const AttentionMask& mask, double scale, Tensor& out, Tensor& lse) = 0;
   // Given the final out and lse (which may come from merging several key blocks), the exact
-  // partial gradients for this key block: dq/dk/dv (= or += by accumulate).
+  // partial gradients for this key block: dq/dk/dv (= or += by accumulate). Backends with 16-bit
+  // compute (CUDA) may write F32 dq/dk/dv for BF16 inputs: ring attention sums the partial
+  // gradients of its blocks, which cancel each other, in F32.
   virtual void attention_backward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const Tensor& dout, const Tensor& lse,
                                   const AttentionMask& mask, double scale, Tensor& dq, Tensor& dk, Tensor& dv,

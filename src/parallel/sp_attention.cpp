@@ -309,8 +309,9 @@ void RingAttention::backward(Backend& backend, Stream stream, const MicroBatch& 
   backend.copy(stream, k, ck);
   backend.copy(stream, v, cv);
   // Partial gradients of the blocks cancel each other (dS = P∘(dP − D)), so with BF16/F16
-  // activations the sums over blocks are kept in F32 (the travelling dK/dV too) and rounded once
-  // at the end; F32/F64 models accumulate in place.
+  // activations each block's partials come out of the backend in F32 (never rounded to 16 bits),
+  // are summed in F32 (the travelling dK/dV too) and rounded once at the end; F32/F64 models
+  // accumulate in place.
   const bool widen = k.dtype() != DType::F32 && k.dtype() != DType::F64;
   const DType acc_dtype = widen ? DType::F32 : k.dtype();
   auto pair_of = [&](DType dtype) { return KvPair{backend.empty(Shape{2, k.dim(0), k.dim(1), k.dim(2)}, dtype)}; };
@@ -318,10 +319,7 @@ void RingAttention::backward(Backend& backend, Stream stream, const MicroBatch& 
   // visited; the other buffer receives the next block's accumulator.
   const KvPair grad[2] = {pair_of(acc_dtype), pair_of(acc_dtype)};
   Tensor dq_acc = widen ? backend.empty(q.shape(), DType::F32) : dq;
-  KvPair partial = widen ? pair_of(k.dtype()) : KvPair{};
-  Tensor dq_partial = widen ? backend.empty(q.shape(), q.dtype()) : Tensor();
-  Tensor wide_kv = widen ? backend.empty(partial.both.shape(), DType::F32) : Tensor();
-  Tensor wide_q = widen ? backend.empty(q.shape(), DType::F32) : Tensor();
+  KvPair partial = widen ? pair_of(DType::F32) : KvPair{};
   backend.stream_wait(comm, stream);  // kv[0] written, the other buffers allocated, the table gathered
   for (int step = 0; step < size; ++step) {
     const int source = (rank - step + size) % size;
@@ -333,12 +331,13 @@ void RingAttention::backward(Backend& backend, Stream stream, const MicroBatch& 
     // waited for this block's K/V (end of the previous step).
     const AttentionMask mask = block_mask(batch, table, source, t);
     if (widen) {
-      // Into scratch first: this part needs no accumulator, so it overlaps the accumulator's hop.
+      // dK/dV into scratch first: this part needs no accumulator, so it overlaps the
+      // accumulator's hop; dQ stays on this rank and accumulates directly (so the scratch is
+      // zeroed: one accumulate flag serves all three).
       Tensor pk = partial.k(), pv = partial.v();
-      backend.attention_backward(stream, q, current.k(), current.v(), out, dout, lse, mask, scale, dq_partial, pk, pv,
-                                 false);
-      backend.copy(stream, dq_partial, wide_q);
-      backend.copy(stream, partial.both, wide_kv);
+      if (step > 0) backend.fill(stream, partial.both, 0.0);
+      backend.attention_backward(stream, q, current.k(), current.v(), out, dout, lse, mask, scale, dq_acc, pk, pv,
+                                 step > 0);
     }
     // The accumulator of this block has arrived (M's queue ends with the previous step's hop).
     if (step > 0) backend.stream_wait(stream, comm);
@@ -346,11 +345,9 @@ void RingAttention::backward(Backend& backend, Stream stream, const MicroBatch& 
       Tensor gk = grad[step % 2].k(), gv = grad[step % 2].v();
       backend.attention_backward(stream, q, current.k(), current.v(), out, dout, lse, mask, scale, dq, gk, gv, step > 0);
     } else if (step == 0) {
-      backend.copy(stream, wide_q, dq_acc);
-      backend.copy(stream, wide_kv, g);
+      backend.copy(stream, partial.both, g);
     } else {
-      backend.axpy(stream, 1.0, wide_q, dq_acc);
-      backend.axpy(stream, 1.0, wide_kv, g);
+      backend.axpy(stream, 1.0, partial.both, g);
     }
     // M: the next block's K/V, into the buffer the previous step's attention read (M waited for
     // that step before its accumulator hop); C's next attention waits for exactly this transfer.

@@ -541,6 +541,36 @@ void check_attention(Backend& cpu, Backend& gpu, std::mt19937_64& rng, const Att
     expect_close(to_host(gpu, dk), to_host(cpu, cdk), tol, "dk");
     expect_close(to_host(gpu, dv), to_host(cpu, cdv), tol, "dv");
   }
+  if (t != DType::BF16) return;
+  // F32 gradients of BF16 inputs (ring attention's block partials). Accumulated onto 256 + u,
+  // where BF16's spacing is 2: a gradient that went through BF16 storage would be off by ~1.
+  Tensor cdq = cpu.empty(qs, ct), cdk = cpu.empty(ks, ct), cdv = cpu.empty(ks, ct);
+  cpu.attention_backward(cs, cq, ck, cv, cout_, cdout, clse, cm, scale, cdq, cdk, cdv, false);
+  const std::vector<double> want[3] = {to_host(cpu, cdq), to_host(cpu, cdk), to_host(cpu, cdv)};
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  for (bool acc : {false, true}) {
+    SCOPED_TRACE(acc ? "F32 gradients, accumulate" : "F32 gradients, overwrite");
+    std::vector<double> init[3];
+    for (int i = 0; i < 3; ++i) {
+      init[i].resize(want[i].size());
+      for (double& x : init[i]) x = acc ? static_cast<float>(256.0 + unit(rng)) : 0.0;
+    }
+    Tensor dq = up(gpu, init[0], qs, DType::F32), dk = up(gpu, init[1], ks, DType::F32);
+    Tensor dv = up(gpu, init[2], ks, DType::F32);
+    if (!acc) {
+      gpu.fill(gs, dq, std::nan(""));
+      gpu.fill(gs, dk, std::nan(""));
+      gpu.fill(gs, dv, std::nan(""));
+    }
+    gpu.attention_backward(gs, q, k, v, out, dout, lse, gm, scale, dq, dk, dv, acc);
+    const std::vector<double> got[3] = {to_host(gpu, dq), to_host(gpu, dk), to_host(gpu, dv)};
+    const char* names[3] = {"dq F32", "dk F32", "dv F32"};
+    for (int i = 0; i < 3; ++i) {
+      std::vector<double> delta(got[i].size());
+      for (size_t e = 0; e < delta.size(); ++e) delta[e] = got[i][e] - init[i][e];
+      expect_close(delta, want[i], tol, names[i]);
+    }
+  }
 }
 
 TEST_P(CudaAttention, EveryMaskCaseMatchesCpu) {

@@ -129,16 +129,17 @@ void attention_forward(cudaStream_t s, AttentionImpl impl, const AttentionShape&
 
 void attention_backward(cudaStream_t s, AttentionImpl impl, const AttentionShape& sh, DType io, const void* q,
                         const void* k, const void* v, const void* out, const void* dout, const float* lse,
-                        const AttentionMaskPtrs& mask, float scale, void* dq, void* dk, void* dv, bool accumulate) {
+                        const AttentionMaskPtrs& mask, float scale, DType grad, void* dq, void* dk, void* dv,
+                        bool accumulate) {
   switch (resolve(impl, io, sh.d, "attention_backward")) {
     case AttentionImpl::Wgmma:
-      attention_backward_wgmma(s, sh, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate);
+      attention_backward_wgmma(s, sh, q, k, v, out, dout, lse, mask, scale, grad, dq, dk, dv, accumulate);
       break;
     case AttentionImpl::Mma:
-      attention_backward_mma(s, sh, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate);
+      attention_backward_mma(s, sh, q, k, v, out, dout, lse, mask, scale, grad, dq, dk, dv, accumulate);
       break;
     default:
-      attention_backward_simple(s, sh, io, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate);
+      attention_backward_simple(s, sh, io, q, k, v, out, dout, lse, mask, scale, grad, dq, dk, dv, accumulate);
       break;
   }
 }

@@ -44,7 +44,8 @@ struct BwdParams {
   const TileRange *q_ranges, *k_ranges;
   float scale, scale_log2;
   float* dq_acc;  // f32 [tq, hq, D], pre-zeroed
-  bf16 *dk, *dv;
+  void *dk, *dv;    // BF16, or F32 when f32_grads
+  bool f32_grads;
   bool accumulate;
 };
 
@@ -279,24 +280,14 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const BwdParams p
       const int kl = kw * 16 + g + 8 * r;
       const int64_t j = j0 + kl;
       if (j >= sh.tk) continue;
-      bf16* pk = p.dk + (j * sh.hkv + hk) * D + 2 * t;
-      bf16* pv = p.dv + (j * sh.hkv + hk) * D + 2 * t;
+      const int64_t row = (j * sh.hkv + hk) * D + 2 * t;
 #pragma unroll
       for (int db = 0; db < D / 8; ++db) {
         const int at = kl * D + db * 8 + 2 * t;
-        float k0 = (dk[db][2 * r] + red_k[at]) * p.scale, k1 = (dk[db][2 * r + 1] + red_k[at + 1]) * p.scale;
-        float v0 = dv[db][2 * r] + red_v[at], v1 = dv[db][2 * r + 1] + red_v[at + 1];
-        __nv_bfloat162* ko = reinterpret_cast<__nv_bfloat162*>(pk + db * 8);
-        __nv_bfloat162* vo = reinterpret_cast<__nv_bfloat162*>(pv + db * 8);
-        if (p.accumulate) {
-          const float2 ok = __bfloat1622float2(*ko), ov = __bfloat1622float2(*vo);
-          k0 += ok.x;
-          k1 += ok.y;
-          v0 += ov.x;
-          v1 += ov.y;
-        }
-        *ko = __floats2bfloat162_rn(k0, k1);
-        *vo = __floats2bfloat162_rn(v0, v1);
+        store_grad_pair(p.dk, row + db * 8, p.f32_grads, (dk[db][2 * r] + red_k[at]) * p.scale,
+                        (dk[db][2 * r + 1] + red_k[at + 1]) * p.scale, p.accumulate);
+        store_grad_pair(p.dv, row + db * 8, p.f32_grads, dv[db][2 * r] + red_v[at], dv[db][2 * r + 1] + red_v[at + 1],
+                        p.accumulate);
       }
     }
   }
@@ -317,7 +308,7 @@ struct DqSmem {
 };
 
 template <int D>
-__global__ void __launch_bounds__(kDqThreads, 2) dq_kernel(const BwdParams p, bf16* dq_out) {
+__global__ void __launch_bounds__(kDqThreads, 2) dq_kernel(const BwdParams p, void* dq_out) {
   constexpr int S = DqSmem<D>::kStride;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
@@ -446,18 +437,11 @@ __global__ void __launch_bounds__(kDqThreads, 2) dq_kernel(const BwdParams p, bf
   for (int r = 0; r < 2; ++r) {
     const int64_t i = q0 + warp * 16 + g + 8 * r;
     if (i >= sh.tq) continue;
-    bf16* row = dq_out + (i * sh.hq + h) * D + 2 * t;
+    const int64_t row = (i * sh.hq + h) * D + 2 * t;
 #pragma unroll
-    for (int db = 0; db < D / 8; ++db) {
-      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(row + db * 8);
-      float a = dq[db][2 * r] * p.scale, b = dq[db][2 * r + 1] * p.scale;
-      if (p.accumulate) {
-        const float2 old = __bfloat1622float2(*o);
-        a += old.x;
-        b += old.y;
-      }
-      *o = __floats2bfloat162_rn(a, b);
-    }
+    for (int db = 0; db < D / 8; ++db)
+      store_grad_pair(dq_out, row + db * 8, p.f32_grads, dq[db][2 * r] * p.scale, dq[db][2 * r + 1] * p.scale,
+                      p.accumulate);
   }
 }
 
@@ -705,23 +689,12 @@ __global__ void __launch_bounds__(kThreads, 1) backward_wide_kernel(const BwdPar
     for (int r = 0; r < 2; ++r) {
       const int64_t j = j0 + kb2 + mb * 16 + g + 8 * r;
       if (j >= sh.tk) continue;
-      bf16* pk = p.dk + (j * sh.hkv + hk) * D + c2 + 2 * t;
-      bf16* pv = p.dv + (j * sh.hkv + hk) * D + c2 + 2 * t;
+      const int64_t row = (j * sh.hkv + hk) * D + c2 + 2 * t;
 #pragma unroll
       for (int db = 0; db < D / 16; ++db) {
-        float k0 = dk[mb][db][2 * r] * p.scale, k1 = dk[mb][db][2 * r + 1] * p.scale;
-        float v0 = dv[mb][db][2 * r], v1 = dv[mb][db][2 * r + 1];
-        __nv_bfloat162* ko = reinterpret_cast<__nv_bfloat162*>(pk + db * 8);
-        __nv_bfloat162* vo = reinterpret_cast<__nv_bfloat162*>(pv + db * 8);
-        if (p.accumulate) {
-          const float2 ok = __bfloat1622float2(*ko), ov = __bfloat1622float2(*vo);
-          k0 += ok.x;
-          k1 += ok.y;
-          v0 += ov.x;
-          v1 += ov.y;
-        }
-        *ko = __floats2bfloat162_rn(k0, k1);
-        *vo = __floats2bfloat162_rn(v0, v1);
+        store_grad_pair(p.dk, row + db * 8, p.f32_grads, dk[mb][db][2 * r] * p.scale,
+                        dk[mb][db][2 * r + 1] * p.scale, p.accumulate);
+        store_grad_pair(p.dv, row + db * 8, p.f32_grads, dv[mb][db][2 * r], dv[mb][db][2 * r + 1], p.accumulate);
       }
     }
 }
@@ -750,7 +723,7 @@ void launch_dq(cudaStream_t s, const BwdParams& p, int64_t q_tiles, void* dq) {
   const size_t smem = DqSmem<D>::kBytes;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   kernel<<<dim3(static_cast<unsigned>(q_tiles), static_cast<unsigned>(p.sh.hq)), kDqThreads, smem, s>>>(
-      p, static_cast<bf16*>(dq));
+      p, dq);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -770,7 +743,7 @@ BwdMode backward_mode() {
 
 void attention_backward_mma(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
                             const void* out, const void* dout, const float* lse, const AttentionMaskPtrs& mask,
-                            float scale, void* dq, void* dk, void* dv, bool accumulate) {
+                            float scale, DType grad, void* dq, void* dk, void* dv, bool accumulate) {
   if (sh.d != 64 && sh.d != 128) throw_message("attention_backward", "mma kernels need head dim 64 or 128");
   const BwdMode mode = backward_mode();
   const bool split = mode == BwdMode::Split;
@@ -800,8 +773,9 @@ void attention_backward_mma(cudaStream_t s, const AttentionShape& sh, const void
               scale,
               scale * kLog2e,
               dq_acc.as<float>(),
-              static_cast<bf16*>(dk),
-              static_cast<bf16*>(dv),
+              dk,
+              dv,
+              grad == DType::F32,
               accumulate};
   if (k_tiles > 0) {
     if (mode == BwdMode::Wide) sh.d == 64 ? launch_backward_wide<64>(s, p, k_tiles) : launch_backward_wide<128>(s, p, k_tiles);
@@ -811,7 +785,7 @@ void attention_backward_mma(cudaStream_t s, const AttentionShape& sh, const void
   if (split) {
     if (q_tiles > 0) sh.d == 64 ? launch_dq<64>(s, p, q_tiles, dq) : launch_dq<128>(s, p, q_tiles, dq);
   } else {
-    attention_dq_finish(s, DType::BF16, dq_acc.as<float>(), scale, dq, dq_elems, accumulate);
+    attention_dq_finish(s, grad, dq_acc.as<float>(), scale, dq, dq_elems, accumulate);
   }
 }
 

@@ -392,9 +392,9 @@ __global__ void prepare_rows_kernel(const bf16* out, const bf16* dout, const flo
 
 void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
                               const void* out, const void* dout, const float* lse, const AttentionMaskPtrs& mask,
-                              float scale, void* dq, void* dk, void* dv, bool accumulate) {
+                              float scale, DType grad, void* dq, void* dk, void* dv, bool accumulate) {
   if (sh.tq == 0 || sh.tk == 0) {
-    attention_backward_simple(s, sh, DType::BF16, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate);
+    attention_backward_simple(s, sh, DType::BF16, q, k, v, out, dout, lse, mask, scale, grad, dq, dk, dv, accumulate);
     return;
   }
   if (sh.d != kD) throw_message("attention_backward", "the Hopper kernel needs head dim 128");
@@ -432,9 +432,9 @@ void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const vo
   kernel<<<dim3(static_cast<unsigned>(sh.hq), static_cast<unsigned>(k_tiles)), kThreads, kSmemBytes, s>>>(
       q_map, k_map, v_map, do_map, dq_map, p);
   CUDA_CHECK_LAUNCH();
-  attention_dq_finish(s, DType::BF16, dq_acc, scale, dq, nq, accumulate);
-  attention_dq_finish(s, DType::BF16, dk_acc, scale, dk, nk, accumulate);
-  attention_dq_finish(s, DType::BF16, dv_acc, 1.f, dv, nk, accumulate);
+  attention_dq_finish(s, grad, dq_acc, scale, dq, nq, accumulate);
+  attention_dq_finish(s, grad, dk_acc, scale, dk, nk, accumulate);
+  attention_dq_finish(s, grad, dv_acc, 1.f, dv, nk, accumulate);
 }
 
 }  // namespace spindle::cuda

@@ -32,6 +32,29 @@ __device__ __forceinline__ int classify_tile(const TileRange& q, const TileRange
   return kTileMixed;
 }
 
+// A gradient pair (a, b) into F32 or BF16 storage at element `index` of `base`, added to what is
+// there when `accumulate`.
+__device__ __forceinline__ void store_grad_pair(void* base, int64_t index, bool f32, float a, float b,
+                                                bool accumulate) {
+  if (f32) {
+    float2* o = reinterpret_cast<float2*>(static_cast<float*>(base) + index);
+    if (accumulate) {
+      const float2 old = *o;
+      a += old.x;
+      b += old.y;
+    }
+    *o = make_float2(a, b);
+  } else {
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(base) + index);
+    if (accumulate) {
+      const float2 old = __bfloat1622float2(*o);
+      a += old.x;
+      b += old.y;
+    }
+    *o = __floats2bfloat162_rn(a, b);
+  }
+}
+
 // Two neighbouring output values of a row (an accumulator pair) to F32 or BF16 storage.
 template <typename TO>
 __device__ __forceinline__ void store_pair(TO* p, float a, float b);
@@ -64,7 +87,7 @@ void attention_forward_simple(cudaStream_t s, const AttentionShape& sh, DType io
                               float* lse);
 void attention_backward_simple(cudaStream_t s, const AttentionShape& sh, DType io, const void* q, const void* k,
                                const void* v, const void* out, const void* dout, const float* lse,
-                               const AttentionMaskPtrs& mask, float scale, void* dq, void* dk, void* dv,
+                               const AttentionMaskPtrs& mask, float scale, DType grad, void* dq, void* dk, void* dv,
                                bool accumulate);
 // Tensor-core kernels (mma.sync m16n8k16 bf16, f32 accumulators): BF16, head dim 64 or 128
 // (attention_fwd_mma.cu, attention_bwd_mma.cu).
@@ -73,7 +96,7 @@ void attention_forward_mma(cudaStream_t s, const AttentionShape& sh, const void*
                            const AttentionMaskPtrs& mask, float scale, void* out, DType out_dtype, float* lse);
 void attention_backward_mma(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
                             const void* out, const void* dout, const float* lse, const AttentionMaskPtrs& mask,
-                            float scale, void* dq, void* dk, void* dv, bool accumulate);
+                            float scale, DType grad, void* dq, void* dk, void* dv, bool accumulate);
 
 // Hopper kernels (wgmma, TMA; sm_90a): BF16, head dim 128 (attention_fwd_wgmma.cu,
 // attention_bwd_wgmma.cu).
@@ -82,6 +105,6 @@ void attention_forward_wgmma(cudaStream_t s, const AttentionShape& sh, const voi
                              const AttentionMaskPtrs& mask, float scale, void* out, DType out_dtype, float* lse);
 void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
                               const void* out, const void* dout, const float* lse, const AttentionMaskPtrs& mask,
-                              float scale, void* dq, void* dk, void* dv, bool accumulate);
+                              float scale, DType grad, void* dq, void* dk, void* dv, bool accumulate);
 
 }  // namespace spindle::cuda

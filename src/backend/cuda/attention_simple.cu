@@ -124,9 +124,9 @@ __global__ void forward_kernel(AttentionShape sh, const T* q, const T* k, const 
 }
 
 // dq: grid (ceil(tq / 8), hq). Dynamic shared: sq, sdo [8][d], sk, sv [32][d+1].
-template <typename T>
+template <typename T, typename TG>
 __global__ void dq_kernel(AttentionShape sh, const T* q, const T* k, const T* v, const T* dout, const float* lse,
-                          const float* delta, AttentionMaskPtrs mask, const TileRange* k_ranges, float scale, T* dq,
+                          const float* delta, AttentionMaskPtrs mask, const TileRange* k_ranges, float scale, TG* dq,
                           bool accumulate) {
   extern __shared__ float smem[];
   float* sq = smem;
@@ -189,17 +189,17 @@ __global__ void dq_kernel(AttentionShape sh, const T* q, const T* k, const T* v,
   for (int c = 0; c < kMaxPerLane; ++c) {
     const int e = lane + 32 * c;
     if (e >= d) continue;
-    T* p = dq + (i * sh.hq + h) * d + e;
+    TG* p = dq + (i * sh.hq + h) * d + e;
     const float g = acc[c] * scale;
-    *p = from_f32<T>(accumulate ? to_f32(*p) + g : g);
+    *p = from_f32<TG>(accumulate ? to_f32(*p) + g : g);
   }
 }
 
 // dk, dv: grid (ceil(tk / 8), hkv). Dynamic shared: sk, sv [8][d], sq, sdo [32][d+1] f32.
-template <typename T>
+template <typename T, typename TG>
 __global__ void dkv_kernel(AttentionShape sh, const T* q, const T* k, const T* v, const T* dout, const float* lse,
-                           const float* delta, AttentionMaskPtrs mask, const TileRange* q_ranges, float scale, T* dk,
-                           T* dv, bool accumulate) {
+                           const float* delta, AttentionMaskPtrs mask, const TileRange* q_ranges, float scale, TG* dk,
+                           TG* dv, bool accumulate) {
   extern __shared__ float smem[];
   float* sk = smem;
   float* sv = sk + kRows * sh.d;
@@ -270,11 +270,11 @@ __global__ void dkv_kernel(AttentionShape sh, const T* q, const T* k, const T* v
   for (int c = 0; c < kMaxPerLane; ++c) {
     const int e = lane + 32 * c;
     if (e >= d) continue;
-    T* pk = dk + (j * sh.hkv + hk) * d + e;
-    T* pv = dv + (j * sh.hkv + hk) * d + e;
+    TG* pk = dk + (j * sh.hkv + hk) * d + e;
+    TG* pv = dv + (j * sh.hkv + hk) * d + e;
     const float gk = acc_k[c] * scale, gv = acc_v[c];
-    *pk = from_f32<T>(accumulate ? to_f32(*pk) + gk : gk);
-    *pv = from_f32<T>(accumulate ? to_f32(*pv) + gv : gv);
+    *pk = from_f32<TG>(accumulate ? to_f32(*pk) + gk : gk);
+    *pv = from_f32<TG>(accumulate ? to_f32(*pv) + gv : gv);
   }
 }
 
@@ -312,7 +312,7 @@ void attention_forward_simple(cudaStream_t s, const AttentionShape& sh, DType io
 
 void attention_backward_simple(cudaStream_t s, const AttentionShape& sh, DType io, const void* q, const void* k,
                                const void* v, const void* out, const void* dout, const float* lse,
-                               const AttentionMaskPtrs& mask, float scale, void* dq, void* dk, void* dv,
+                               const AttentionMaskPtrs& mask, float scale, DType grad, void* dq, void* dk, void* dv,
                                bool accumulate) {
   if (sh.d > 256) throw_message("attention_backward", "head dim above 256");
   const int64_t k_tiles = (sh.tk + kTile - 1) / kTile, q_tiles = (sh.tq + kTile - 1) / kTile;
@@ -324,28 +324,31 @@ void attention_backward_simple(cudaStream_t s, const AttentionShape& sh, DType i
   tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, kTile, q_ranges);
   attention_delta(s, io, out, dout, sh.tq, sh.hq, sh.d, delta.as<float>());
   dispatch_compute(io, "attention_backward", [&](auto z) {
+   dispatch_compute(grad, "attention_backward gradients", [&](auto y) {
     using T = decltype(z);
+    using TG = decltype(y);
     if (sh.tq > 0) {
       const size_t smem = (2 * kRows * sh.d + 2 * kTile * (sh.d + 1)) * sizeof(float);
-      auto kernel = dq_kernel<T>;
+      auto kernel = dq_kernel<T, TG>;
       set_smem(kernel, smem);
       const dim3 grid(static_cast<unsigned>((sh.tq + kRows - 1) / kRows), static_cast<unsigned>(sh.hq));
       kernel<<<grid, kRows * 32, smem, s>>>(sh, static_cast<const T*>(q), static_cast<const T*>(k),
                                            static_cast<const T*>(v), static_cast<const T*>(dout), lse,
-                                           delta.as<float>(), mask, k_ranges, scale, static_cast<T*>(dq), accumulate);
+                                           delta.as<float>(), mask, k_ranges, scale, static_cast<TG*>(dq), accumulate);
       CUDA_CHECK_LAUNCH();
     }
     if (sh.tk > 0) {
       const size_t smem = (2 * kRows * sh.d + 2 * kTile * (sh.d + 1)) * sizeof(float);
-      auto kernel = dkv_kernel<T>;
+      auto kernel = dkv_kernel<T, TG>;
       set_smem(kernel, smem);
       const dim3 grid(static_cast<unsigned>((sh.tk + kRows - 1) / kRows), static_cast<unsigned>(sh.hkv));
       kernel<<<grid, kRows * 32, smem, s>>>(sh, static_cast<const T*>(q), static_cast<const T*>(k),
                                            static_cast<const T*>(v), static_cast<const T*>(dout), lse,
-                                           delta.as<float>(), mask, q_ranges, scale, static_cast<T*>(dk),
-                                           static_cast<T*>(dv), accumulate);
+                                           delta.as<float>(), mask, q_ranges, scale, static_cast<TG*>(dk),
+                                           static_cast<TG*>(dv), accumulate);
       CUDA_CHECK_LAUNCH();
     }
+   });
   });
 }
 

@@ -286,7 +286,15 @@ class CudaBackend final : public Backend {
                           const Tensor& dout, const Tensor& lse, const AttentionMask& mask, double scale, Tensor& dq,
                           Tensor& dk, Tensor& dv, bool accumulate) override {
     require_compute(q, "attention_backward");
-    for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &out, &dout, &dq, &dk, &dv}) require_same(q, *t, "attention_backward");
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &out, &dout}) require_same(q, *t, "attention_backward");
+    // BF16 inputs may write F32 gradients (ring attention sums its blocks' partials in F32).
+    const DType grad = dq.dtype();
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&dq, &dk, &dv}) {
+      require_device(*t, "attention_backward");
+      if (!(t->dtype() == grad && (grad == q.dtype() || (q.dtype() == DType::BF16 && grad == DType::F32))))
+        fail("attention_backward: gradients dq {} dk {} dv {} do not fit q {} (same dtype as q, or all F32 for BF16 q)",
+             dq.describe(), dk.describe(), dv.describe(), q.describe());
+    }
     const cuda::AttentionShape sh = attn_shape(q, k, v, mask);
     SPINDLE_CHECK(out.shape() == q.shape() && dout.shape() == q.shape() && dq.shape() == q.shape() &&
                       dk.shape() == k.shape() && dv.shape() == v.shape(),
@@ -295,7 +303,7 @@ class CudaBackend final : public Backend {
     require_stat(lse, sh.tq * sh.hq, "attention_backward lse");
     cuda::attention_backward(s(stream), pick_impl(sh, q.dtype(), {&q, &k, &v, &dout}), sh, q.dtype(), q.data(),
                              k.data(), v.data(), out.data(), dout.data(), lse.data_as<float>(), mask_ptrs(mask),
-                             static_cast<float>(scale), dq.data(), dk.data(), dv.data(), accumulate);
+                             static_cast<float>(scale), grad, dq.data(), dk.data(), dv.data(), accumulate);
   }
 
   void attention_merge(Stream stream, Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b) override {

@@ -110,9 +110,11 @@ enum class AttentionImpl { Auto, Simple, Mma, Wgmma };
 void attention_forward(cudaStream_t s, AttentionImpl impl, const AttentionShape& sh, DType io, const void* q,
                        const void* k, const void* v, const AttentionMaskPtrs& mask, float scale, void* out,
                        DType out_dtype, float* lse);
+// dq/dk/dv in `grad`: the io dtype, or F32 for bf16 inputs.
 void attention_backward(cudaStream_t s, AttentionImpl impl, const AttentionShape& sh, DType io, const void* q,
                         const void* k, const void* v, const void* out, const void* dout, const float* lse,
-                        const AttentionMaskPtrs& mask, float scale, void* dq, void* dk, void* dv, bool accumulate);
+                        const AttentionMaskPtrs& mask, float scale, DType grad, void* dq, void* dk, void* dv,
+                        bool accumulate);
 // out F32 [tq, hq, d], lse/lse_b F32 [hq, tq], out_b F32 or BF16.
 void attention_merge(cudaStream_t s, float* out, float* lse, const void* out_b, DType tb, const float* lse_b,
                      int64_t tq, int hq, int d);
