@@ -8,8 +8,6 @@
 //
 // FLOPs per (query, visible key) pair: 4·D (QKᵀ and PV, 2 each).
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "backend/cuda/attention_common.cuh"
 #include "backend/cuda/device_util.cuh"
@@ -287,24 +285,12 @@ void launch_forward(cudaStream_t s, const AttentionShape& sh, const void* q, con
   CUDA_CHECK_LAUNCH();
 }
 
-// Tile shape, for measurements: SPINDLE_CUDA_ATTN_FWD_TILE = 128x64 (default) | 64x64 | 128x32
-// (query rows x keys per block). H200, 32k causal, D=128, 2026-11-29: 248, 184, 207 TFLOP/s.
-int forward_tile() {
-  const char* v = std::getenv("SPINDLE_CUDA_ATTN_FWD_TILE");  // read per call: benchmarks switch it
-  if (!v || !std::strcmp(v, "128x64")) return 1;
-  if (!std::strcmp(v, "64x64")) return 0;
-  if (!std::strcmp(v, "128x32")) return 2;
-  throw_message("SPINDLE_CUDA_ATTN_FWD_TILE", "must be 128x64, 64x64 or 128x32");
-}
-
+// Tile shape: 128 query rows x 64 keys per block (RB 2, BC 64). H200, 32k causal, D = 128,
+// 2026-11-29: 248 TFLOP/s; 64x64 ran at 184 and 128x32 at 207 (removed).
 template <int D, typename TO>
 void forward_for(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
                  const AttentionMaskPtrs& mask, float scale, void* out, float* lse) {
-  switch (forward_tile()) {
-    case 0: launch_forward<D, 1, 64, TO>(s, sh, q, k, v, mask, scale, out, lse); break;
-    case 1: launch_forward<D, 2, 64, TO>(s, sh, q, k, v, mask, scale, out, lse); break;
-    default: launch_forward<D, 2, 32, TO>(s, sh, q, k, v, mask, scale, out, lse); break;
-  }
+  launch_forward<D, 2, 64, TO>(s, sh, q, k, v, mask, scale, out, lse);
 }
 
 }  // namespace
