@@ -44,7 +44,9 @@ fi
 
 M=$root/testdata/hf
 if has check; then
-  # One step on 2 GPUs (bf16) against the same rows in one process on GPU 0.
+  # One step on 2 GPUs (bf16) against the same rows in one process on GPU 0. qwen2_lora with ring
+  # exceeds the gradient tolerance by design of that test model (saturated attention amplifies the
+  # last-bit differences of ring-merged outputs; see docs/perf.md); Ulysses is bit-identical there.
   for mesh in "--sp 2 --ulysses 2" "--sp 2 --ring 2"; do
     for case in "qwen2 --full" "qwen2_lora --adapter $M/qwen2_lora/adapter" "qwen3 --full"; do
       set -- $case; name=$1; shift
