@@ -2,7 +2,7 @@
 # Run THERE (the GPU host, 2 GPUs) from the repository root, with .gpubin/run carried (stage.sh):
 # CUDA op and model tests, NCCL tests, then sequence parallelism on 2 GPUs — spindle check
 # (2 GPUs vs 1, Ulysses and ring), sft losses on 1 and 2 GPUs, and spindle bench at sp 2.
-# Results under $OUT. PARTS selects: attn tests check sft bench (default all but attn).
+# Results under $OUT. PARTS selects: attn tests check sft eval bench (default all but attn).
 # attn: the attention op tests and kernel timings alone (bench_cuda, PyTorch SDPA), plus the SASS
 # instruction mix of the attention kernels.
 set -uo pipefail
@@ -17,7 +17,7 @@ fi
 # Everything is written under $root/gpu-out and packed into one archive in $OUT at the end (the
 # device tool brings back only a few files).
 out=$root/gpu-out; rm -rf "$out"; mkdir -p "$out"
-parts=${PARTS:-tests check sft bench}
+parts=${PARTS:-tests check sft eval bench}
 S=$stage/bin/spindle
 summary=()
 has() { [[ " $parts " == *" $1 "* ]]; }
@@ -80,6 +80,17 @@ if "sft_1gpu" in runs:
 PY
 fi
 
+if has eval; then
+  # spindle eval/generate on the GPU (bf16): eval against transformers' losses within 1e-2; greedy
+  # ids from the GPU next to the CPU's (bf16 may pick another token where two logits are close).
+  SPINDLE_EVAL_DEVICE=cuda timeout 120 python3 tests/cli/check_eval.py "$S" "$root" > "$out/eval_cuda.txt" 2>&1
+  summary+=("eval cuda rc=$?")
+  for dev in cpu cuda; do
+    timeout 60 "$S" generate --device $dev --model "$M/qwen2" --prompt-ids 1,2,3,4 --max-new-tokens 8 \
+      > "$out/generate_$dev.txt" 2>&1; summary+=("generate $dev rc=$? ids: $(tail -1 "$out/generate_$dev.txt")")
+  done
+fi
+
 if has bench; then
   cfg=$root/configs/qwen2.5-1.5b.json
   IFS=";" read -ra meshes <<< "${BENCH_MESHES:---sp 2;--sp 2 --ring 2}"
@@ -100,6 +111,7 @@ cut -c1-200 "$out/sass_attention.txt" 2>/dev/null | head -20
 for f in "$out"/check_*.json; do [[ -s $f ]] && echo "$(basename "$f"): $(tail -1 "$f" | cut -c1-400)"; done
 for f in "$out"/check_*.err; do grep -h "error" "$f" | head -3; done
 cat "$out/sft_compare.txt" 2>/dev/null
+cat "$out/eval_cuda.txt" 2>/dev/null
 cat "$out"/bench_sp2_*.txt 2>/dev/null | grep -vE '^\[rank 1\]' | tail -40
 printf '%s\n' "${summary[@]}"
 [[ -n "${OUT:-}" ]] && tar czf "$OUT/gpu-out.tgz" -C "$out" .

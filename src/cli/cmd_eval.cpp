@@ -11,6 +11,7 @@
 #include "data/pretokenized.h"
 #include "io/checkpoint.h"
 #include "model/decoder.h"
+#include "train/setup.h"
 #include "train/trainer.h"
 
 namespace spindle::cli {
@@ -18,7 +19,7 @@ namespace spindle::cli {
 namespace {
 
 struct EvalArgs {
-  std::string model, adapter, data, dtype = "f32", over_length = "truncate";
+  std::string model, adapter, data, device = "cpu", dtype = "auto", over_length = "truncate";
   int64_t max_length = 4096;
   int64_t batch_tokens = 0;
   int threads = 0;
@@ -28,8 +29,9 @@ struct EvalArgs {
 int run_eval(const EvalArgs& args) {
   const auto start = std::chrono::steady_clock::now();
   if (args.max_length <= 0) fail("--max-length must be positive, got {}", args.max_length);
-  const DType dtype = args.dtype == "f64" ? DType::F64 : DType::F32;
-  auto backend = make_cpu_backend(args.threads);
+  const ComputeDevice device = choose_device(args.device, args.dtype, ProcessGroupInfo{});
+  const DType dtype = device.dtype;
+  auto backend = make_backend(device, args.threads);
   const ModelConfig config = ModelConfig::from_file(args.model);
   ModelWeights weights = ModelWeights::load(*backend, config, io::Checkpoint(args.model), dtype);
   if (!args.adapter.empty()) weights.load_peft_adapter(*backend, args.adapter);
@@ -80,8 +82,10 @@ void add_eval_command(CLI::App& app, CommandList& commands) {
                                                       "truncate-left, drop or error")->capture_default_str();
   cmd->add_flag("--no-packing", args->no_packing, "one document per row");
   cmd->add_option("--batch-tokens", args->batch_tokens, "tokens per forward pass (default: --max-length)");
-  cmd->add_option("--dtype", args->dtype, "compute precision on the CPU: f32 or f64")
-      ->check(CLI::IsMember({"f32", "f64"}))->capture_default_str();
+  cmd->add_option("--device", args->device, "cpu, cuda (GPU 0) or auto (CUDA when built with it and a GPU is visible)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}))->capture_default_str();
+  cmd->add_option("--dtype", args->dtype, "auto (cpu: f32, cuda: bf16), f32, f64 (cpu) or bf16 (cuda)")
+      ->check(CLI::IsMember({"auto", "f32", "f64", "bf16"}))->capture_default_str();
   cmd->add_option("--threads", args->threads, "CPU threads (default: all)");
   cmd->add_flag("--skip-bad-samples", args->skip_bad, "skip malformed lines (counted and reported) instead of failing");
   commands.push_back({cmd, [args] { return run_eval(*args); }});

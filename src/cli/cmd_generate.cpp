@@ -23,6 +23,7 @@
 #include "data/tokenizer/tokenizer.h"
 #include "io/checkpoint.h"
 #include "model/decoder.h"
+#include "train/setup.h"
 
 namespace spindle::cli {
 
@@ -32,7 +33,7 @@ namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
 
 struct GenerateArgs {
-  std::string model, adapter, prompt, messages, prompt_ids, input, dtype = "f32";
+  std::string model, adapter, prompt, messages, prompt_ids, input, device = "cpu", dtype = "auto";
   int64_t max_new_tokens = 64;
   int64_t batch_tokens = 8192;
   bool chat = false, json_output = false;
@@ -212,8 +213,11 @@ void generate_one_token(Backend& backend, Decoder& decoder, DType dtype, int64_t
       backend.copy_to_host(backend.default_stream(), logits, host.data());
       for (int64_t i = 0; i < n; ++i) next[i] = argmax(host.data() + i * vocab_size, vocab_size);
     } else {
+      // BF16 logits (CUDA) are widened on the device before they come back.
+      Tensor wide = dtype == DType::F32 ? logits : backend.empty(logits.shape(), DType::F32);
+      if (dtype != DType::F32) backend.copy(backend.default_stream(), logits, wide);
       std::vector<float> host(n * vocab_size);
-      backend.copy_to_host(backend.default_stream(), logits, host.data());
+      backend.copy_to_host(backend.default_stream(), wide, host.data());
       for (int64_t i = 0; i < n; ++i) next[i] = argmax(host.data() + i * vocab_size, vocab_size);
     }
     for (int64_t i = 0; i < n; ++i) {
@@ -281,8 +285,9 @@ int run_generate(const GenerateArgs& args) {
     if (samples.empty()) fail("--input {}: no prompts in it", args.input);
   }
 
-  const DType dtype = args.dtype == "f64" ? DType::F64 : DType::F32;
-  auto backend = make_cpu_backend(args.threads);
+  const ComputeDevice device = choose_device(args.device, args.dtype, ProcessGroupInfo{});
+  const DType dtype = device.dtype;
+  auto backend = make_backend(device, args.threads);
   const ModelConfig config = ModelConfig::from_file(args.model);
   std::vector<Sequence> sequences;
   for (size_t i = 0; i < samples.size(); ++i) {
@@ -348,8 +353,10 @@ void add_generate_command(CLI::App& app, CommandList& commands) {
                                              "(eos or max_new_tokens)");
   cmd->add_option("--batch-tokens", args->batch_tokens, "most tokens per forward pass when decoding several prompts")
       ->capture_default_str();
-  cmd->add_option("--dtype", args->dtype, "compute precision on the CPU: f32 or f64")
-      ->check(CLI::IsMember({"f32", "f64"}))->capture_default_str();
+  cmd->add_option("--device", args->device, "cpu, cuda (GPU 0) or auto (CUDA when built with it and a GPU is visible)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}))->capture_default_str();
+  cmd->add_option("--dtype", args->dtype, "auto (cpu: f32, cuda: bf16), f32, f64 (cpu) or bf16 (cuda)")
+      ->check(CLI::IsMember({"auto", "f32", "f64", "bf16"}))->capture_default_str();
   cmd->add_option("--threads", args->threads, "CPU threads (default: all)");
   commands.push_back({cmd, [args] { return run_generate(*args); }});
 }

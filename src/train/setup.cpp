@@ -68,32 +68,37 @@ std::string ComputeDevice::describe() const {
 }
 
 ComputeDevice choose_device(const TrainConfig& config, const ProcessGroupInfo& process) {
+  return choose_device(config.device, config.dtype, process);
+}
+
+ComputeDevice choose_device(const std::string& device_flag, const std::string& dtype_flag,
+                            const ProcessGroupInfo& process) {
   ComputeDevice device;
 #if SPINDLE_WITH_CUDA
   const int gpus = cuda_device_count();
 #else
   const int gpus = 0;
 #endif
-  if (config.device == "cuda" && gpus == 0) {
+  if (device_flag == "cuda" && gpus == 0) {
 #if SPINDLE_WITH_CUDA
     fail("--device cuda: no CUDA device is visible to this process (check CUDA_VISIBLE_DEVICES and the driver)");
 #else
     fail("--device cuda: this spindle was built without the CUDA backend (rebuild where nvcc is installed)");
 #endif
   }
-  device.cuda = config.device == "cuda" || (config.device == "auto" && gpus > 0);
+  device.cuda = device_flag == "cuda" || (device_flag == "auto" && gpus > 0);
   if (device.cuda) {
     device.index = process.local_rank;
     if (device.index >= gpus)
       fail("local rank {} has no GPU: {} CUDA devices are visible and each process takes the one of its local rank; "
            "start at most {} processes per machine",
            process.local_rank, gpus, gpus);
-    if (config.dtype == "f64") fail("--dtype f64 is a CPU precision; on CUDA choose bf16 (default) or f32");
+    if (dtype_flag == "f64") fail("--dtype f64 is a CPU precision; on CUDA choose bf16 (default) or f32");
     // f32 on CUDA: a slower accuracy reference (same kernels, F32 storage), for checks and debugging.
-    device.dtype = config.dtype == "f32" ? DType::F32 : DType::BF16;
+    device.dtype = dtype_flag == "f32" ? DType::F32 : DType::BF16;
   } else {
-    if (config.dtype == "bf16") fail("--dtype bf16 needs --device cuda; the CPU reference computes in f32 or f64");
-    device.dtype = config.dtype == "f64" ? DType::F64 : DType::F32;
+    if (dtype_flag == "bf16") fail("--dtype bf16 needs --device cuda; the CPU reference computes in f32 or f64");
+    device.dtype = dtype_flag == "f64" ? DType::F64 : DType::F32;
   }
   return device;
 }

@@ -27,6 +27,8 @@ struct ComputeDevice {
   std::string describe() const;  // "CUDA device 1, bf16" / "CPU, f32"
 };
 ComputeDevice choose_device(const TrainConfig& config, const ProcessGroupInfo& process);
+// The same from the two flags alone (eval, generate: one process).
+ComputeDevice choose_device(const std::string& device, const std::string& dtype, const ProcessGroupInfo& process);
 std::unique_ptr<Backend> make_backend(const ComputeDevice& device, int cpu_threads);
 // The mesh and process groups for this device (NCCL between GPUs, Gloo between CPU processes).
 RunTopology connect_training_run(const TrainConfig& config, const ModelConfig& model, const ComputeDevice& device);
