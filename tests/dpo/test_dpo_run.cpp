@@ -196,6 +196,53 @@ TEST(RunDpo, PrecomputedReferenceEqualsPerStepReference) {
   fs::remove_all(dir);
 }
 
+// A run resumed from a mid-run checkpoint logs the same steps as the uninterrupted run, bit for
+// bit: weights, AdamW state, data order and the reference log-probabilities all come back (a
+// trained adapter, so the reference differs from the policy; and a full fine-tune, whose
+// reference is its initial model, precomputed before the first step and not in the checkpoint).
+TEST(RunDpo, ResumedRunLogsTheSameSteps) {
+  const fs::path dir = fresh_dir("resume");
+  const fs::path data = write_pairs(dir);
+  for (bool full : {false, true}) {
+    SCOPED_TRACE(full ? "full" : "adapter");
+    DpoConfig c = base_config(dir, data);
+    c.train.output = (dir / (full ? "whole-full" : "whole-adapter")).string();
+    c.train.no_packing = true;  // a pair per row: two optimizer steps per pass over the four pairs
+    c.train.grad_accum = 2;
+    c.train.max_steps = 6;
+    c.train.save_steps = 2;
+    c.train.lr = 1e-2;
+    c.train.lr_scheduler = "cosine";
+    c.train.warmup_steps = 1;
+    if (full) c.train.full = true;
+    else c.train.adapter = kDir + "/adapter";
+    ASSERT_EQ(run_dpo(c).steps, 6);
+    const auto whole = metrics_of(c);
+    ASSERT_EQ(whole.size(), 6u);
+
+    // A second output folder holding what the first had after step 4: its checkpoint and log.
+    DpoConfig r = c;
+    r.train.output = (dir / (full ? "resumed-full" : "resumed-adapter")).string();
+    fs::create_directories(r.train.output);
+    fs::copy(fs::path(c.train.output) / "checkpoint-4", fs::path(r.train.output) / "checkpoint-4",
+             fs::copy_options::recursive);
+    fs::copy_file(fs::path(c.train.output) / "metrics.jsonl", fs::path(r.train.output) / "metrics.jsonl");
+    r.train.resume = true;
+    ASSERT_EQ(run_dpo(r).steps, 6);
+    const auto after = metrics_of(r);
+    ASSERT_EQ(after.size(), 6u);  // steps 1-4 kept from the log, 5-6 computed again
+    for (size_t i = 0; i < 6; ++i) {
+      EXPECT_EQ(after[i].step, whole[i].step);
+      EXPECT_EQ(after[i].loss, whole[i].loss) << "step " << i + 1;
+      EXPECT_EQ(after[i].grad_norm, whole[i].grad_norm) << "step " << i + 1;
+      EXPECT_EQ(after[i].lr, whole[i].lr) << "step " << i + 1;
+      ASSERT_TRUE(after[i].preference && whole[i].preference);
+      EXPECT_EQ(after[i].preference->margins, whole[i].preference->margins) << "step " << i + 1;
+    }
+  }
+  fs::remove_all(dir);
+}
+
 TEST(RunDpo, WrongDataOrOptionsFailBeforeTraining) {
   const fs::path dir = fresh_dir("errors");
   const fs::path docs = dir / "docs.bin";
