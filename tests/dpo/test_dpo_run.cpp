@@ -243,6 +243,32 @@ TEST(RunDpo, ResumedRunLogsTheSameSteps) {
   fs::remove_all(dir);
 }
 
+// Scoring the training pairs as eval data after step k gives the loss and accuracy that step k + 1
+// then logs for the same pairs under the same policy (every step sees all four pairs).
+TEST(RunDpo, EvalScoresThePairsWithTheCurrentPolicy) {
+  const fs::path dir = fresh_dir("eval");
+  const fs::path data = write_pairs(dir);
+  DpoConfig c = base_config(dir, data);
+  c.train.no_packing = true;
+  c.train.grad_accum = 4;
+  c.train.max_steps = 4;
+  c.train.lr = 1e-2;
+  c.train.lr_scheduler = "constant";
+  c.train.lora_rank = 4;
+  c.train.eval_data = data.string();
+  c.train.eval_steps = 1;
+  ASSERT_EQ(run_dpo(c).steps, 4);
+  const auto lines = metrics_of(c);
+  ASSERT_EQ(lines.size(), 4u);
+  for (size_t i = 0; i + 1 < lines.size(); ++i) {
+    ASSERT_TRUE(lines[i].eval_loss && lines[i].eval_accuracy) << "step " << i + 1;
+    EXPECT_NEAR(*lines[i].eval_loss, lines[i + 1].loss, 1e-9 * lines[i + 1].loss) << "step " << i + 1;
+    EXPECT_EQ(*lines[i].eval_accuracy, lines[i + 1].preference->accuracy) << "step " << i + 1;
+  }
+  EXPECT_LT(*lines[3].eval_loss, lines[3].loss);  // the last update helped the pairs it trained on
+  fs::remove_all(dir);
+}
+
 TEST(RunDpo, WrongDataOrOptionsFailBeforeTraining) {
   const fs::path dir = fresh_dir("errors");
   const fs::path docs = dir / "docs.bin";
