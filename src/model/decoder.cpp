@@ -378,7 +378,10 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
     }
     backward_layer(l, batch, *a, d_res, l > 0 || weights_.embed->trainable);
     after_backward(ParameterUnit::layer_unit(l));
-    if (l + 1 < layers) acts[l + 1] = LayerActivations();  // free what backward no longer needs
+    // This layer's saved inputs are done with: free them before the next layer's recompute
+    // allocates (stream-ordered, so the backward above has read them first).
+    view = LayerActivations();
+    acts[l] = LayerActivations();
   }
   if (weights_.embed->trainable) {
     before_backward(ParameterUnit::embedding());
