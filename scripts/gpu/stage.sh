@@ -24,3 +24,8 @@ for lib in libgloo.so.0 libhiredis.so.0.14 libibverbs.so.1 libnl-3.so.200 libnl-
 done
 cp scripts/gpu/gpu_run.sh "$stage/"
 du -sh "$stage"
+# The device tool carries at most 64 MiB; each CUDA test binary is ~9 MB (fat kernels).
+if (( $(du -sm "$stage" | cut -f1) > 63 )); then
+  echo "stage: $stage is over the 64 MiB carry limit; narrow STAGE_TARGETS" >&2
+  exit 1
+fi

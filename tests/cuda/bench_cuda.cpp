@@ -172,6 +172,33 @@ void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, in
   rows.push_back({label, f_ms + b_ms, 3.5 * fwd_flops / (f_ms + b_ms) / 1e9, "TFLOP/s"});
 }
 
+// Bandwidth, GEMMs, then attention: the default kernels, the mma.sync fallback and the measured
+// alternatives at 32k causal; without `quick` also other shapes and the simple kernels.
+void bench_suite(Backend& be, bool quick) {
+  bench_bandwidth(be);
+  bench_gemm(be, 8192, 8192, 8192, false, false, "gemm BF16 8192^3");
+  bench_gemm(be, 32768, 8960, 1536, false, true, "gemm BF16 x[32k,1536]·W[8960,1536]^T");
+  bench_gemm(be, 1536, 8960, 32768, true, false, "gemm BF16 dW = x^T·dy (K=32k)");
+  bench_attention(be, 1, 32768, 12, 2, 128, false, "auto");
+  setenv("SPINDLE_CUDA_ATTENTION", "mma", 1);
+  auto mma = make_cuda_backend(0);
+  unsetenv("SPINDLE_CUDA_ATTENTION");
+  bench_attention(*mma, 1, 32768, 12, 2, 128, false, "mma");
+  setenv("SPINDLE_CUDA_ATTN_PINGPONG", "0", 1);  // knob read per call
+  bench_attention(be, 1, 32768, 12, 2, 128, false, "wgmma no-pingpong", 1);
+  unsetenv("SPINDLE_CUDA_ATTN_PINGPONG");
+  if (quick) return;
+  bench_attention(be, 1, 8192, 12, 2, 128, false, "auto");
+  bench_attention(be, 1, 16384, 12, 2, 128, true, "auto");
+  bench_attention(be, 8, 4096, 12, 2, 128, false, "auto");
+  bench_attention(be, 1, 32768, 28, 4, 128, false, "auto");
+  bench_attention(be, 1, 32768, 16, 4, 64, false, "auto");
+  setenv("SPINDLE_CUDA_ATTENTION", "simple", 1);
+  auto simple = make_cuda_backend(0);
+  unsetenv("SPINDLE_CUDA_ATTENTION");
+  bench_attention(*simple, 1, 4096, 12, 2, 128, false, "simple");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -196,31 +223,7 @@ int main(int argc, char** argv) {
     if (attention) {  // the default attention at 32k causal, three times (kernel comparisons)
       for (int i = 0; i < 3; ++i) bench_attention(*be, 1, 32768, 12, 2, 128, false, "auto");
     } else {
-    bench_bandwidth(*be);
-    bench_gemm(*be, 8192, 8192, 8192, false, false, "gemm BF16 8192^3");
-    bench_gemm(*be, 32768, 8960, 1536, false, true, "gemm BF16 x[32k,1536]·W[8960,1536]^T");
-    bench_gemm(*be, 1536, 8960, 32768, true, false, "gemm BF16 dW = x^T·dy (K=32k)");
-    // Default kernels (wgmma forward on Hopper) and the mma.sync kernels forced, same shape.
-    bench_attention(*be, 1, 32768, 12, 2, 128, false, "auto");
-    setenv("SPINDLE_CUDA_ATTENTION", "mma", 1);
-    auto mma = make_cuda_backend(0);
-    unsetenv("SPINDLE_CUDA_ATTENTION");
-    bench_attention(*mma, 1, 32768, 12, 2, 128, false, "mma");
-    // The Hopper kernels' measured alternatives (knobs read per call).
-    setenv("SPINDLE_CUDA_ATTN_PINGPONG", "0", 1);
-    bench_attention(*be, 1, 32768, 12, 2, 128, false, "wgmma no-pingpong", 1);
-    unsetenv("SPINDLE_CUDA_ATTN_PINGPONG");
-    if (!quick) {
-      bench_attention(*be, 1, 8192, 12, 2, 128, false, "auto");
-      bench_attention(*be, 1, 16384, 12, 2, 128, true, "auto");
-      bench_attention(*be, 8, 4096, 12, 2, 128, false, "auto");
-      bench_attention(*be, 1, 32768, 28, 4, 128, false, "auto");
-      bench_attention(*be, 1, 32768, 16, 4, 64, false, "auto");
-      setenv("SPINDLE_CUDA_ATTENTION", "simple", 1);
-      auto simple = make_cuda_backend(0);
-      unsetenv("SPINDLE_CUDA_ATTENTION");
-      bench_attention(*simple, 1, 4096, 12, 2, 128, false, "simple");
-    }
+      bench_suite(*be, quick);
     }
   } catch (const Error& e) {
     std::fprintf(stderr, "bench_cuda: %s\n", e.what());

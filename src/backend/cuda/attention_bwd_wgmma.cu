@@ -72,7 +72,7 @@ struct Params {
   const float *lse2, *delta;             // [hq, tq_pad]
   int64_t tq_pad;
   float scale_log2;
-  float *dq_acc, *dk_acc, *dv_acc;  // f32 [tq, hq, D], [tk, hkv, D], [tk, hkv, D]
+  float *dk_acc, *dv_acc;  // f32 [tk, hkv, D] (dQ's f32 accumulator is reached through dq_map)
 };
 
 // Plain 1-D bulk copy global -> shared, completion counted on `bar`.
@@ -425,7 +425,7 @@ void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const vo
   const CUtensorMap k_map = bf16_tile_map(k, sh.tk, int64_t{sh.hkv} * kD, kBN);
   const CUtensorMap v_map = bf16_tile_map(v, sh.tk, int64_t{sh.hkv} * kD, kBN);
   const Params p{sh,     mask,  ranges, ranges + q_tiles, lse2,  delta, tq_pad, scale * kLog2e,
-                 dq_acc, dk_acc, dv_acc};
+                 dk_acc, dv_acc};
   const CUtensorMap dq_map = f32_tile_map(dq_acc, sh.tq, int64_t{sh.hq} * kD, kBM);
   auto kernel = backward_wgmma_kernel;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));
