@@ -15,6 +15,6 @@ fi
 gpus=${GPUS:-1}
 launch=()
 [[ $gpus -gt 1 ]] && launch=(--nproc-per-node "$gpus")
-timeout 580 "$stage/bin/spindle" bench "${launch[@]}" ${MESH:-} --device cuda --model "$root/configs/qwen2.5-1.5b.json" \
+timeout ${TIMEOUT:-590} "$stage/bin/spindle" bench "${launch[@]}" ${MESH:-} --device cuda --model "$root/configs/qwen2.5-1.5b.json" \
   --seq "${SEQ:-512k}" --lora-rank 16 --recompute all --warmup 0 --steps 1 --profile-steps 0 2>&1 | grep -vE '^\[rank [1-9]' \
   | tee "${OUT:-/tmp}/max_context_${gpus}gpu_${SEQ:-512k}.txt" | tail -8

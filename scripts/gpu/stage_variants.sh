@@ -5,6 +5,7 @@
 #   scripts/gpu/stage_variants.sh main bwd-fa3-order     # git refs; src/backend/cuda from each
 #   run(command='for v in .gpubin/var/bench_*; do echo $v; $v --attention | grep bwd; done',
 #       carry=[".gpubin/run", ".gpubin/var"])               # .gpubin/run from stage.sh (libraries)
+# VARIANT_TARGETS="bench_cuda test_cuda_ops" stages the op tests of each ref too (test_cuda_ops_REF).
 # The working tree's src/backend/cuda must be clean; it is restored afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,9 +17,13 @@ trap restore EXIT
 mkdir -p .gpubin/var
 for ref in "$@"; do
   git checkout -q "$ref" -- src/backend/cuda
-  cmake --build "$build" --target bench_cuda -j "$(nproc)" > /tmp/stage_variants.log 2>&1 || { tail -20 /tmp/stage_variants.log; exit 1; }
+  targets=(${VARIANT_TARGETS:-bench_cuda})
+  cmake --build "$build" --target "${targets[@]}" -j "$(nproc)" > /tmp/stage_variants.log 2>&1 || { tail -20 /tmp/stage_variants.log; exit 1; }
   grep -E "C75|spill stores" /tmp/stage_variants.log | grep -v " 0 bytes spill" || true
-  strip -o ".gpubin/var/bench_${ref//\//_}" "$(find "$build" -type f -name bench_cuda -perm -u+x | head -1)"
+  for t in "${targets[@]}"; do
+    name=${t/bench_cuda/bench}
+    strip -o ".gpubin/var/${name}_${ref//\//_}" "$(find "$build" -type f -name "$t" -perm -u+x | head -1)"
+  done
   restore
 done
 du -sh .gpubin/var

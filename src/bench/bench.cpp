@@ -129,6 +129,9 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   }
   backend.synchronize(stream);
   r.memory = backend.memory_stats();
+  // Each rank holds its shard's share of the loss (loss_scale already divides by dp); the sum
+  // over the world is the replicas' mean, the number one GPU would print.
+  if (par.run.world) par.run.world->all_reduce_sum(stream, loss);
   r.loss = read_scalar(backend, loss) / static_cast<float>(o.steps);
   for (int i = 0; i < o.steps; ++i) r.step_ms.push_back(timer->elapsed_ms(marks[i], marks[i + 1]));
   const double total_ms = std::accumulate(r.step_ms.begin(), r.step_ms.end(), 0.0);
