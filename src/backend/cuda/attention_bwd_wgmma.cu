@@ -298,13 +298,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       dsa[f + 1] = pack_bf16x2(dsv[2], dsv[3]);
     }
 
-    // dK += dSᵀ·Q (B = Q stored [query][dim]: MN-major).
-    fence_regs(dk);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk) wgmma_rs_n128<1>(dk, dsa + 4 * kk, smem_desc(q_base + kk * 2048, kQChunk, 1024), 1);
-    wgmma_commit();
-
     // dSᵀ to shared memory for dQ = dS·K; the other consumer must be done reading the last one.
     // (Each consumer multiplying only its own keys into all 128 columns, which doubles the
     // reduce traffic but needs no exchange, measured slower: 421-426 vs 446-449 TFLOP/s.)
@@ -318,7 +311,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     named_barrier(2, 256);
 
     // dQ[:, 64·cw …] = dS·K: A = dSᵀ stored [key][query] (MN-major), B = K stored [key][dim]
-    // (MN-major), reduction over the 128 keys.
+    // (MN-major), reduction over the 128 keys. Issued before dK (FA3's order): dQ is ready while
+    // dK still runs, so staging it overlaps dK's product.
     float dq[32];
     wgmma_fence();
 #pragma unroll
@@ -326,14 +320,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_ss_n64<1, 1>(dq, smem_desc(ds_base + kk * 2048, kBN * 128, 1024),
                          smem_desc(smem_u32(sm.k) + cw * kKvChunk + kk * 2048, kKvChunk, 1024), kk > 0);
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(dq);
+
+    // dK += dSᵀ·Q (B = Q stored [query][dim]: MN-major).
     fence_regs(dk);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk) wgmma_rs_n128<1>(dk, dsa + 4 * kk, smem_desc(q_base + kk * 2048, kQChunk, 1024), 1);
+    wgmma_commit();
+    wgmma_wait<1>();  // dV and dQ done; dK may still run
+    fence_regs(dq);
     fence_regs(dv);
     fence_regs(pa);
-    fence_regs(dsa);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&sm.empty[stage]);
 
     // Stage this consumer's dQ part for the writer (two buffers by step parity).
     const int b = it % kDqBuffers;
@@ -342,6 +339,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_proxy_async();  // the copy engine reads what these threads wrote
     __syncwarp();
     if (lane == 0) mbar_arrive(&sm.dq_full[cw][b]);
+
+    wgmma_wait<0>();  // dK: Q is read
+    fence_regs(dk);
+    fence_regs(dsa);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&sm.empty[stage]);
   }
 
 #pragma unroll
