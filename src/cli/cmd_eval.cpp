@@ -19,7 +19,7 @@ namespace spindle::cli {
 namespace {
 
 struct EvalArgs {
-  std::string model, adapter, data, device = "cpu", dtype = "auto", over_length = "truncate";
+  std::string model, adapter, data, device = "auto", dtype = "auto", over_length = "truncate";
   int64_t max_length = 4096;
   int64_t batch_tokens = 0;
   int threads = 0;

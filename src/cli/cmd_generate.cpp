@@ -33,7 +33,7 @@ namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
 
 struct GenerateArgs {
-  std::string model, adapter, prompt, messages, prompt_ids, input, device = "cpu", dtype = "auto";
+  std::string model, adapter, prompt, messages, prompt_ids, input, device = "auto", dtype = "auto";
   int64_t max_new_tokens = 64;
   int64_t batch_tokens = 8192;
   bool chat = false, json_output = false;
