@@ -163,6 +163,12 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
     for (int c = 0; c < 4; ++c) r.split_ms[c] = totals[c] / o.profile_steps;
     r.profiled_step_ms = wall->elapsed_ms(start, stop) / o.profile_steps;
     r.ops_per_step = recorder.op_count() / o.profile_steps;
+    r.op_table = recorder.op_table();
+    for (OpTime& t : r.op_table) {
+      t.calls /= o.profile_steps;
+      t.ms /= o.profile_steps;
+      t.flops /= o.profile_steps;
+    }
     r.split_measured = true;
   }
   (void)device;
@@ -294,6 +300,21 @@ std::string format_report(const BenchReport& rep) {
                        cell(r.split_ms[1]), cell(r.split_ms[2]), cell(r.split_ms[3]), cell(idle), r.ops_per_step);
     }
   }
+  if (any_split && o.op_table_rows > 0) {
+    for (const BenchResult& r : rep.results) {
+      if (!r.split_measured) continue;
+      s += fmt::format("\nseq {}: the {} most costly ops of the profiled step (gemm M×N×K, op(A) op(B): N plain, T "
+                       "transposed; +C accumulates)\n",
+                       r.seq, std::min<size_t>(o.op_table_rows, r.op_table.size()));
+      s += fmt::format("{:<36} {:>6} {:>10} {:>7} {:>9}\n", "op", "calls", "ms", "share", "TFLOP/s");
+      for (size_t i = 0; i < r.op_table.size() && i < static_cast<size_t>(o.op_table_rows); ++i) {
+        const OpTime& t = r.op_table[i];
+        const std::string rate = t.flops > 0 && t.ms > 0 ? fmt::format("{:.1f}", t.flops / t.ms / 1e9) : "";
+        s += fmt::format("{:<36} {:>6} {:>10.2f} {:>6.1f}% {:>9}\n", t.label, t.calls, t.ms,
+                         r.profiled_step_ms > 0 ? 100 * t.ms / r.profiled_step_ms : 0, rate);
+      }
+    }
+  }
   return s;
 }
 
@@ -346,6 +367,10 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
       split["idle"] = r.profiled_step_ms - (r.split_ms[0] + r.split_ms[1] + r.split_ms[2] + r.split_ms[3]);
       x["profiled_step_ms"] = r.profiled_step_ms;
       x["ops_per_step"] = r.ops_per_step;
+      auto& ops = x["ops"] = nlohmann::ordered_json::array();
+      for (const OpTime& t : r.op_table)
+        ops.push_back({{"op", t.label}, {"category", category_name(t.category)}, {"calls", t.calls}, {"ms", t.ms},
+                       {"flops", t.flops}});
     }
     results.push_back(x);
   }

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/backend.h"
+#include "bench/timed_backend.h"
 #include "model/config.h"
 
 namespace spindle::bench {
@@ -23,6 +24,7 @@ struct BenchOptions {
   std::string recompute = "all";       // none | all | keep-attention (RecomputeMode)
   int warmup = 1, steps = 3;
   int profile_steps = 1;               // extra steps through the timing decorator (0: no split)
+  int op_table_rows = 0;               // the text report lists the profiled step's N most costly ops
   std::string device = "cuda";         // cuda | cpu
   int device_index = 0;
   int cpu_threads = 0;
@@ -47,6 +49,7 @@ struct BenchResult {
   double split_ms[4] = {};             // attention, gemm, communication, other ops (per step)
   double profiled_step_ms = 0;         // wall time of the profiled step(s), per step (rank 0)
   int64_t ops_per_step = 0;
+  std::vector<OpTime> op_table;        // per profiled step, the most time first
 };
 
 struct BenchReport {

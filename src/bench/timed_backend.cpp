@@ -1,5 +1,9 @@
 #include "bench/timed_backend.h"
 
+#include <algorithm>
+
+#include <fmt/format.h>
+
 namespace spindle::bench {
 
 const char* category_name(OpCategory c) {
@@ -19,88 +23,112 @@ std::array<double, static_cast<size_t>(OpCategory::kCount)> OpRecorder::totals_m
   return totals;
 }
 
+void OpRecorder::begin(Stream stream, OpCategory category, const std::string& label, double flops) {
+  auto [it, inserted] = label_index_.try_emplace(label, static_cast<int>(labels_.size()));
+  if (inserted) labels_.push_back(label);
+  open_.push_back({category, it->second, flops, timer_->mark(stream), -1});
+}
+
+std::vector<OpTime> OpRecorder::op_table() {
+  std::vector<OpTime> table(labels_.size());
+  for (size_t i = 0; i < labels_.size(); ++i) table[i].label = labels_[i];
+  for (const Record& r : open_) {
+    OpTime& t = table[static_cast<size_t>(r.label)];
+    t.category = r.category;
+    t.calls += 1;
+    t.ms += timer_->elapsed_ms(r.begin, r.end);
+    t.flops += r.flops;
+  }
+  std::stable_sort(table.begin(), table.end(), [](const OpTime& a, const OpTime& b) { return a.ms > b.ms; });
+  return table;
+}
+
 using C = OpCategory;
 
 void TimedBackend::copy_from_host(Stream s, const void* src, Tensor& dst) {
-  timed(s, C::OtherOps, [&] { inner_.copy_from_host(s, src, dst); });
+  timed(s, C::OtherOps, "copy_from_host", [&] { inner_.copy_from_host(s, src, dst); });
 }
 void TimedBackend::copy_to_host(Stream s, const Tensor& src, void* dst) {
-  timed(s, C::OtherOps, [&] { inner_.copy_to_host(s, src, dst); });
+  timed(s, C::OtherOps, "copy_to_host", [&] { inner_.copy_to_host(s, src, dst); });
 }
 void TimedBackend::copy(Stream s, const Tensor& src, Tensor& dst) {
-  timed(s, C::OtherOps, [&] { inner_.copy(s, src, dst); });
+  timed(s, C::OtherOps, "copy", [&] { inner_.copy(s, src, dst); });
 }
 void TimedBackend::fill(Stream s, Tensor& t, double value) {
-  timed(s, C::OtherOps, [&] { inner_.fill(s, t, value); });
+  timed(s, C::OtherOps, "fill", [&] { inner_.fill(s, t, value); });
 }
 void TimedBackend::scale(Stream s, Tensor& x, double alpha) {
-  timed(s, C::OtherOps, [&] { inner_.scale(s, x, alpha); });
+  timed(s, C::OtherOps, "scale", [&] { inner_.scale(s, x, alpha); });
 }
 void TimedBackend::axpy(Stream s, double alpha, const Tensor& x, Tensor& y) {
-  timed(s, C::OtherOps, [&] { inner_.axpy(s, alpha, x, y); });
+  timed(s, C::OtherOps, "axpy", [&] { inner_.axpy(s, alpha, x, y); });
 }
 void TimedBackend::sum_squares(Stream s, const Tensor& x, Tensor& out) {
-  timed(s, C::OtherOps, [&] { inner_.sum_squares(s, x, out); });
+  timed(s, C::OtherOps, "sum_squares", [&] { inner_.sum_squares(s, x, out); });
 }
 void TimedBackend::gemm(Stream s, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
                         double alpha, double beta) {
-  timed(s, C::Gemm, [&] { inner_.gemm(s, a, trans_a, b, trans_b, c, alpha, beta); });
+  // C [M, N] = op(A) [M, K] · op(B) [K, N]; the label names the shape and the transposes.
+  const int64_t m = c.shape()[0], n = c.shape()[-1], k = trans_a ? a.shape()[0] : a.shape()[-1];
+  const std::string label = fmt::format("gemm {}x{}x{} {}{}{}", m, n, k, trans_a ? 'T' : 'N', trans_b ? 'T' : 'N',
+                                        beta != 0 ? " +C" : "");
+  timed(s, C::Gemm, label, [&] { inner_.gemm(s, a, trans_a, b, trans_b, c, alpha, beta); }, 2.0 * m * n * k);
 }
 void TimedBackend::add_bias(Stream s, Tensor& y, const Tensor& bias) {
-  timed(s, C::OtherOps, [&] { inner_.add_bias(s, y, bias); });
+  timed(s, C::OtherOps, "add_bias", [&] { inner_.add_bias(s, y, bias); });
 }
 void TimedBackend::bias_backward(Stream s, const Tensor& dy, Tensor& dbias) {
-  timed(s, C::OtherOps, [&] { inner_.bias_backward(s, dy, dbias); });
+  timed(s, C::OtherOps, "bias_backward", [&] { inner_.bias_backward(s, dy, dbias); });
 }
 void TimedBackend::embedding_forward(Stream s, const Tensor& ids, const Tensor& table, Tensor& out) {
-  timed(s, C::OtherOps, [&] { inner_.embedding_forward(s, ids, table, out); });
+  timed(s, C::OtherOps, "embedding_forward", [&] { inner_.embedding_forward(s, ids, table, out); });
 }
 void TimedBackend::embedding_backward(Stream s, const Tensor& ids, const Tensor& dout, Tensor& dtable) {
-  timed(s, C::OtherOps, [&] { inner_.embedding_backward(s, ids, dout, dtable); });
+  timed(s, C::OtherOps, "embedding_backward", [&] { inner_.embedding_backward(s, ids, dout, dtable); });
 }
 void TimedBackend::rmsnorm_forward(Stream s, const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) {
-  timed(s, C::OtherOps, [&] { inner_.rmsnorm_forward(s, x, w, eps, y, rstd); });
+  timed(s, C::OtherOps, "rmsnorm_forward", [&] { inner_.rmsnorm_forward(s, x, w, eps, y, rstd); });
 }
 void TimedBackend::rmsnorm_backward(Stream s, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
                                     Tensor& dx, Tensor& dw, bool accumulate_dx) {
-  timed(s, C::OtherOps, [&] { inner_.rmsnorm_backward(s, x, w, rstd, dy, dx, dw, accumulate_dx); });
+  timed(s, C::OtherOps, "rmsnorm_backward", [&] { inner_.rmsnorm_backward(s, x, w, rstd, dy, dx, dw, accumulate_dx); });
 }
 void TimedBackend::rope(Stream s, Tensor& x, const Tensor& positions, const Tensor& inv_freq, double attention_scale,
                         int sign) {
-  timed(s, C::OtherOps, [&] { inner_.rope(s, x, positions, inv_freq, attention_scale, sign); });
+  timed(s, C::OtherOps, "rope", [&] { inner_.rope(s, x, positions, inv_freq, attention_scale, sign); });
 }
 void TimedBackend::attention_forward(Stream s, const Tensor& q, const Tensor& k, const Tensor& v,
                                      const AttentionMask& mask, double scale, Tensor& out, Tensor& lse) {
-  timed(s, C::Attention, [&] { inner_.attention_forward(s, q, k, v, mask, scale, out, lse); });
+  timed(s, C::Attention, "attention_forward", [&] { inner_.attention_forward(s, q, k, v, mask, scale, out, lse); });
 }
 void TimedBackend::attention_backward(Stream s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                       const Tensor& dout, const Tensor& lse, const AttentionMask& mask, double scale,
                                       Tensor& dq, Tensor& dk, Tensor& dv, bool accumulate) {
-  timed(s, C::Attention, [&] { inner_.attention_backward(s, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate); });
+  timed(s, C::Attention, "attention_backward", [&] { inner_.attention_backward(s, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate); });
 }
 void TimedBackend::attention_merge(Stream s, Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b) {
-  timed(s, C::Attention, [&] { inner_.attention_merge(s, out, lse, out_b, lse_b); });
+  timed(s, C::Attention, "attention_merge", [&] { inner_.attention_merge(s, out, lse, out_b, lse_b); });
 }
 void TimedBackend::swiglu_forward(Stream s, const Tensor& gate, const Tensor& up, Tensor& out) {
-  timed(s, C::OtherOps, [&] { inner_.swiglu_forward(s, gate, up, out); });
+  timed(s, C::OtherOps, "swiglu_forward", [&] { inner_.swiglu_forward(s, gate, up, out); });
 }
 void TimedBackend::swiglu_backward(Stream s, const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate,
                                    Tensor& dup) {
-  timed(s, C::OtherOps, [&] { inner_.swiglu_backward(s, gate, up, dout, dgate, dup); });
+  timed(s, C::OtherOps, "swiglu_backward", [&] { inner_.swiglu_backward(s, gate, up, dout, dgate, dup); });
 }
 void TimedBackend::gather_rows(Stream s, const Tensor& src, const Tensor& idx, Tensor& dst) {
-  timed(s, C::OtherOps, [&] { inner_.gather_rows(s, src, idx, dst); });
+  timed(s, C::OtherOps, "gather_rows", [&] { inner_.gather_rows(s, src, idx, dst); });
 }
 void TimedBackend::scatter_add_rows(Stream s, const Tensor& src, const Tensor& idx, Tensor& dst) {
-  timed(s, C::OtherOps, [&] { inner_.scatter_add_rows(s, src, idx, dst); });
+  timed(s, C::OtherOps, "scatter_add_rows", [&] { inner_.scatter_add_rows(s, src, idx, dst); });
 }
 void TimedBackend::cross_entropy(Stream s, Tensor& logits, const Tensor& targets, const Tensor& weights,
                                  double loss_scale, double grad_scale, Tensor& loss_sum, Tensor& token_ce) {
-  timed(s, C::OtherOps,
+  timed(s, C::OtherOps, "cross_entropy",
         [&] { inner_.cross_entropy(s, logits, targets, weights, loss_scale, grad_scale, loss_sum, token_ce); });
 }
 void TimedBackend::adamw_step(Stream s, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& hp) {
-  timed(s, C::OtherOps, [&] { inner_.adamw_step(s, param, grad, m, v, hp); });
+  timed(s, C::OtherOps, "adamw_step", [&] { inner_.adamw_step(s, param, grad, m, v, hp); });
 }
 
 }  // namespace spindle::bench

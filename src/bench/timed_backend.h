@@ -6,6 +6,7 @@
 #include <array>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "backend/backend.h"
@@ -16,29 +17,44 @@ namespace spindle::bench {
 enum class OpCategory { Attention, Gemm, Communication, OtherOps, kCount };
 const char* category_name(OpCategory c);  // "attention", "gemm", "communication", "other_ops"
 
+// Time of one kind of op (name, and for GEMMs the shape M×N×K) over the recorded steps.
+struct OpTime {
+  std::string label;
+  OpCategory category = OpCategory::OtherOps;
+  int64_t calls = 0;
+  double ms = 0;
+  double flops = 0;  // GEMMs: Σ 2·M·N·K; 0 for the others
+};
+
 // Records [begin, end) marks per op; totals after the stream has been synchronized.
 class OpRecorder {
  public:
   explicit OpRecorder(Backend& backend) : timer_(make_device_timer(backend)) {}
-  void begin(Stream stream, OpCategory category) {
-    open_.push_back({category, timer_->mark(stream), -1});
-  }
+  void begin(Stream stream, OpCategory category, const std::string& label, double flops = 0);
   void end(Stream stream) { open_.back().end = timer_->mark(stream); }
   // Milliseconds per category since the last reset(); call after synchronizing.
   std::array<double, static_cast<size_t>(OpCategory::kCount)> totals_ms();
+  // Per label, the most time first; call after synchronizing.
+  std::vector<OpTime> op_table();
   int64_t op_count() const { return static_cast<int64_t>(open_.size()); }
   void reset() {
     open_.clear();
+    labels_.clear();
+    label_index_.clear();
     timer_->clear();
   }
 
  private:
   struct Record {
     OpCategory category;
+    int label;
+    double flops;
     int begin, end;
   };
   std::unique_ptr<DeviceTimer> timer_;
   std::vector<Record> open_;
+  std::vector<std::string> labels_;
+  std::unordered_map<std::string, int> label_index_;
 };
 
 class TimedBackend final : public Backend {
@@ -91,8 +107,8 @@ class TimedBackend final : public Backend {
 
  private:
   template <typename Op>
-  void timed(Stream stream, OpCategory category, Op&& op) {
-    recorder_.begin(stream, category);
+  void timed(Stream stream, OpCategory category, const std::string& label, Op&& op, double flops = 0) {
+    recorder_.begin(stream, category, label, flops);
     op();
     recorder_.end(stream);
   }

@@ -106,6 +106,9 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--profile-steps", o.profile_steps,
                   "extra steps timed op by op for the time split (0: none; the timed steps never are)")
       ->capture_default_str();
+  cmd->add_option("--op-table", o.op_table_rows,
+                  "list the profiled step's N most costly ops (GEMMs by shape, with TFLOP/s); the JSON has all")
+      ->capture_default_str();
   cmd->add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   cmd->add_option("--device-index", o.device_index, "CUDA device (default: LOCAL_RANK, else 0)");
   cmd->add_option("--threads", o.cpu_threads, "CPU threads with --device cpu (default: all)");

@@ -151,7 +151,7 @@ TEST(Bench, TinySweepOnTheCpu) {
   o.lora_rank = 4;
   o.steps = 2;
   o.warmup = 1;
-  const BenchReport report = run_bench(o);
+  BenchReport report = run_bench(o);
   ASSERT_EQ(report.results.size(), 2u);
   const double ln_vocab = std::log(static_cast<double>(report.config.vocab_size));
   for (const BenchResult& r : report.results) {
@@ -163,11 +163,35 @@ TEST(Bench, TinySweepOnTheCpu) {
     EXPECT_TRUE(r.split_measured);
     EXPECT_GT(r.split_ms[0], 0);
     EXPECT_GT(r.model_flops, 0);
+    // The op table splits the same records by op: its times add up to the category totals, and
+    // every GEMM carries its 2·M·N·K.
+    double table_ms = 0, gemm_ms = 0;
+    bool saw_attention_backward = false;
+    int64_t calls = 0;
+    for (const OpTime& t : r.op_table) {
+      table_ms += t.ms;
+      calls += t.calls;
+      saw_attention_backward |= t.label == "attention_backward";
+      if (t.category == OpCategory::Gemm) {
+        gemm_ms += t.ms;
+        EXPECT_EQ(t.label.rfind("gemm ", 0), 0u) << t.label;
+        EXPECT_GT(t.flops, 0) << t.label;
+      }
+    }
+    EXPECT_TRUE(saw_attention_backward);
+    EXPECT_EQ(calls, r.ops_per_step);
+    EXPECT_NEAR(table_ms, r.split_ms[0] + r.split_ms[1] + r.split_ms[2] + r.split_ms[3], 1e-6 * (1 + table_ms));
+    EXPECT_NEAR(gemm_ms, r.split_ms[1], 1e-6 * (1 + gemm_ms));
+    for (size_t i = 1; i < r.op_table.size(); ++i) EXPECT_GE(r.op_table[i - 1].ms, r.op_table[i].ms);
   }
   const auto j = report_json(report);
   EXPECT_EQ(j["results"].size(), 2u);
   EXPECT_FALSE(j["optimizer_step_included"].get<bool>());
   EXPECT_NE(format_report(report).find("optimizer step is not included"), std::string::npos);
+  EXPECT_EQ(format_report(report).find("most costly ops"), std::string::npos);
+  report.options.op_table_rows = 3;
+  EXPECT_NE(format_report(report).find("the 3 most costly ops"), std::string::npos);
+  EXPECT_FALSE(j["results"][0]["ops"].empty());
 
   // keep-attention runs, and its executed FLOPs are one attention forward below recompute all.
   o.seq_lengths = {32};
