@@ -227,26 +227,30 @@ TEST_P(CudaOps, GatherAndScatterRows) {
 
 TEST_P(CudaOps, RmsNormForwardBackward) {
   const DType t = GetParam();
-  const int64_t rows = 37, c = 1000;
-  auto xv = rand_values(rows * c, t, 2.0), wv = rand_values(c, t), gv = rand_values(rows * c, t);
-  auto dxv = rand_values(rows * c, t), dwv = rand_values(c, t);
-  Tensor x = on_gpu(xv, Shape{rows, c}, t), w = on_gpu(wv, Shape{c}, t), y = poisoned(Shape{rows, c}, t);
-  Tensor rstd = poisoned(Shape{rows}, DType::F32);
-  Tensor cx = on_cpu(xv, Shape{rows, c}), cw = on_cpu(wv, Shape{c}), cy = cpu->empty(Shape{rows, c}, DType::F64);
-  Tensor crstd = cpu->empty(Shape{rows}, DType::F64);
-  gpu->rmsnorm_forward(gs, x, w, 1e-6, y, rstd);
-  cpu->rmsnorm_forward(cs, cx, cw, 1e-6, cy, crstd);
-  expect_close(to_host(*gpu, y), to_host(*cpu, cy), tol_for(t), "rmsnorm y");
-  expect_close(to_host(*gpu, rstd), to_host(*cpu, crstd), 1e-5, "rmsnorm rstd");
-  for (bool acc : {false, true}) {
-    Tensor dy = on_gpu(gv, Shape{rows, c}, t), cdy = on_cpu(gv, Shape{rows, c});
-    Tensor dx = acc ? on_gpu(dxv, Shape{rows, c}, t) : poisoned(Shape{rows, c}, t);
-    Tensor cdx = on_cpu(dxv, Shape{rows, c});
-    Tensor dw = on_gpu(dwv, Shape{c}, t), cdw = on_cpu(dwv, Shape{c});
-    gpu->rmsnorm_backward(gs, x, w, rstd, dy, dx, dw, acc);
-    cpu->rmsnorm_backward(cs, cx, cw, crstd, cdy, cdx, cdw, acc);
-    expect_close(to_host(*gpu, dx), to_host(*cpu, cdx), tol_for(t), acc ? "rmsnorm dx +=" : "rmsnorm dx");
-    expect_close(to_host(*gpu, dw), to_host(*cpu, cdw), tol_for(t), "rmsnorm dw");
+  // c = 1000: the vector kernels (a multiple of 8 and 4 elements), 1001: the scalar ones; 2500 rows
+  // give every backward block several rows (its warps take turns and add up their dw).
+  for (auto [rows, c] : {std::pair<int64_t, int64_t>{37, 1000}, {2500, 1000}, {37, 1001}}) {
+    SCOPED_TRACE(testing::Message() << rows << " rows of " << c);
+    auto xv = rand_values(rows * c, t, 2.0), wv = rand_values(c, t), gv = rand_values(rows * c, t);
+    auto dxv = rand_values(rows * c, t), dwv = rand_values(c, t);
+    Tensor x = on_gpu(xv, Shape{rows, c}, t), w = on_gpu(wv, Shape{c}, t), y = poisoned(Shape{rows, c}, t);
+    Tensor rstd = poisoned(Shape{rows}, DType::F32);
+    Tensor cx = on_cpu(xv, Shape{rows, c}), cw = on_cpu(wv, Shape{c}), cy = cpu->empty(Shape{rows, c}, DType::F64);
+    Tensor crstd = cpu->empty(Shape{rows}, DType::F64);
+    gpu->rmsnorm_forward(gs, x, w, 1e-6, y, rstd);
+    cpu->rmsnorm_forward(cs, cx, cw, 1e-6, cy, crstd);
+    expect_close(to_host(*gpu, y), to_host(*cpu, cy), tol_for(t), "rmsnorm y");
+    expect_close(to_host(*gpu, rstd), to_host(*cpu, crstd), 1e-5, "rmsnorm rstd");
+    for (bool acc : {false, true}) {
+      Tensor dy = on_gpu(gv, Shape{rows, c}, t), cdy = on_cpu(gv, Shape{rows, c});
+      Tensor dx = acc ? on_gpu(dxv, Shape{rows, c}, t) : poisoned(Shape{rows, c}, t);
+      Tensor cdx = on_cpu(dxv, Shape{rows, c});
+      Tensor dw = on_gpu(dwv, Shape{c}, t), cdw = on_cpu(dwv, Shape{c});
+      gpu->rmsnorm_backward(gs, x, w, rstd, dy, dx, dw, acc);
+      cpu->rmsnorm_backward(cs, cx, cw, crstd, cdy, cdx, cdw, acc);
+      expect_close(to_host(*gpu, dx), to_host(*cpu, cdx), tol_for(t), acc ? "rmsnorm dx +=" : "rmsnorm dx");
+      expect_close(to_host(*gpu, dw), to_host(*cpu, cdw), tol_for(t), "rmsnorm dw");
+    }
   }
 }
 
@@ -289,7 +293,8 @@ TEST_P(CudaOps, SwigluForwardBackward) {
 
 TEST_P(CudaOps, CrossEntropyValueGradientAndTokenLoss) {
   const DType t = GetParam();
-  for (int64_t vocab : {1000, 50021}) {
+  // 1000 and 20000 take the vector path (pairs of vectors and a tail), 50021 the scalar one.
+  for (int64_t vocab : {1000, 20000, 50021}) {
     const int64_t n = vocab > 10000 ? 5 : 37;
     auto lv = rand_values(n * vocab, t, 8.0);
     std::vector<int> tg(n);
