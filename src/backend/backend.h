@@ -103,6 +103,14 @@ class Backend {
   // C = alpha·op(A)·op(B) + beta·C, op(X) = Xᵀ when trans. C [M, N], op(A) [M, K], op(B) [K, N].
   virtual void gemm(Stream stream, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
                     double alpha, double beta) = 0;
+  // C = alpha·op(A)·op(B) + beta·C + bias[N] (broadcast over rows; bias has C's dtype). A backend
+  // that can add the bias inside the GEMM (cuBLASLt's epilogue) saves a pass over C; this default
+  // is the GEMM, then add_bias.
+  virtual void gemm_bias(Stream stream, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
+                         double alpha, double beta, const Tensor& bias) {
+    gemm(stream, a, trans_a, b, trans_b, c, alpha, beta);
+    add_bias(stream, c, bias);
+  }
   // y[R, N] += bias[N] (broadcast over rows).
   virtual void add_bias(Stream stream, Tensor& y, const Tensor& bias) = 0;
   // dbias[N] += Σ_rows dy[R, N].

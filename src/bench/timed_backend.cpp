@@ -66,13 +66,27 @@ void TimedBackend::axpy(Stream s, double alpha, const Tensor& x, Tensor& y) {
 void TimedBackend::sum_squares(Stream s, const Tensor& x, Tensor& out) {
   timed(s, C::OtherOps, "sum_squares", [&] { inner_.sum_squares(s, x, out); });
 }
+namespace {
+// "gemm M×N×K op(A)op(B)[ +C][ +bias]" and 2·M·N·K.
+std::pair<std::string, double> gemm_label(const Tensor& a, bool trans_a, const Tensor& c, bool trans_b, double beta,
+                                          bool bias) {
+  // C [M, N] = op(A) [M, K] · op(B) [K, N]
+  const int64_t m = c.shape()[0], n = c.shape()[-1], k = trans_a ? a.shape()[0] : a.shape()[-1];
+  return {fmt::format("gemm {}x{}x{} {}{}{}{}", m, n, k, trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', beta != 0 ? " +C" : "",
+                      bias ? " +bias" : ""),
+          2.0 * m * n * k};
+}
+}  // namespace
+
 void TimedBackend::gemm(Stream s, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
                         double alpha, double beta) {
-  // C [M, N] = op(A) [M, K] · op(B) [K, N]; the label names the shape and the transposes.
-  const int64_t m = c.shape()[0], n = c.shape()[-1], k = trans_a ? a.shape()[0] : a.shape()[-1];
-  const std::string label = fmt::format("gemm {}x{}x{} {}{}{}", m, n, k, trans_a ? 'T' : 'N', trans_b ? 'T' : 'N',
-                                        beta != 0 ? " +C" : "");
-  timed(s, C::Gemm, label, [&] { inner_.gemm(s, a, trans_a, b, trans_b, c, alpha, beta); }, 2.0 * m * n * k);
+  const auto [label, flops] = gemm_label(a, trans_a, c, trans_b, beta, false);
+  timed(s, C::Gemm, label, [&] { inner_.gemm(s, a, trans_a, b, trans_b, c, alpha, beta); }, flops);
+}
+void TimedBackend::gemm_bias(Stream s, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
+                             double alpha, double beta, const Tensor& bias) {
+  const auto [label, flops] = gemm_label(a, trans_a, c, trans_b, beta, true);
+  timed(s, C::Gemm, label, [&] { inner_.gemm_bias(s, a, trans_a, b, trans_b, c, alpha, beta, bias); }, flops);
 }
 void TimedBackend::add_bias(Stream s, Tensor& y, const Tensor& bias) {
   timed(s, C::OtherOps, "add_bias", [&] { inner_.add_bias(s, y, bias); });

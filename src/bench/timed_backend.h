@@ -81,6 +81,8 @@ class TimedBackend final : public Backend {
   void sum_squares(Stream stream, const Tensor& x, Tensor& out) override;
   void gemm(Stream stream, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, double alpha,
             double beta) override;
+  void gemm_bias(Stream stream, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, double alpha,
+                 double beta, const Tensor& bias) override;
   void add_bias(Stream stream, Tensor& y, const Tensor& bias) override;
   void bias_backward(Stream stream, const Tensor& dy, Tensor& dbias) override;
   void embedding_forward(Stream stream, const Tensor& ids, const Tensor& table, Tensor& out) override;

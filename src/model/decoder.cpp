@@ -9,30 +9,55 @@ namespace spindle {
 
 namespace {
 
+// y = a·bᵀ·alpha + beta·y (+ bias)
+void gemm_maybe_bias(Backend& be, Stream st, const Tensor& a, const Tensor& b, Tensor& y, double alpha, double beta,
+                     const Parameter* bias) {
+  if (bias) be.gemm_bias(st, a, false, b, true, y, alpha, beta, bias->value);
+  else be.gemm(st, a, false, b, true, y, alpha, beta);
+}
+
+// In BF16 the rank-r product of a LoRA projection goes first and the large GEMM adds onto it: adding
+// a rank-r product to a finished y would read and write all of y once more (and round y twice
+// more), while the large GEMM reads y for a fraction of that (H200, Qwen2.5-1.5B at 32k: 20 ms
+// less GEMM time per step, the bias pass gone). F32 and F64, the reference precisions, keep PEFT's
+// order — base, bias, then the LoRA term — so they match its rounding.
+bool lora_term_first(const Tensor& y) { return y.dtype() == DType::BF16; }
+
 // y[T, out] = x·Wᵀ (+ b) (+ s·(x·Aᵀ)·Bᵀ); xa [T, r] is kept for backward.
 void linear_forward(Backend& be, Stream st, const Linear& lin, const Tensor& x, Tensor& y, Tensor& xa) {
-  be.gemm(st, x, false, lin.weight->value, true, y, 1.0, 0.0);
-  if (lin.bias) be.add_bias(st, y, lin.bias->value);
+  if (lin.lora_a && lora_term_first(y)) {
+    be.gemm(st, x, false, lin.lora_a->value, true, xa, 1.0, 0.0);
+    gemm_maybe_bias(be, st, xa, lin.lora_b->value, y, lin.lora_scaling, 0.0, lin.bias);
+    be.gemm(st, x, false, lin.weight->value, true, y, 1.0, 1.0);
+    return;
+  }
+  gemm_maybe_bias(be, st, x, lin.weight->value, y, 1.0, 0.0, lin.bias);
   if (lin.lora_a) {
     be.gemm(st, x, false, lin.lora_a->value, true, xa, 1.0, 0.0);
     be.gemm(st, xa, false, lin.lora_b->value, true, y, lin.lora_scaling, 1.0);
   }
 }
 
-// Gradients of the projection: parameter grads accumulate when trainable; dx = or += dy·W (+ LoRA).
+// Gradients of the projection: parameter grads accumulate when trainable; dx = or += dy·W (+ LoRA),
+// in BF16 the rank-r term first (as in the forward).
 void linear_backward(Backend& be, Stream st, const Linear& lin, const Tensor& x, const Tensor& dy, const Tensor& xa,
                      Tensor* dx, bool accumulate_dx) {
   if (lin.weight->trainable) be.gemm(st, dy, true, x, false, lin.weight->grad, 1.0, 1.0);
   if (lin.bias && lin.bias->trainable) be.bias_backward(st, dy, lin.bias->grad);
-  if (dx) be.gemm(st, dy, false, lin.weight->value, false, *dx, 1.0, accumulate_dx ? 1.0 : 0.0);
+  const bool lora_first = lin.lora_a && dx && lora_term_first(*dx);
+  if (dx && !lora_first) be.gemm(st, dy, false, lin.weight->value, false, *dx, 1.0, accumulate_dx ? 1.0 : 0.0);
   if (lin.lora_a) {
     const double s = lin.lora_scaling;
     if (lin.lora_b->trainable) be.gemm(st, dy, true, xa, false, lin.lora_b->grad, s, 1.0);  // dB += s·dyᵀ·xa
     Tensor dxa = be.empty(xa.shape(), xa.dtype());
     be.gemm(st, dy, false, lin.lora_b->value, false, dxa, s, 0.0);                              // dxa = s·dy·B
     if (lin.lora_a->trainable) be.gemm(st, dxa, true, x, false, lin.lora_a->grad, 1.0, 1.0);  // dA += dxaᵀ·x
-    if (dx) be.gemm(st, dxa, false, lin.lora_a->value, false, *dx, 1.0, 1.0);                 // dx += dxa·A
+    if (dx) {
+      const bool onto = !lora_first || accumulate_dx;
+      be.gemm(st, dxa, false, lin.lora_a->value, false, *dx, 1.0, onto ? 1.0 : 0.0);  // dx (+)= dxa·A
+    }
   }
+  if (lora_first) be.gemm(st, dy, false, lin.weight->value, false, *dx, 1.0, 1.0);  // dx += dy·W
 }
 
 AttentionMask self_mask(const MicroBatch& b) { return {b.doc_ids, b.positions, b.doc_ids, b.positions}; }

@@ -156,6 +156,32 @@ TEST_P(CudaOps, GemmAllTransposesMatchesCpu) {
       }
 }
 
+// gemm_bias: cuBLASLt's bias epilogue (a 16-byte aligned bias) and the GEMM-then-add fallback (a
+// bias starting one element into its buffer) against the CPU's GEMM + add_bias, with beta 0 and not.
+TEST_P(CudaOps, GemmBiasEpilogueMatchesCpu) {
+  const DType t = GetParam();
+  const int64_t m = 67, n = 48, k = 130;
+  for (int tb = 0; tb < 2; ++tb)
+    for (double beta : {0.0, 0.75})
+      for (bool aligned : {true, false}) {
+        Shape sb = tb ? Shape{n, k} : Shape{k, n};
+        auto av = rand_values(m * k, t), bv = rand_values(sb.numel(), t), cv = rand_values(m * n, t);
+        auto biasv = rand_values(n + 1, t);
+        Tensor a = on_gpu(av, Shape{m, k}, t), b = on_gpu(bv, sb, t);
+        Tensor c = beta != 0 ? on_gpu(cv, Shape{m, n}, t) : poisoned(Shape{m, n}, t);
+        Tensor bias_buffer = on_gpu(biasv, Shape{n + 1}, t);
+        Tensor bias = aligned ? bias_buffer.rows(0, n) : bias_buffer.rows(1, n + 1);
+        Tensor ca = on_cpu(av, Shape{m, k}), cb = on_cpu(bv, sb), cc = on_cpu(cv, Shape{m, n});
+        Tensor cbias = on_cpu(std::vector<double>(biasv.begin() + (aligned ? 0 : 1), biasv.begin() + (aligned ? n : n + 1)),
+                              Shape{n});
+        gpu->gemm_bias(gs, a, false, b, tb, c, 0.5, beta, bias);
+        cpu->gemm_bias(cs, ca, false, cb, tb, cc, 0.5, beta, cbias);
+        const std::string what = "gemm_bias tb=" + std::to_string(tb) + " beta=" + std::to_string(beta) +
+                                 (aligned ? " epilogue" : " fallback");
+        expect_close(to_host(*gpu, c), to_host(*cpu, cc), tol_for(t), what.c_str());
+      }
+}
+
 TEST_P(CudaOps, BiasAddAndBackward) {
   const DType t = GetParam();
   const int64_t rows = 600, n = 70;

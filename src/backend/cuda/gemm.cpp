@@ -22,7 +22,7 @@ size_t GemmCache::KeyHash::operator()(const Key& k) const {
   auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
   mix(k.m), mix(k.n), mix(k.k), mix(k.lda), mix(k.ldb), mix(k.ta), mix(k.tb);
   mix(static_cast<uint64_t>(k.ab)), mix(static_cast<uint64_t>(k.c));
-  mix(k.align_a), mix(k.align_b), mix(k.align_c);
+  mix(k.align_a), mix(k.align_b), mix(k.align_c), mix(k.bias);
   return h;
 }
 
@@ -52,8 +52,8 @@ int alignment(const void* p) {
 void GemmCache::run(cudaStream_t stream, const GemmArgs& g) {
   // Row-major C [m, n] = op(A)·op(B) is column-major Cᵀ [n, m] = op(B)ᵀ·op(A)ᵀ: hand cuBLASLt B as
   // its "A" and A as its "B"; a row-major [r, c] matrix is a column-major [c, r] one with ld = c.
-  Key key{g.m, g.n, g.k, g.lda, g.ldb, g.trans_a, g.trans_b, g.ab, g.c, alignment(g.a), alignment(g.b),
-          alignment(g.c_ptr)};
+  Key key{g.m,          g.n,          g.k,          g.lda, g.ldb, g.trans_a, g.trans_b, g.ab, g.c,
+          alignment(g.a), alignment(g.b), alignment(g.c_ptr), g.bias != nullptr};
   auto found = plans_.find(key);
   if (found == plans_.end()) {
     auto plan = std::make_unique<Plan>();
@@ -64,6 +64,12 @@ void GemmCache::run(cudaStream_t stream, const GemmArgs& g) {
     const cublasOperation_t op_second = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;  // applies to A
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+    if (g.bias) {
+      // Column-major Cᵀ [n, m]: the epilogue's per-row bias is our per-column one. Its dtype is C's
+      // (cuBLASLt's default for BF16 and F32 outputs).
+      const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    }
     // B as stored: row-major [k, n] (or [n, k] when transposed) = column-major [n, k] (or [k, n]).
     const uint64_t b_rows = g.trans_b ? g.k : g.n, b_cols = g.trans_b ? g.n : g.k;
     const uint64_t a_rows = g.trans_a ? g.m : g.k, a_cols = g.trans_a ? g.k : g.m;
@@ -100,6 +106,8 @@ void GemmCache::run(cudaStream_t stream, const GemmArgs& g) {
     found = plans_.emplace(key, std::move(plan)).first;
   }
   const Plan& plan = *found->second;
+  if (g.bias)  // the pointer changes from call to call; the host enqueues one matmul at a time
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
   CUBLAS_CHECK(cublasLtMatmul(ctx_.lt(), plan.op, &g.alpha, g.b, plan.b, g.a, plan.a, &g.beta, g.c_ptr, plan.c,
                               g.c_ptr, plan.c, &plan.algo, ctx_.workspace(), ctx_.workspace_bytes(), stream));
 }

@@ -19,6 +19,7 @@ struct GemmArgs {
   void* c_ptr;
   int64_t lda, ldb;     // row lengths of A and B as stored
   float alpha, beta;
+  const void* bias = nullptr;  // [n] of C's dtype, added by the epilogue (16-byte aligned)
 };
 
 class GemmCache {
@@ -33,6 +34,7 @@ class GemmCache {
     bool ta, tb;
     DType ab, c;
     int align_a, align_b, align_c;
+    bool bias;
     bool operator==(const Key&) const = default;
   };
   struct KeyHash {
