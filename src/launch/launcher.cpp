@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
@@ -181,21 +182,73 @@ void start_child(Child& child, const std::string& executable, const std::vector<
 
 }  // namespace
 
-int pick_free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) fail("launcher: cannot create a socket: {}", std::strerror(errno));
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof address;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
-    int error = errno;
-    ::close(fd);
-    fail("launcher: cannot find a free port: {}", std::strerror(error));
+// The lowest port the kernel gives outgoing connections (its range is "32768 60999" by default).
+int ephemeral_port_low() {
+  int result = 32768;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    int low = 0, high = 0;
+    if (std::fscanf(f, "%d %d", &low, &high) == 2 && low > 0 && low <= high) result = low;
+    std::fclose(f);
   }
-  ::close(fd);
-  return ntohs(address.sin_port);
+  return result;
+}
+
+namespace {
+
+// Whether a listener could bind `port` on every address now, as the rendezvous store will (port 0:
+// the kernel picks; the port it gave is returned through `port`).
+bool can_listen(int& port) {
+  for (int family : {AF_INET6, AF_INET}) {
+    int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    int one = 1, zero = 0;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_storage address{};
+    socklen_t length;
+    if (family == AF_INET6) {
+      ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+      auto* a = reinterpret_cast<sockaddr_in6*>(&address);
+      a->sin6_family = AF_INET6;
+      a->sin6_addr = in6addr_any;
+      a->sin6_port = htons(static_cast<uint16_t>(port));
+      length = sizeof(sockaddr_in6);
+    } else {
+      auto* a = reinterpret_cast<sockaddr_in*>(&address);
+      a->sin_family = AF_INET;
+      a->sin_addr.s_addr = htonl(INADDR_ANY);
+      a->sin_port = htons(static_cast<uint16_t>(port));
+      length = sizeof(sockaddr_in);
+    }
+    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&address), length) == 0 &&
+                    ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+    if (ok)
+      port = ntohs(family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&address)->sin6_port
+                                      : reinterpret_cast<sockaddr_in*>(&address)->sin_port);
+    ::close(fd);
+    return ok;  // the first family this machine has decides, as for the store
+  }
+  return false;
+}
+
+}  // namespace
+
+int pick_free_port() {
+  // A port below the ephemeral range: between this check and rank 0's store binding it, the
+  // kernel hands ephemeral ports to outgoing connections (NCCL, Gloo, the ranks' own store
+  // clients), and one of those once took the port picked here (port 0's answer is ephemeral).
+  const int first = 20000, last = ephemeral_port_low() - 1;
+  if (last - first >= 1000) {
+    uint64_t state = static_cast<uint64_t>(::getpid()) * 0x9E3779B97F4A7C15ull ^
+                     static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    for (int attempt = 0; attempt < 64; ++attempt) {
+      state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+      int port = first + static_cast<int>(state % static_cast<uint64_t>(last - first + 1));
+      if (can_listen(port)) return port;
+    }
+  }
+  int port = 0;
+  if (!can_listen(port)) fail("launcher: cannot find a free port: {}", std::strerror(errno));
+  return port;
 }
 
 LauncherFlag extract_launcher_flag(const std::vector<std::string>& arguments) {

@@ -37,7 +37,9 @@ struct LauncherFlag {
 };
 LauncherFlag extract_launcher_flag(const std::vector<std::string>& arguments);
 
-// A TCP port nobody listens on right now (the kernel's pick), for MASTER_PORT.
+// A TCP port nobody listens on right now, below the kernel's ephemeral range when there is room
+// (so no outgoing connection takes it before rank 0 listens), for MASTER_PORT.
 int pick_free_port();
+int ephemeral_port_low();  // from /proc/sys/net/ipv4/ip_local_port_range
 
 }  // namespace spindle

@@ -130,6 +130,20 @@ TEST(Launcher, ChildrenRendezvousAndReduce) {
             (std::vector<std::string>{"[rank 0] sum 10", "[rank 1] sum 10", "[rank 2] sum 10", "[rank 3] sum 10"}));
 }
 
+TEST(Launcher, PicksListenablePortsBelowTheEphemeralRange) {
+  // Outgoing connections take ephemeral ports; a store port from that range can be taken between
+  // the pick and rank 0's listen (seen once on the GPU host).
+  const int low = ephemeral_port_low();
+  for (int i = 0; i < 20; ++i) {
+    const int port = pick_free_port();
+    if (low > 21000) {
+      EXPECT_LT(port, low);
+    }
+    EXPECT_GT(port, 0);
+    EXPECT_LT(port, 65536);
+  }
+}
+
 TEST(Launcher, FlagErrors) {
   ProbeRun run = run_probe({"ok", "--nproc-per-node", "zero"});
   EXPECT_EQ(run.exit_code(), 2);
