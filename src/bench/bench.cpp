@@ -8,6 +8,7 @@
 #include "bench/device_timer.h"
 #include "bench/flops.h"
 #include "bench/timed_backend.h"
+#include "comm/communicator.h"
 #include "core/error.h"
 #include "data/document.h"
 #include "model/batch.h"
@@ -88,6 +89,36 @@ struct Parallel {
   }
 };
 
+// Times the groups' calls during the profiled steps. A call enqueued on the compute stream holds
+// the step up (Communication); one on another stream (ring exchanges) runs under compute.
+class CommTimer final : public comm::CommObserver {
+ public:
+  CommTimer(OpRecorder& recorder, Stream compute, const Parallel& par) : recorder_(recorder), compute_(compute) {
+    if (par.run.world) groups_.push_back(par.run.world.get());
+    if (const parallel::Mesh* mesh = par.run.mesh.get())
+      for (comm::Communicator* g : {&mesh->dp(), &mesh->sp(), &mesh->ulysses(), &mesh->ring()}) groups_.push_back(g);
+    for (comm::Communicator* g : groups_) g->set_observer(this);
+  }
+  ~CommTimer() override {
+    for (comm::Communicator* g : groups_) g->set_observer(nullptr);
+  }
+  CommTimer(const CommTimer&) = delete;
+  CommTimer& operator=(const CommTimer&) = delete;
+
+  int begin(Stream stream, const comm::Communicator& group, const char* call, const Tensor& data) override {
+    const OpCategory category =
+        stream.handle == compute_.handle ? OpCategory::Communication : OpCategory::OverlappedCommunication;
+    return recorder_.begin(stream, category,
+                           fmt::format("{} {} {:.1f} MiB", group.name(), call, static_cast<double>(data.bytes()) / (1 << 20)));
+  }
+  void end(Stream stream, int token) override { recorder_.end(stream, token); }
+
+ private:
+  OpRecorder& recorder_;
+  Stream compute_;
+  std::vector<comm::Communicator*> groups_;
+};
+
 void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, const DeviceInfo& device,
                 double peak_tflops, const Parallel& par, BenchResult& r) {
   const ModelConfig& config = weights.config;
@@ -152,6 +183,7 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   if (o.profile_steps > 0) {
     OpRecorder recorder(backend);
     TimedBackend timed(backend, recorder);
+    CommTimer comm_timer(recorder, stream, par);
     Decoder profiled(timed, weights, decoder_options);
     par.attach(profiled);
     auto wall = make_device_timer(backend);
@@ -160,7 +192,7 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
     const int stop = wall->mark(stream);
     backend.synchronize(stream);
     const auto totals = recorder.totals_ms();
-    for (int c = 0; c < 4; ++c) r.split_ms[c] = totals[c] / o.profile_steps;
+    for (size_t c = 0; c < totals.size(); ++c) r.split_ms[c] = totals[c] / o.profile_steps;
     r.profiled_step_ms = wall->elapsed_ms(start, stop) / o.profile_steps;
     r.ops_per_step = recorder.op_count() / o.profile_steps;
     r.op_table = recorder.op_table();
@@ -172,6 +204,11 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
     r.split_measured = true;
   }
   (void)device;
+}
+
+// The profiled step's time outside ops and waited-for collectives.
+double idle_ms(const BenchResult& r) {
+  return r.profiled_step_ms - (r.split_ms[0] + r.split_ms[1] + r.split_ms[2] + r.split_ms[3]);
 }
 
 std::string gib(int64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1 << 30)); }
@@ -287,17 +324,19 @@ std::string format_report(const BenchReport& rep) {
   bool any_split = false;
   for (const BenchResult& r : rep.results) any_split |= r.split_measured;
   if (any_split) {
-    s += "\ntime split of the profiled step(s) (each op between device events; 'idle' = step − Σ ops: launch gaps, host "
-         "work, allocation waits)\n";
-    s += fmt::format("{:>8} {:>11} {:>16} {:>16} {:>16} {:>16} {:>14} {:>6}\n", "seq", "step ms", "attention",
-                     "gemm", "communication", "other ops", "idle", "ops");
+    s += "\ntime split of the profiled step(s) (each op and each collective between device events; "
+         "'communication': collectives on the compute stream, which the step waits for; 'idle' = step − those four: "
+         "launch gaps, host work, allocation waits; 'overlapped comm': collectives on another stream (ring "
+         "exchanges), which run under the compute and are not part of the step's sum)\n";
+    s += fmt::format("{:>8} {:>11} {:>16} {:>16} {:>16} {:>16} {:>14} {:>16} {:>6}\n", "seq", "step ms", "attention",
+                     "gemm", "communication", "other ops", "idle", "overlapped comm", "ops");
     for (const BenchResult& r : rep.results) {
       if (!r.split_measured) continue;
       const double step = r.profiled_step_ms;
       auto cell = [&](double ms) { return fmt::format("{:.1f} ({:.0f}%)", ms, step > 0 ? 100 * ms / step : 0); };
-      const double idle = step - (r.split_ms[0] + r.split_ms[1] + r.split_ms[2] + r.split_ms[3]);
-      s += fmt::format("{:>8} {:>11.1f} {:>16} {:>16} {:>16} {:>16} {:>14} {:>6}\n", r.seq, step, cell(r.split_ms[0]),
-                       cell(r.split_ms[1]), cell(r.split_ms[2]), cell(r.split_ms[3]), cell(idle), r.ops_per_step);
+      s += fmt::format("{:>8} {:>11.1f} {:>16} {:>16} {:>16} {:>16} {:>14} {:>16} {:>6}\n", r.seq, step,
+                       cell(r.split_ms[0]), cell(r.split_ms[1]), cell(r.split_ms[2]), cell(r.split_ms[3]),
+                       cell(idle_ms(r)), cell(r.split_ms[4]), r.ops_per_step);
     }
   }
   if (any_split && o.op_table_rows > 0) {
@@ -363,8 +402,9 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
     x["device_total_bytes"] = r.memory.device_total_bytes;
     if (r.split_measured) {
       auto& split = x["split_ms"];
-      for (int c = 0; c < 4; ++c) split[category_name(static_cast<OpCategory>(c))] = r.split_ms[c];
-      split["idle"] = r.profiled_step_ms - (r.split_ms[0] + r.split_ms[1] + r.split_ms[2] + r.split_ms[3]);
+      for (int c = 0; c < static_cast<int>(OpCategory::kCount); ++c)
+        split[category_name(static_cast<OpCategory>(c))] = r.split_ms[c];
+      split["idle"] = idle_ms(r);
       x["profiled_step_ms"] = r.profiled_step_ms;
       x["ops_per_step"] = r.ops_per_step;
       auto& ops = x["ops"] = nlohmann::ordered_json::array();

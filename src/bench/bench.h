@@ -46,7 +46,9 @@ struct BenchResult {
   double model_flops = 0, executed_flops = 0;
   MemoryStats memory;                  // after the timed steps; peaks since the first timed step
   bool split_measured = false;
-  double split_ms[4] = {};             // attention, gemm, communication, other ops (per step)
+  // Per step, by OpCategory: attention, gemm, communication (on the compute stream), other ops,
+  // overlapped communication (on another stream; not part of idle = step − the first four).
+  double split_ms[5] = {};
   double profiled_step_ms = 0;         // wall time of the profiled step(s), per step (rank 0)
   int64_t ops_per_step = 0;
   std::vector<OpTime> op_table;        // per profiled step, the most time first

@@ -12,6 +12,7 @@ const char* category_name(OpCategory c) {
     case OpCategory::Gemm: return "gemm";
     case OpCategory::Communication: return "communication";
     case OpCategory::OtherOps: return "other_ops";
+    case OpCategory::OverlappedCommunication: return "overlapped_communication";
     case OpCategory::kCount: break;
   }
   return "?";
@@ -19,20 +20,23 @@ const char* category_name(OpCategory c) {
 
 std::array<double, static_cast<size_t>(OpCategory::kCount)> OpRecorder::totals_ms() {
   std::array<double, static_cast<size_t>(OpCategory::kCount)> totals{};
-  for (const Record& r : open_) totals[static_cast<size_t>(r.category)] += timer_->elapsed_ms(r.begin, r.end);
+  for (const Record& r : open_)
+    if (r.end >= 0) totals[static_cast<size_t>(r.category)] += timer_->elapsed_ms(r.begin, r.end);
   return totals;
 }
 
-void OpRecorder::begin(Stream stream, OpCategory category, const std::string& label, double flops) {
+int OpRecorder::begin(Stream stream, OpCategory category, const std::string& label, double flops) {
   auto [it, inserted] = label_index_.try_emplace(label, static_cast<int>(labels_.size()));
   if (inserted) labels_.push_back(label);
   open_.push_back({category, it->second, flops, timer_->mark(stream), -1});
+  return static_cast<int>(open_.size()) - 1;
 }
 
 std::vector<OpTime> OpRecorder::op_table() {
   std::vector<OpTime> table(labels_.size());
   for (size_t i = 0; i < labels_.size(); ++i) table[i].label = labels_[i];
   for (const Record& r : open_) {
+    if (r.end < 0) continue;  // its call threw
     OpTime& t = table[static_cast<size_t>(r.label)];
     t.category = r.category;
     t.calls += 1;

@@ -14,8 +14,11 @@
 
 namespace spindle::bench {
 
-enum class OpCategory { Attention, Gemm, Communication, OtherOps, kCount };
-const char* category_name(OpCategory c);  // "attention", "gemm", "communication", "other_ops"
+// Communication: the groups' calls on the compute stream (the step waits for them);
+// OverlappedCommunication: calls on another stream (ring exchanges), which run under compute.
+enum class OpCategory { Attention, Gemm, Communication, OtherOps, OverlappedCommunication, kCount };
+// "attention", "gemm", "communication", "other_ops", "overlapped_communication"
+const char* category_name(OpCategory c);
 
 // Time of one kind of op (name, and for GEMMs the shape M×N×K) over the recorded steps.
 struct OpTime {
@@ -30,8 +33,9 @@ struct OpTime {
 class OpRecorder {
  public:
   explicit OpRecorder(Backend& backend) : timer_(make_device_timer(backend)) {}
-  void begin(Stream stream, OpCategory category, const std::string& label, double flops = 0);
-  void end(Stream stream) { open_.back().end = timer_->mark(stream); }
+  // Returns the record's token for end(); records may interleave (comm and compute streams).
+  int begin(Stream stream, OpCategory category, const std::string& label, double flops = 0);
+  void end(Stream stream, int token) { open_[static_cast<size_t>(token)].end = timer_->mark(stream); }
   // Milliseconds per category since the last reset(); call after synchronizing.
   std::array<double, static_cast<size_t>(OpCategory::kCount)> totals_ms();
   // Per label, the most time first; call after synchronizing.
@@ -110,9 +114,9 @@ class TimedBackend final : public Backend {
  private:
   template <typename Op>
   void timed(Stream stream, OpCategory category, const std::string& label, Op&& op, double flops = 0) {
-    recorder_.begin(stream, category, label, flops);
+    const int token = recorder_.begin(stream, category, label, flops);
     op();
-    recorder_.end(stream);
+    recorder_.end(stream, token);
   }
 
   Backend& inner_;

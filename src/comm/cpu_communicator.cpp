@@ -85,7 +85,7 @@ class GlooCommunicator final : public Communicator {
   int size() const override { return size_; }
   const std::string& name() const override { return name_; }
 
-  void all_reduce_sum(Stream, Tensor& data) override {
+  void do_all_reduce_sum(Stream, Tensor& data) override {
     check_host(data, "all_reduce_sum");
     if (size_ == 1 || data.numel() == 0) return;
     // Reduce-scatter (all-to-all, then a rank-order sum of my chunk) and all-gather: the same bytes
@@ -110,7 +110,7 @@ class GlooCommunicator final : public Communicator {
     std::memcpy(data.data(), gathered.data(), count * element);
   }
 
-  void all_gather(Stream, const Tensor& in, Tensor& out) override {
+  void do_all_gather(Stream, const Tensor& in, Tensor& out) override {
     check_all_gather_shapes(*this, in, out);
     check_host(in, "all_gather");
     check_host(out, "all_gather");
@@ -119,7 +119,7 @@ class GlooCommunicator final : public Communicator {
     guarded("all_gather", [&] { allgather_bytes(in.data(), out.data(), in.bytes()); });
   }
 
-  void reduce_scatter_sum(Stream, const Tensor& in, Tensor& out) override {
+  void do_reduce_scatter_sum(Stream, const Tensor& in, Tensor& out) override {
     check_reduce_scatter_shapes(*this, in, out);
     check_host(in, "reduce_scatter_sum");
     check_host(out, "reduce_scatter_sum");
@@ -133,7 +133,7 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
-  void all_to_all(Stream, const Tensor& in, Tensor& out) override {
+  void do_all_to_all(Stream, const Tensor& in, Tensor& out) override {
     check_all_to_all_shapes(*this, in, out);
     check_host(in, "all_to_all");
     check_host(out, "all_to_all");
@@ -148,7 +148,7 @@ class GlooCommunicator final : public Communicator {
     guarded("all_to_all", [&] { alltoall_bytes(source, out.data(), in.bytes()); });
   }
 
-  void broadcast(Stream, Tensor& data, int root) override {
+  void do_broadcast(Stream, Tensor& data, int root) override {
     check_peer(*this, root, "broadcast");
     check_host(data, "broadcast");
     if (size_ == 1 || data.bytes() == 0) return;
@@ -162,7 +162,7 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
-  void send(Stream, const Tensor& data, int peer) override {
+  void do_send(Stream, const Tensor& data, int peer) override {
     check_peer(*this, peer, "send");
     check_host(data, "send");
     if (peer == rank_) fail("send on group '{}': rank {} cannot send to itself; use send_recv", name_, rank_);
@@ -173,7 +173,7 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
-  void recv(Stream, Tensor& data, int peer) override {
+  void do_recv(Stream, Tensor& data, int peer) override {
     check_peer(*this, peer, "recv");
     check_host(data, "recv");
     if (peer == rank_) fail("recv on group '{}': rank {} cannot receive from itself; use send_recv", name_, rank_);
@@ -184,7 +184,7 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
-  void send_recv(Stream, const Tensor& send_data, int send_to, Tensor& recv_data, int recv_from) override {
+  void do_send_recv(Stream, const Tensor& send_data, int send_to, Tensor& recv_data, int recv_from) override {
     check_peer(*this, send_to, "send_recv");
     check_peer(*this, recv_from, "send_recv");
     check_host(send_data, "send_recv");

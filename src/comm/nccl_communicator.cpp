@@ -356,7 +356,7 @@ class NcclCommunicator final : public Communicator {
   int size() const override { return state_->size(); }
   const std::string& name() const override { return state_->name(); }
 
-  void all_reduce_sum(Stream stream, Tensor& data) override {
+  void do_all_reduce_sum(Stream stream, Tensor& data) override {
     const char* call = "all_reduce_sum";
     check_device(data, call);
     const ncclDataType_t type = nccl_sum_type(data.dtype(), call, name());
@@ -393,7 +393,7 @@ class NcclCommunicator final : public Communicator {
       NCCL_COMM_CUDA_CHECK(cudaMemcpyAsync(data.data(), buffer, count * element, cudaMemcpyDeviceToDevice, s));
   }
 
-  void all_gather(Stream stream, const Tensor& in, Tensor& out) override {
+  void do_all_gather(Stream stream, const Tensor& in, Tensor& out) override {
     const char* call = "all_gather";
     check_all_gather_shapes(*this, in, out);
     check_device(in, call);
@@ -416,7 +416,7 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  void reduce_scatter_sum(Stream stream, const Tensor& in, Tensor& out) override {
+  void do_reduce_scatter_sum(Stream stream, const Tensor& in, Tensor& out) override {
     const char* call = "reduce_scatter_sum";
     check_reduce_scatter_shapes(*this, in, out);
     check_device(in, call);
@@ -436,7 +436,7 @@ class NcclCommunicator final : public Communicator {
     sum_blocks_in_rank_order_on_device(s, in.dtype(), received.data(), size(), out.numel(), out.data());
   }
 
-  void all_to_all(Stream stream, const Tensor& in, Tensor& out) override {
+  void do_all_to_all(Stream stream, const Tensor& in, Tensor& out) override {
     const char* call = "all_to_all";
     check_all_to_all_shapes(*this, in, out);
     check_device(in, call);
@@ -453,7 +453,7 @@ class NcclCommunicator final : public Communicator {
     enqueue(call, -1, s, [&] { all_to_all_bytes(source, out.data(), in.bytes() / size(), s, call); });
   }
 
-  void broadcast(Stream stream, Tensor& data, int root) override {
+  void do_broadcast(Stream stream, Tensor& data, int root) override {
     const char* call = "broadcast";
     check_peer(*this, root, call);
     check_device(data, call);
@@ -465,7 +465,7 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  void send(Stream stream, const Tensor& data, int peer) override {
+  void do_send(Stream stream, const Tensor& data, int peer) override {
     const char* call = "send";
     check_peer(*this, peer, call);
     check_device(data, call);
@@ -477,7 +477,7 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  void recv(Stream stream, Tensor& data, int peer) override {
+  void do_recv(Stream stream, Tensor& data, int peer) override {
     const char* call = "recv";
     check_peer(*this, peer, call);
     check_device(data, call);
@@ -490,7 +490,7 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  void send_recv(Stream stream, const Tensor& send_data, int send_to, Tensor& recv_data, int recv_from) override {
+  void do_send_recv(Stream stream, const Tensor& send_data, int send_to, Tensor& recv_data, int recv_from) override {
     const char* call = "send_recv";
     check_peer(*this, send_to, call);
     check_peer(*this, recv_from, call);
