@@ -47,13 +47,16 @@ if has check; then
   # One step on 2 GPUs (bf16) against the same rows in one process on GPU 0. qwen2_lora with ring
   # exceeds the gradient tolerance by design of that test model (saturated attention amplifies the
   # last-bit differences of ring-merged outputs: 5.3e-2, then 0.105 after the BF16 LoRA reorder of
-  # 2026-11-30; see docs/perf.md); Ulysses stays at 4e-3 there.
+  # 2026-11-30; see docs/perf.md); Ulysses stays at 4e-3 there. The same model in F32 on the GPUs
+  # (tolerances 1e-5 / 1e-4) is what shows the ring path exact on it.
   for mesh in "--sp 2 --ulysses 2" "--sp 2 --ring 2"; do
-    for case in "qwen2 --full" "qwen2_lora --adapter $M/qwen2_lora/adapter" "qwen3 --full"; do
+    for case in "qwen2 --full" "qwen2_lora --adapter $M/qwen2_lora/adapter" "qwen3 --full" \
+                "qwen2_lora --adapter $M/qwen2_lora/adapter --dtype f32"; do
       set -- $case; name=$1; shift
+      tag=${name}${4:+_$4}  # qwen2_lora_f32 for the F32 case
       timeout 120 "$S" check --device cuda --nproc-per-node 2 $mesh --model "$M/$name" --data "$M/$name/data.jsonl" \
-        --max-length 64 --grad-accum 2 "$@" --json > "$out/check_${name}_${mesh// /_}.json" 2> "$out/check_${name}_${mesh// /_}.err"
-      summary+=("check $name $mesh rc=$?")
+        --max-length 64 --grad-accum 2 "$@" --json > "$out/check_${tag}_${mesh// /_}.json" 2> "$out/check_${tag}_${mesh// /_}.err"
+      summary+=("check $tag $mesh rc=$?")
     done
   done
 fi
