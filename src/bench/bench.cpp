@@ -43,7 +43,9 @@ void validate(const BenchOptions& o) {
   if (o.steps < 1) fail("--steps must be at least 1, got {}", o.steps);
   if (o.warmup < 0 || o.profile_steps < 0) fail("--warmup and --profile-steps cannot be negative");
   if (!o.full && o.lora_rank <= 0) fail("--lora-rank must be positive (or use --full), got {}", o.lora_rank);
-  parse_recompute_mode(o.recompute);
+  if (o.recompute_layers < -1) fail("--recompute-layers must be -1 (all layers) or >= 0, got {}", o.recompute_layers);
+  if (o.recompute_layers >= 0 && parse_recompute_mode(o.recompute) == RecomputeMode::None)
+    fail("--recompute-layers {} needs --recompute all or keep-attention", o.recompute_layers);
   if (o.sp < 0 || o.ulysses < 0 || o.ring < 0) fail("--sp, --ulysses and --ring must be positive");
 }
 
@@ -133,7 +135,7 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   const MicroBatch batch = make_micro_batch(backend, {row}, dtype);
 
   const RecomputeMode recompute = parse_recompute_mode(o.recompute);
-  const DecoderOptions decoder_options = recompute_options(recompute, config.num_layers);
+  const DecoderOptions decoder_options = recompute_options(recompute, config.num_layers, o.recompute_layers);
   Stream stream = backend.default_stream();
   Tensor loss = backend.zeros(Shape{1}, stat_dtype(dtype));
 
@@ -172,6 +174,7 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   setup.tokens = seq;  // one replica's sequence; its FLOPs are spread over the replica's sp GPUs
   setup.lora_rank = o.full ? 0 : o.lora_rank;
   setup.recompute = recompute;
+  setup.recomputed_layers = o.recompute_layers;
   const StepFlops flops = step_flops(config, setup);
   const double step_s = total_ms / 1000.0 / o.steps;
   r.model_flops = flops.model();
@@ -295,7 +298,10 @@ std::string format_report(const BenchReport& rep) {
                    "every token supervised\n",
                    o.device == "cuda" ? "BF16 (F32 accumulation)" : "F32", rep.device_name,
                    o.full ? std::string("full fine-tuning") : fmt::format("LoRA r={} on all 7 projections", o.lora_rank),
-                   rep.trainable_parameters, o.recompute, o.warmup, o.steps);
+                   rep.trainable_parameters,
+                   o.recompute_layers >= 0 ? fmt::format("{} on the first {} layers", o.recompute, o.recompute_layers)
+                                           : o.recompute,
+                   o.warmup, o.steps);
   if (rep.world > 1)
     s += fmt::format("  {} processes, one GPU each: dp {} x sp {} (ulysses {} x ring {}), FSDP over all; tokens/s counts "
                      "all replicas, TFLOP/s and MFU are per GPU, memory is rank 0's\n",
@@ -367,6 +373,7 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
   j["mode"] = o.full ? "full" : "lora";
   j["lora_rank"] = o.full ? 0 : o.lora_rank;
   j["recompute"] = o.recompute;
+  j["recompute_layers"] = o.recompute_layers;
   j["warmup"] = o.warmup;
   j["steps"] = o.steps;
   j["world"] = rep.world;

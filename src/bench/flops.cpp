@@ -1,5 +1,7 @@
 #include "bench/flops.h"
 
+#include <algorithm>
+
 namespace spindle::bench {
 
 int64_t matmul_parameters(const ModelConfig& c) {
@@ -29,9 +31,15 @@ StepFlops step_flops(const ModelConfig& c, const FlopSetup& s) {
   f.dense_model = 6 * (base + lora) * T;
   f.attention_model = 3.5 * attention_forward;
   const bool frozen = s.lora_rank > 0;
-  const bool recompute = s.recompute != RecomputeMode::None;
-  f.dense_executed = ((frozen ? 4 : 6) * base + 6 * lora) * T + (recompute ? 2 * (layer_base + lora) * T : 0);
-  f.attention_executed = (3.5 + (s.recompute == RecomputeMode::All ? 1.0 : 0.0)) * attention_forward;
+  // Share of the layers that recompute (their per-layer FLOPs are equal).
+  const double share =
+      s.recompute == RecomputeMode::None
+          ? 0.0
+          : (s.recomputed_layers < 0 ? 1.0
+                                     : static_cast<double>(std::min<int64_t>(s.recomputed_layers, c.num_layers)) /
+                                           static_cast<double>(c.num_layers));
+  f.dense_executed = ((frozen ? 4 : 6) * base + 6 * lora) * T + share * 2 * (layer_base + lora) * T;
+  f.attention_executed = (3.5 + (s.recompute == RecomputeMode::All ? share : 0.0)) * attention_forward;
   return f;
 }
 

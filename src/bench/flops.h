@@ -13,7 +13,8 @@
 //   executed FLOPs = what the engine really does: frozen weights need only the input gradient
 //   (4 instead of 6 per weight and token), recomputed layers run their forward twice (dense 2·N
 //   more; attention 1 × forward more with --recompute all, none with keep-attention, which keeps
-//   each layer's attention output from the first forward).
+//   each layer's attention output from the first forward), for the recomputed layers only
+//   (--recompute-layers).
 #pragma once
 
 #include <cstdint>
@@ -34,7 +35,8 @@ struct FlopSetup {
   int64_t tokens = 0;        // T, one causal document
   int64_t lora_rank = 0;     // 0: full fine-tuning
   int64_t lora_targets = 7;  // projections per layer carrying LoRA
-  RecomputeMode recompute = RecomputeMode::None;  // applied to every layer
+  RecomputeMode recompute = RecomputeMode::None;
+  int64_t recomputed_layers = -1;  // how many layers `recompute` applies to (-1: all)
 };
 
 // Parameters in matrix products per token (N_matmul above), base weights and LoRA separately.

@@ -101,6 +101,9 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
                   "keep-attention (also keep attention outputs: no second attention forward)")
       ->check(CLI::IsMember({"none", "all", "keep-attention"}))
       ->capture_default_str();
+  cmd->add_option("--recompute-layers", o.recompute_layers,
+                  "apply --recompute to the first N layers only; the others keep every activation (-1: all)")
+      ->capture_default_str();
   cmd->add_option("--steps", o.steps, "timed steps per length")->capture_default_str();
   cmd->add_option("--warmup", o.warmup, "untimed steps first")->capture_default_str();
   cmd->add_option("--profile-steps", o.profile_steps,

@@ -128,6 +128,10 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
                   "layers in backward) or keep-attention (as all, but keep each layer's attention output: "
                   "no second attention forward)")
       ->capture_default_str();
+  cmd->add_option("--recompute-layers", c.recompute_layers,
+                  "apply --recompute to the first N layers only; the others keep every activation (faster, more "
+                  "memory; -1: all layers)")
+      ->capture_default_str();
   cmd->add_option("--device", c.device, "auto, cpu or cuda (auto: CUDA when a GPU is visible; each process uses "
                                         "the GPU of its local rank)")->capture_default_str();
   cmd->add_option("--dtype", c.dtype, "compute precision: auto (CPU f32, CUDA bf16), f32, f64 (CPU) or bf16 (CUDA)")

@@ -93,9 +93,16 @@ const char* recompute_mode_name(RecomputeMode mode) {
   return "?";
 }
 
-DecoderOptions recompute_options(RecomputeMode mode, int64_t num_layers) {
+DecoderOptions recompute_options(RecomputeMode mode, int64_t num_layers, int64_t recompute_layers) {
+  if (recompute_layers > num_layers)
+    fail("--recompute-layers {} but the model has {} layers (at most {}; -1: all)", recompute_layers, num_layers,
+         num_layers);
   DecoderOptions options;
-  if (mode != RecomputeMode::None) options.recompute.assign(static_cast<size_t>(num_layers), true);
+  if (mode != RecomputeMode::None) {
+    const int64_t n = recompute_layers < 0 ? num_layers : recompute_layers;
+    options.recompute.assign(static_cast<size_t>(num_layers), false);
+    for (int64_t l = 0; l < n; ++l) options.recompute[static_cast<size_t>(l)] = true;
+  }
   options.keep_attention = mode == RecomputeMode::KeepAttention;
   return options;
 }

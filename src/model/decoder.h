@@ -95,8 +95,10 @@ struct DecoderOptions {
   size_t logits_budget_bytes = size_t{256} << 20;
 };
 
-// Options that apply a --recompute mode to all `num_layers` layers (other fields at their defaults).
-DecoderOptions recompute_options(RecomputeMode mode, int64_t num_layers);
+// Options that apply a --recompute mode to the first `recompute_layers` of `num_layers` layers
+// (-1: all of them); the others keep every activation, trading memory for the recompute's time
+// (--recompute-layers). Other fields at their defaults.
+DecoderOptions recompute_options(RecomputeMode mode, int64_t num_layers, int64_t recompute_layers = -1);
 
 // Saved activations of one layer (T tokens, H hidden, Hq/Hkv heads of D, F MLP width, r LoRA rank).
 // What a step holds per layer between forward and backward (b = bytes of the activation dtype,

@@ -162,7 +162,7 @@ ModelWeights load_training_weights(Backend& backend, const TrainConfig& config, 
 }
 
 DecoderOptions decoder_options(const TrainConfig& config, const ModelConfig& model_config) {
-  return recompute_options(parse_recompute_mode(config.recompute), model_config.num_layers);
+  return recompute_options(parse_recompute_mode(config.recompute), model_config.num_layers, config.recompute_layers);
 }
 
 std::vector<PackedRow> load_rows(const fs::path& prepared, const PackOptions& pack) {

@@ -42,6 +42,7 @@ struct TrainConfig {
   std::string metrics_file;           // default: OUTPUT/metrics.jsonl
   int64_t log_every = 1;
   std::string recompute = "none";     // none | all | keep-attention: activation checkpointing (RecomputeMode)
+  int64_t recompute_layers = -1;       // how many layers (the first ones) --recompute applies to; -1: all
   std::string device = "auto";        // auto | cpu | cuda (auto: CUDA when built with it and a GPU is visible)
   std::string dtype = "auto";         // auto (cpu: f32, cuda: bf16) | f32 | f64 (cpu) | bf16 (cuda)
   int threads = 0;

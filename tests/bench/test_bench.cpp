@@ -118,6 +118,15 @@ TEST(Bench, FlopFormulasCountTheAllocatedParameters) {
     EXPECT_DOUBLE_EQ(kept.model(), f.model());
     EXPECT_DOUBLE_EQ(kept.attention_executed, 3.5 * attention_forward);
     EXPECT_DOUBLE_EQ(kept.dense_executed, dense_recomputed);
+    // --recompute-layers: the recompute's FLOPs in proportion to the layers that recompute.
+    setup.recompute = RecomputeMode::All;
+    setup.recomputed_layers = 1;
+    const StepFlops one = step_flops(config, setup);
+    const double share = 1.0 / static_cast<double>(config.num_layers);
+    EXPECT_DOUBLE_EQ(one.attention_executed, (3.5 + share) * attention_forward);
+    EXPECT_DOUBLE_EQ(one.dense_executed, (4.0 * (projections + head) + 6.0 * adapters) * 100 +
+                                             share * 2.0 * (projections + adapters) * 100);
+    setup.recomputed_layers = -1;
     setup.recompute = RecomputeMode::None;
     const StepFlops plain = step_flops(config, setup);
     EXPECT_DOUBLE_EQ(plain.attention_executed, 3.5 * attention_forward);

@@ -185,6 +185,11 @@ TEST_P(RecomputeModes, LossAndEveryGradientAreBitIdentical) {
   const Result mix = run(*be, w, mixed);
   expect_identical(mix, none, w, "layers 0 and 2 keep-attention, layer 1 kept");
   EXPECT_EQ(mix.attention_forwards, layers * micro_batches);
+
+  // --recompute all --recompute-layers 1: only layer 0 runs its attention forward twice.
+  const Result first = run(*be, w, recompute_options(RecomputeMode::All, layers, 1));
+  expect_identical(first, none, w, "recompute all on the first layer");
+  EXPECT_EQ(first.attention_forwards, (layers + 1) * micro_batches);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, RecomputeModes,
@@ -234,4 +239,9 @@ TEST(RecomputeModes, ParseNamesTheAcceptedValues) {
   EXPECT_EQ(o.recompute, std::vector<bool>(4, true));
   EXPECT_TRUE(o.keep_attention);
   EXPECT_TRUE(recompute_options(RecomputeMode::None, 4).recompute.empty());
+  // --recompute-layers: the first N layers recompute, the rest keep everything.
+  EXPECT_EQ(recompute_options(RecomputeMode::All, 4, 1).recompute, (std::vector<bool>{true, false, false, false}));
+  EXPECT_EQ(recompute_options(RecomputeMode::All, 4, 0).recompute, std::vector<bool>(4, false));
+  EXPECT_EQ(recompute_options(RecomputeMode::All, 4, 4).recompute, std::vector<bool>(4, true));
+  EXPECT_THROW(recompute_options(RecomputeMode::All, 4, 5), Error);
 }

@@ -205,6 +205,13 @@ TEST(Sft, BadConfigurationsFailBeforeAnyWork) {
   EXPECT_NE(error_of([](TrainConfig& c) { c.warmup_ratio = 1.5; }).find("--warmup-ratio must be in [0, 1)"), std::string::npos);
   EXPECT_NE(error_of([](TrainConfig& c) { c.lora_targets = {"lm_head"}; }).find("LoRA target \"lm_head\""), std::string::npos);
   EXPECT_NE(error_of([](TrainConfig& c) { c.resume = true; }).find("--resume: no checkpoint"), std::string::npos);
+  EXPECT_NE(error_of([](TrainConfig& c) { c.recompute_layers = 1; }).find("--recompute-layers 1 needs --recompute"),
+            std::string::npos);
+  EXPECT_NE(error_of([](TrainConfig& c) {
+              c.recompute = "all";
+              c.recompute_layers = 3;
+            }).find("--recompute-layers 3 but the model has 2 layers"),
+            std::string::npos);
   EXPECT_FALSE(fs::exists(out / "checkpoint-1"));
   fs::remove_all(out);
 }
