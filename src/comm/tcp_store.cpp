@@ -54,6 +54,41 @@ void write_all(int fd, const char* data, size_t size, const std::string& what) {
 
 // ---- server ------------------------------------------------------------------------------------
 
+int bind_any_address(int port) {
+  int last_errno = EAFNOSUPPORT;
+  for (int family : {AF_INET6, AF_INET}) {
+    int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      last_errno = errno;
+      continue;
+    }
+    int one = 1, zero = 0;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_storage address{};
+    socklen_t length;
+    if (family == AF_INET6) {
+      ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+      auto* a = reinterpret_cast<sockaddr_in6*>(&address);
+      a->sin6_family = AF_INET6;
+      a->sin6_addr = in6addr_any;
+      a->sin6_port = htons(static_cast<uint16_t>(port));
+      length = sizeof(sockaddr_in6);
+    } else {
+      auto* a = reinterpret_cast<sockaddr_in*>(&address);
+      a->sin_family = AF_INET;
+      a->sin_addr.s_addr = htonl(INADDR_ANY);
+      a->sin_port = htons(static_cast<uint16_t>(port));
+      length = sizeof(sockaddr_in);
+    }
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&address), length) == 0) return fd;
+    last_errno = errno;
+    ::close(fd);
+    if (last_errno == EADDRINUSE) break;  // taken: the other family would not help
+  }
+  errno = last_errno;
+  return -1;
+}
+
 class TcpStoreServer {
  public:
   explicit TcpStoreServer(int port) {
@@ -77,38 +112,17 @@ class TcpStoreServer {
   };
 
   static int bind_listener(int port) {
-    // Dual-stack IPv6 accepts IPv4 clients too; fall back to IPv4 where IPv6 is disabled.
-    for (int family : {AF_INET6, AF_INET}) {
-      int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      if (fd < 0) continue;
-      int one = 1, zero = 0;
-      ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-      sockaddr_storage address{};
-      socklen_t length;
-      if (family == AF_INET6) {
-        ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
-        auto* a = reinterpret_cast<sockaddr_in6*>(&address);
-        a->sin6_family = AF_INET6;
-        a->sin6_addr = in6addr_any;
-        a->sin6_port = htons(static_cast<uint16_t>(port));
-        length = sizeof(sockaddr_in6);
-      } else {
-        auto* a = reinterpret_cast<sockaddr_in*>(&address);
-        a->sin_family = AF_INET;
-        a->sin_addr.s_addr = htonl(INADDR_ANY);
-        a->sin_port = htons(static_cast<uint16_t>(port));
-        length = sizeof(sockaddr_in);
-      }
-      if (::bind(fd, reinterpret_cast<sockaddr*>(&address), length) == 0 && ::listen(fd, 1024) == 0) return fd;
-      int bind_errno = errno;
-      ::close(fd);
-      if (bind_errno == EADDRINUSE)
-        fail("rendezvous store: port {} is already in use on this machine (rank 0 hosts the store there); "
-             "set MASTER_PORT (or SPINDLE_STORE_PORT) to a free port",
-             port);
-      if (family == AF_INET) fail("rendezvous store: cannot listen on port {}: {}", port, std::strerror(bind_errno));
+    const int fd = bind_any_address(port);
+    if (fd < 0 && errno == EADDRINUSE)
+      fail("rendezvous store: port {} is already in use on this machine (rank 0 hosts the store there); "
+           "set MASTER_PORT (or SPINDLE_STORE_PORT) to a free port",
+           port);
+    if (fd < 0 || ::listen(fd, 1024) != 0) {
+      const std::string why = errno_text();
+      if (fd >= 0) ::close(fd);
+      fail("rendezvous store: cannot listen on port {}: {}", port, why);
     }
-    fail("rendezvous store: cannot create a socket: {}", errno_text());
+    return fd;
   }
 
   void serve() {

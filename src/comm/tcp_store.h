@@ -13,6 +13,12 @@
 
 namespace spindle::comm {
 
+// A TCP socket bound to `port` on every address of this machine, as the store's server binds it:
+// IPv6 dual-stack (IPv4 clients reach it too), IPv4 where IPv6 is unavailable; SO_REUSEADDR; not
+// listening yet. Port 0 lets the kernel choose. Returns the descriptor, or -1 with errno set
+// (EADDRINUSE: the port is taken).
+int bind_any_address(int port);
+
 class TcpStoreServer;
 
 class TcpStore {

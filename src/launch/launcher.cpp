@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "comm/process_group.h"
+#include "comm/tcp_store.h"
 #include "core/error.h"
 
 extern char** environ;
@@ -195,39 +196,19 @@ int ephemeral_port_low() {
 
 namespace {
 
-// Whether a listener could bind `port` on every address now, as the rendezvous store will (port 0:
-// the kernel picks; the port it gave is returned through `port`).
+// Whether the rendezvous store could bind `port` now (port 0: the kernel picks; the port it gave
+// is returned through `port`).
 bool can_listen(int& port) {
-  for (int family : {AF_INET6, AF_INET}) {
-    int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) continue;
-    int one = 1, zero = 0;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    sockaddr_storage address{};
-    socklen_t length;
-    if (family == AF_INET6) {
-      ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
-      auto* a = reinterpret_cast<sockaddr_in6*>(&address);
-      a->sin6_family = AF_INET6;
-      a->sin6_addr = in6addr_any;
-      a->sin6_port = htons(static_cast<uint16_t>(port));
-      length = sizeof(sockaddr_in6);
-    } else {
-      auto* a = reinterpret_cast<sockaddr_in*>(&address);
-      a->sin_family = AF_INET;
-      a->sin_addr.s_addr = htonl(INADDR_ANY);
-      a->sin_port = htons(static_cast<uint16_t>(port));
-      length = sizeof(sockaddr_in);
-    }
-    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&address), length) == 0 &&
-                    ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
-    if (ok)
-      port = ntohs(family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&address)->sin6_port
-                                      : reinterpret_cast<sockaddr_in*>(&address)->sin_port);
-    ::close(fd);
-    return ok;  // the first family this machine has decides, as for the store
-  }
-  return false;
+  const int fd = comm::bind_any_address(port);
+  if (fd < 0) return false;
+  sockaddr_storage address{};
+  socklen_t length = sizeof address;
+  const bool ok = ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  if (ok)
+    port = ntohs(address.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&address)->sin6_port
+                                               : reinterpret_cast<sockaddr_in*>(&address)->sin_port);
+  ::close(fd);
+  return ok;
 }
 
 }  // namespace
