@@ -43,9 +43,7 @@ void validate(const BenchOptions& o) {
   if (o.steps < 1) fail("--steps must be at least 1, got {}", o.steps);
   if (o.warmup < 0 || o.profile_steps < 0) fail("--warmup and --profile-steps cannot be negative");
   if (!o.full && o.lora_rank <= 0) fail("--lora-rank must be positive (or use --full), got {}", o.lora_rank);
-  if (o.recompute_layers < -1) fail("--recompute-layers must be -1 (all layers) or >= 0, got {}", o.recompute_layers);
-  if (o.recompute_layers >= 0 && parse_recompute_mode(o.recompute) == RecomputeMode::None)
-    fail("--recompute-layers {} needs --recompute all or keep-attention", o.recompute_layers);
+  check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
   if (o.sp < 0 || o.ulysses < 0 || o.ring < 0) fail("--sp, --ulysses and --ring must be positive");
 }
 

@@ -93,7 +93,15 @@ const char* recompute_mode_name(RecomputeMode mode) {
   return "?";
 }
 
+void check_recompute_layers(RecomputeMode mode, int64_t recompute_layers) {
+  if (recompute_layers < -1) fail("--recompute-layers must be -1 (all layers) or >= 0, got {}", recompute_layers);
+  if (recompute_layers >= 0 && mode == RecomputeMode::None)
+    fail("--recompute-layers {} needs --recompute all or keep-attention (with none no layer is recomputed)",
+         recompute_layers);
+}
+
 DecoderOptions recompute_options(RecomputeMode mode, int64_t num_layers, int64_t recompute_layers) {
+  check_recompute_layers(mode, recompute_layers);
   if (recompute_layers > num_layers)
     fail("--recompute-layers {} but the model has {} layers (at most {}; -1: all)", recompute_layers, num_layers,
          num_layers);

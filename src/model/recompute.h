@@ -7,6 +7,7 @@
 // Decoder::step gives bit-identical losses and gradients in all three (same kernels, same inputs).
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace spindle {
@@ -16,5 +17,7 @@ enum class RecomputeMode { None, All, KeepAttention };
 // "none" | "all" | "keep-attention"; anything else throws an Error naming `option` and the values.
 RecomputeMode parse_recompute_mode(const std::string& value, const std::string& option = "--recompute");
 const char* recompute_mode_name(RecomputeMode mode);
+// --recompute-layers: -1 (every layer) or N >= 0, and only with a mode that recomputes.
+void check_recompute_layers(RecomputeMode mode, int64_t recompute_layers);
 
 }  // namespace spindle

@@ -35,11 +35,7 @@ void TrainConfig::validate() const {
   if (eval_steps < 0) fail("--eval-steps must be >= 0, got {}", eval_steps);
   if (eval_steps > 0 && eval_data.empty()) fail("--eval-steps needs --eval-data");
   if (log_every <= 0) fail("--log-every must be positive, got {}", log_every);
-  parse_recompute_mode(recompute);
-  if (recompute_layers < -1) fail("--recompute-layers must be -1 (all layers) or >= 0, got {}", recompute_layers);
-  if (recompute_layers >= 0 && parse_recompute_mode(recompute) == RecomputeMode::None)
-    fail("--recompute-layers {} needs --recompute all or keep-attention (with none no layer is recomputed)",
-         recompute_layers);
+  check_recompute_layers(parse_recompute_mode(recompute), recompute_layers);
   if (device != "auto" && device != "cpu" && device != "cuda")
     fail("--device must be auto, cpu or cuda, got \"{}\"", device);
   if (dtype != "auto" && dtype != "f32" && dtype != "f64" && dtype != "bf16")
