@@ -1,5 +1,14 @@
 // GEMM through cuBLASLt in backend.h's row-major convention, with a cache of matmul descriptors,
-// layouts and the heuristic's algorithm per shape (the heuristic query costs tens of µs).
+// layouts and the algorithm per shape (the heuristic query costs tens of µs).
+//
+// Choosing the algorithm: cuBLASLt's heuristic ranks its algorithms without knowing beta, and where
+// the GEMM adds onto C (beta ≠ 0) its first choice ran 6–18 % slower than its fifth or seventh on the
+// H200 (tests/cuda/bench_gemm_algos, docs/perf.md). So for BF16 inputs the first use of a shape
+// times the heuristic's first kCandidates algorithms once, on the real A and B with a scratch C of
+// at most kTuneBytes (a prefix of C's rows), and keeps the fastest. Only algorithms without split-K
+// take part (they were bit-identical to each other in the same survey), and when the heuristic's own
+// first choice splits K it is kept: the choice by timing never changes a result. F32 keeps the
+// heuristic's choice (it is the accuracy reference). SPINDLE_GEMM_TUNE=0 turns the timing off.
 #pragma once
 
 #include <cstdint>
@@ -35,12 +44,19 @@ class GemmCache {
     DType ab, c;
     int align_a, align_b, align_c;
     bool bias;
+    bool accumulate;  // beta ≠ 0: reading C changes which algorithm is fastest
     bool operator==(const Key&) const = default;
   };
   struct KeyHash {
     size_t operator()(const Key& k) const;
   };
   struct Plan;
+  static constexpr int kCandidates = 8;
+  static constexpr int64_t kTuneBytes = int64_t{256} << 20;
+  static constexpr int kTuneRuns = 3;
+  static bool tuning_enabled();
+  cublasLtMatmulAlgo_t fastest(cudaStream_t stream, const GemmArgs& g, const Plan& plan,
+                               const cublasLtMatmulHeuristicResult_t* results, int count);
   Context& ctx_;
   std::unordered_map<Key, std::unique_ptr<Plan>, KeyHash> plans_;
 };
