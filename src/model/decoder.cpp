@@ -153,7 +153,6 @@ void Decoder::allocate(LayerActivations& a, int64_t t, bool intermediates, bool 
   a.rstd2 = be.empty(Shape{t}, st);
   a.gate = be.empty(Shape{t, c.intermediate_size}, dt);
   a.up = be.empty(Shape{t, c.intermediate_size}, dt);
-  a.act = be.empty(Shape{t, c.intermediate_size}, dt);
   if (weights_.lora.rank)
     for (Tensor& xa : a.lora_xa) xa = be.empty(Shape{t, weights_.lora.rank}, dt);
 }
@@ -162,6 +161,10 @@ LayerActivations Decoder::scratch_view(LayerActivations& scratch, const LayerAct
                                        bool kept_attention) {
   scratch.x_in = layer.x_in;  // first, so the scratch allocates no input of its own
   allocate(scratch, t, true, !kept_attention);
+  // The scratch set holds the MLP product too: its backward follows the recompute at once.
+  const ModelConfig& c = weights_.config;
+  if (!scratch.act.defined() || scratch.act.dim(0) != t)
+    scratch.act = backend_.empty(Shape{t, c.intermediate_size}, weights_.dtype);
   // A copy of the handles: the scratch itself never refers to a layer's kept attention output, so
   // a later layer can never overwrite it.
   LayerActivations view = scratch;
@@ -216,8 +219,10 @@ void Decoder::forward_layer(int64_t l, const MicroBatch& batch, LayerActivations
   be.rmsnorm_forward(st, a.x_mid, w.post_norm->value, c.rms_norm_eps, a.xn2, a.rstd2);
   linear_forward(be, st, w.gate, a.xn2, a.gate, a.lora_xa[4]);
   linear_forward(be, st, w.up, a.xn2, a.up, a.lora_xa[5]);
-  be.swiglu_forward(st, a.gate, a.up, a.act);
-  linear_forward(be, st, w.down, a.act, x_out, a.lora_xa[6]);
+  // A kept layer does not keep act (see LayerActivations): it lives until the down projection.
+  Tensor act = a.act.defined() ? a.act : be.empty(a.gate.shape(), a.gate.dtype());
+  be.swiglu_forward(st, a.gate, a.up, act);
+  linear_forward(be, st, w.down, act, x_out, a.lora_xa[6]);
   be.axpy(st, 1.0, a.x_mid, x_out);
 }
 
@@ -231,9 +236,14 @@ void Decoder::backward_layer(int64_t l, const MicroBatch& batch, const LayerActi
   const int64_t t = batch.num_tokens;
   const DType dt = weights_.dtype;
 
-  // MLP
+  // MLP (a kept layer's act again from its gate and up: the same kernel on the same inputs)
+  Tensor act = a.act;
+  if (!act.defined()) {
+    act = be.empty(a.gate.shape(), dt);
+    be.swiglu_forward(st, a.gate, a.up, act);
+  }
   Tensor d_act = be.empty(Shape{t, c.intermediate_size}, dt);
-  linear_backward(be, st, w.down, a.act, d_res, a.lora_xa[6], &d_act, false);
+  linear_backward(be, st, w.down, act, d_res, a.lora_xa[6], &d_act, false);
   Tensor d_gate = be.empty(d_act.shape(), dt), d_up = be.empty(d_act.shape(), dt);
   be.swiglu_backward(st, a.gate, a.up, d_act, d_gate, d_up);
   Tensor d_xn2 = be.empty(Shape{t, c.hidden_size}, dt);

@@ -103,7 +103,8 @@ DecoderOptions recompute_options(RecomputeMode mode, int64_t num_layers, int64_t
 // Saved activations of one layer (T tokens, H hidden, Hq/Hkv heads of D, F MLP width, r LoRA rank).
 // What a step holds per layer between forward and backward (b = bytes of the activation dtype,
 // s = bytes of the stat dtype: 4, or 8 for F64 models):
-//   kept layer:                   every tensor below;
+//   kept layer:                   every tensor below but act, which backward recomputes from gate
+//                                 and up (one elementwise pass for T·F·b less per layer);
 //   recomputed layer:             x_in only, T·H·b; the rest lives in one scratch set shared by
 //                                 all recomputed layers, refilled in backward;
 //   recomputed, keep_attention:   x_in, attn and lse, T·H·b + T·Hq·D·b + Hq·T·s.
@@ -118,7 +119,7 @@ struct LayerActivations {
   Tensor attn, lse;           // [T, Hq, D], [Hq, T]
   Tensor x_mid;               // [T, H]   x_in + o_proj(attn)
   Tensor xn2, rstd2;          // [T, H], [T]      post-attention RMSNorm
-  Tensor gate, up, act;       // [T, F] each; act = silu(gate)·up
+  Tensor gate, up, act;       // [T, F] each; act = silu(gate)·up (only in the recompute scratch set)
   Tensor lora_xa[7];          // [T, r] x·Aᵀ of each LoRA projection (q k v o gate up down)
 };
 
