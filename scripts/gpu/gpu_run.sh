@@ -2,7 +2,8 @@
 # Run THERE (the GPU host, 2 GPUs) from the repository root, with .gpubin/run carried (stage.sh):
 # CUDA op and model tests, NCCL tests, then sequence parallelism on 2 GPUs — spindle check
 # (2 GPUs vs 1, Ulysses and ring), sft losses on 1 and 2 GPUs, and spindle bench at sp 2.
-# Results under $OUT. PARTS selects: attn tests check sft eval bench (default all but attn).
+# Results under $OUT. PARTS selects: attn tests check sft eval bench gemm benchx (default: tests
+# check sft eval bench). gemm: cuBLASLt's algorithms for the step's shapes (bench_gemm_algos).
 # attn: the attention op tests and kernel timings alone (bench_cuda, PyTorch SDPA), plus the SASS
 # instruction mix of the attention kernels.
 set -uo pipefail
@@ -106,6 +107,41 @@ if has bench; then
   done
 fi
 
+if has gemm; then
+  timeout 200 "$stage/bin/bench_gemm_algos" ${GEMM_ARGS:-} > "$out/gemm_algos.txt" 2>&1; summary+=("bench_gemm_algos rc=$?")
+fi
+
+if has benchx; then
+  # Extra bench runs, one per ';'-separated entry of BENCH_RUNS, each the arguments after
+  # `spindle bench --device cuda --warmup 1 --steps 2 --profile-steps 1 --op-table 10`, e.g.
+  # BENCH_RUNS="--model configs/qwen2.5-1.5b.json --seq 32k --recompute keep-attention --recompute-layers 20".
+  IFS=";" read -ra runs <<< "${BENCH_RUNS:-}"
+  n=0
+  for r in "${runs[@]}"; do
+    n=$((n + 1))
+    echo "bench $r" > "$out/benchx_$n.txt"
+    # SM clock, power and throttle reasons every 200 ms while it runs (is a long step power-capped?)
+    nvidia-smi --query-gpu=index,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+      --format=csv,noheader,nounits -lms 200 > "$out/clocks_$n.csv" 2>/dev/null &
+    smi=$!
+    timeout ${BENCHX_TIMEOUT:-200} "$S" bench --device cuda --warmup 1 --steps 2 --profile-steps 1 --op-table 10 $r \
+      >> "$out/benchx_$n.txt" 2>&1
+    summary+=("benchx $n rc=$?: $r")
+    kill $smi 2>/dev/null
+    python3 - "$out/clocks_$n.csv" >> "$out/benchx_$n.txt" <<'PY'
+import sys, statistics
+rows = [l.split(", ") for l in open(sys.argv[1]) if l.count(",") >= 4]
+for gpu in sorted({r[0] for r in rows}):
+    busy = [r for r in rows if r[0] == gpu and float(r[2]) > 200]  # samples under load
+    if busy:
+        clk = [float(r[1]) for r in busy]; pw = [float(r[2]) for r in busy]
+        print(f"gpu {gpu} under load ({len(busy)} samples): SM clock median {statistics.median(clk):.0f} MHz "
+              f"(min {min(clk):.0f}), power median {statistics.median(pw):.0f} W (max {max(pw):.0f}), "
+              f"throttle reasons seen {sorted({r[4].strip() for r in busy})}")
+PY
+  done
+fi
+
 echo "==== results ===="
 grep -hE '^\[  (PASSED|FAILED) |^\[  FAILED|tests? ran' "$out"/test_*.log 2>/dev/null | head -40
 grep -hE 'Failure|error|Expected|Which is|max rel' "$out"/test_attention.log 2>/dev/null | head -30
@@ -117,5 +153,7 @@ for f in "$out"/check_*.err; do grep -h "error" "$f" | head -3; done
 cat "$out/sft_compare.txt" 2>/dev/null
 cat "$out/eval_cuda.txt" 2>/dev/null
 cat "$out"/bench_sp2_*.txt 2>/dev/null | grep -vE '^\[rank 1\]' | tail -40
+for f in "$out"/benchx_*.txt; do [[ -s $f ]] && { head -1 "$f"; grep -E '^(\[rank 0\])? +[0-9]+ |error|under load' "$f" | head -8; }; done
+grep -E 'first|best' "$out/gemm_algos.txt" 2>/dev/null | grep -v '^shape' | head -80
 printf '%s\n' "${summary[@]}"
 [[ -n "${OUT:-}" ]] && tar czf "$OUT/gpu-out.tgz" -C "$out" .
