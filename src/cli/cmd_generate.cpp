@@ -334,7 +334,7 @@ void add_generate_command(CLI::App& app, CommandList& commands) {
   auto args = std::make_shared<GenerateArgs>();
   CLI::App* cmd = app.add_subcommand(
       "generate",
-      "Greedy decoding on the CPU, stopping at EOS. No KV cache: each new token recomputes the whole sequence, "
+      "Greedy decoding (on the GPU when there is one, else the CPU: --device), stopping at EOS. No KV cache: each new token recomputes the whole sequence, "
       "fine for demos and short prompts, not for serving");
   cmd->add_option("--model", args->model, "Hugging Face model folder (config.json, *.safetensors, tokenizer)")->required();
   cmd->add_option("--adapter", args->adapter, "PEFT LoRA adapter folder to apply");
