@@ -108,6 +108,8 @@ AttentionImpl resolve(AttentionImpl impl, DType io, int d, const char* op) {
     if (attention_wgmma_supports(io, d) && device_is_hopper()) return AttentionImpl::Wgmma;
     return attention_mma_supports(io, d) ? AttentionImpl::Mma : AttentionImpl::Simple;
   }
+  if (impl == AttentionImpl::Cudnn)
+    throw_message(op, "the cuDNN attention is dispatched by the CUDA backend, not by these kernels");
   if (impl == AttentionImpl::Mma && !attention_mma_supports(io, d))
     throw_message(op, "mma kernels need BF16 and head dim 64 or 128");
   if (impl == AttentionImpl::Wgmma && !(attention_wgmma_supports(io, d) && device_is_hopper()))

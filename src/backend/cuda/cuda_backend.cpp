@@ -17,6 +17,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "backend/cuda/attention_cudnn.h"
 #include "backend/cuda/context.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/kernels.h"
@@ -48,8 +49,15 @@ cuda::AttentionImpl impl_from_env() {
   if (s == "simple") return cuda::AttentionImpl::Simple;
   if (s == "mma") return cuda::AttentionImpl::Mma;
   if (s == "wgmma") return cuda::AttentionImpl::Wgmma;
+  // cuDNN's fused SDPA: BF16, head dim 128, one causal document or fully visible blocks; other
+  // calls fail with the reason (attention_cudnn.h). Each call reads the mask on the device first.
+  if (s == "cudnn") {
+    if (!cuda::attention_cudnn_built())
+      fail("SPINDLE_CUDA_ATTENTION=cudnn: this build has no cuDNN (cudnn.h / libcudnn not found by cmake)");
+    return cuda::AttentionImpl::Cudnn;
+  }
   if (s == "auto" || s.empty()) return cuda::AttentionImpl::Auto;
-  fail("SPINDLE_CUDA_ATTENTION={} is not one of auto, simple, mma, wgmma", s);
+  fail("SPINDLE_CUDA_ATTENTION={} is not one of auto, simple, mma, wgmma, cudnn", s);
 }
 
 class CudaBackend final : public Backend {
@@ -297,6 +305,12 @@ class CudaBackend final : public Backend {
     const cuda::AttentionShape sh = attn_shape(q, k, v, mask);
     SPINDLE_CHECK(out.shape() == q.shape(), "attention_forward: out {} vs q {}", out.describe(), q.describe());
     require_stat(lse, sh.tq * sh.hq, "attention_forward lse");
+    if (attention_impl_ == cuda::AttentionImpl::Cudnn) {
+      const cuda::CudnnMask m = cudnn_mask(stream, sh, q.dtype(), out.dtype(), mask, "attention_forward");
+      cuda::attention_forward_cudnn(s(stream), sh, m, q.data(), k.data(), v.data(), static_cast<float>(scale),
+                                    out.data(), lse.data_as<float>());
+      return;
+    }
     cuda::attention_forward(s(stream), pick_impl(sh, q.dtype(), {&q, &k, &v}), sh, q.dtype(), q.data(), k.data(),
                             v.data(), mask_ptrs(mask), static_cast<float>(scale), out.data(), out.dtype(),
                             lse.data_as<float>());
@@ -321,6 +335,13 @@ class CudaBackend final : public Backend {
                   "attention_backward: out {} dout {} dq {} dk {} dv {}", out.describe(), dout.describe(),
                   dq.describe(), dk.describe(), dv.describe());
     require_stat(lse, sh.tq * sh.hq, "attention_backward lse");
+    if (attention_impl_ == cuda::AttentionImpl::Cudnn) {
+      const cuda::CudnnMask m = cudnn_mask(stream, sh, q.dtype(), grad, mask, "attention_backward");
+      cuda::attention_backward_cudnn(s(stream), sh, m, q.data(), k.data(), v.data(), out.data(), dout.data(),
+                                     lse.data_as<float>(), static_cast<float>(scale), dq.data(), dk.data(),
+                                     dv.data(), accumulate);
+      return;
+    }
     cuda::attention_backward(s(stream), pick_impl(sh, q.dtype(), {&q, &k, &v, &dout}), sh, q.dtype(), q.data(),
                              k.data(), v.data(), out.data(), dout.data(), lse.data_as<float>(), mask_ptrs(mask),
                              static_cast<float>(scale), grad, dq.data(), dk.data(), dv.data(), accumulate);
@@ -471,6 +492,18 @@ class CudaBackend final : public Backend {
   static cuda::AttentionMaskPtrs mask_ptrs(const AttentionMask& m) {
     return {m.q_doc.data_as<int32_t>(), m.q_pos.data_as<int32_t>(), m.k_doc.data_as<int32_t>(),
             m.k_pos.data_as<int32_t>()};
+  }
+
+  // The mask case for SPINDLE_CUDA_ATTENTION=cudnn, or an error naming why cuDNN cannot take it.
+  cuda::CudnnMask cudnn_mask(Stream stream, const cuda::AttentionShape& sh, DType io, DType outs,
+                             const AttentionMask& mask, const char* op) {
+    const cuda::CudnnMask m = cuda::attention_cudnn_classify(s(stream), sh, mask_ptrs(mask));
+    std::string why;
+    if (!cuda::attention_cudnn_supports(sh, io, outs, m, &why))
+      fail("{}: SPINDLE_CUDA_ATTENTION=cudnn cannot take q [{}, {}, {}] k [{}, {}, {}]: {} (unset it or pick "
+           "auto/wgmma for this workload)",
+           op, sh.tq, sh.hq, sh.d, sh.tk, sh.hkv, sh.d, why);
+    return m;
   }
 
   // The tensor-core kernels load 16-byte pieces; unaligned views fall back to the simple kernels.

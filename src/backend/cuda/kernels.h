@@ -103,8 +103,10 @@ struct AttentionMaskPtrs {
 };
 // Which attention kernels to use. Auto: on Hopper (sm_90) the wgmma kernels for BF16 with head dim
 // 128, the tensor-core mma.sync kernels for BF16 with head dim 64 or 128 elsewhere, the simple
-// f32-FMA kernels for everything else. The others force one (tests, measurements).
-enum class AttentionImpl { Auto, Simple, Mma, Wgmma };
+// f32-FMA kernels for everything else. The others force one (tests, measurements). Cudnn: cuDNN's
+// fused SDPA (attention_cudnn.h), dispatched by the backend itself (not by attention_forward/
+// backward below), for BF16, d = 128, one causal document or a fully visible block only.
+enum class AttentionImpl { Auto, Simple, Mma, Wgmma, Cudnn };
 
 // out [tq, hq, d] (io dtype, or F32 for bf16 inputs), lse F32 [hq, tq].
 void attention_forward(cudaStream_t s, AttentionImpl impl, const AttentionShape& sh, DType io, const void* q,
