@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/attention_cudnn.h"
 #include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
 
@@ -222,6 +223,20 @@ int main(int argc, char** argv) {
     }
     if (attention) {  // the default attention at 32k causal, three times (kernel comparisons)
       for (int i = 0; i < 3; ++i) bench_attention(*be, 1, 32768, 12, 2, 128, false, "auto");
+      // cuDNN's fused SDPA on the same shape (SPINDLE_CUDA_ATTENTION=cudnn; its time includes the
+      // per-call mask check, one tiny kernel and a 16-byte copy back).
+      if (cuda::attention_cudnn_built()) {
+        setenv("SPINDLE_CUDA_ATTENTION", "cudnn", 1);
+        auto dnn = make_cuda_backend(0);
+        unsetenv("SPINDLE_CUDA_ATTENTION");
+        try {
+          for (int i = 0; i < 2; ++i) bench_attention(*dnn, 1, 32768, 12, 2, 128, false, "cudnn");
+        } catch (const Error& e) {
+          std::fprintf(stderr, "bench_cuda: cudnn attention failed: %s\n", e.what());
+        }
+      } else {
+        std::printf("bench_cuda: built without cuDNN, no cudnn attention row\n");
+      }
     } else {
       bench_suite(*be, quick);
     }

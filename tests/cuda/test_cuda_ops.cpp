@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/attention_cudnn.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/op_test_util.h"
 #include "core/error.h"
@@ -551,7 +552,9 @@ std::vector<double> random_rounded(std::mt19937_64& rng, int64_t n, DType t, dou
 
 // Runs one case on both backends and compares out, lse, dq, dk, dv; then the same backward with
 // accumulate = true on top of random gradients.
-void check_attention(Backend& cpu, Backend& gpu, std::mt19937_64& rng, const AttnCase& c, DType t, int d) {
+// `f32_variants`: also the F32 out / F32 gradient variants (ring partials; not for cuDNN).
+void check_attention(Backend& cpu, Backend& gpu, std::mt19937_64& rng, const AttnCase& c, DType t, int d,
+                     bool f32_variants = true) {
   SCOPED_TRACE(std::string(c.name) + " " + std::string(dtype_name(t)) + " d=" + std::to_string(d));
   const int64_t tq = c.mask.q_doc.size(), tk = c.mask.k_doc.size();
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
@@ -592,7 +595,7 @@ void check_attention(Backend& cpu, Backend& gpu, std::mt19937_64& rng, const Att
   }
   expect_close(glf, clf, t == DType::F32 ? 1e-6 : 1e-4, "lse");
   // The F32-output variant (ring partials) of the same forward.
-  if (t == DType::BF16) {
+  if (t == DType::BF16 && f32_variants) {
     Tensor out32 = gpu.empty(qs, DType::F32);
     gpu.fill(gs, out32, std::nan(""));
     gpu.attention_forward(gs, q, k, v, gm, scale, out32, lse);
@@ -616,7 +619,7 @@ void check_attention(Backend& cpu, Backend& gpu, std::mt19937_64& rng, const Att
     expect_close(to_host(gpu, dk), to_host(cpu, cdk), tol, "dk");
     expect_close(to_host(gpu, dv), to_host(cpu, cdv), tol, "dv");
   }
-  if (t != DType::BF16) return;
+  if (t != DType::BF16 || !f32_variants) return;
   // F32 gradients of BF16 inputs (ring attention's block partials). Accumulated onto 256 + u,
   // where BF16's spacing is 2: a gradient that went through BF16 storage would be off by ~1.
   Tensor cdq = cpu.empty(qs, ct), cdk = cpu.empty(ks, ct), cdv = cpu.empty(ks, ct);
@@ -708,6 +711,26 @@ TEST(CudaAttentionImpls, WgmmaMatchesCpuOnMultiTileRows) {
     for (const AttnCase& c : cases) check_attention(*cpu, *gpu, rng, c, DType::BF16, 128);
   }
   unsetenv("SPINDLE_CUDA_ATTN_PINGPONG");
+}
+
+// cuDNN's fused SDPA (SPINDLE_CUDA_ATTENTION=cudnn) on its two mask cases: one causal document
+// and a fully visible block (a ring block below the diagonal), GQA 12/2 and 4/4, T 300 and 1024.
+TEST(CudaAttentionImpls, CudnnMatchesCpu) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
+  if (!cuda::attention_cudnn_built()) GTEST_SKIP() << "built without cuDNN";
+  setenv("SPINDLE_CUDA_ATTENTION", "cudnn", 1);
+  auto gpu = make_cuda_backend(0);
+  unsetenv("SPINDLE_CUDA_ATTENTION");
+  auto cpu = make_cpu_backend();
+  std::mt19937_64 rng(31);
+  for (int t : {300, 1024})
+    for (auto [hq, hkv] : {std::pair{12, 2}, std::pair{4, 4}}) {
+      check_attention(*cpu, *gpu, rng, {"cudnn causal", causal(t), hq, hkv}, DType::BF16, 128, false);
+      check_attention(*cpu, *gpu, rng, {"cudnn no mask", block(t, t, 0, t), hq, hkv}, DType::BF16, 128, false);
+    }
+  // Anything else is refused with a reason, not computed wrongly.
+  const AttnCase packed_case{"packed", packed({100, 200}, 0), 4, 4};
+  EXPECT_THROW(check_attention(*cpu, *gpu, rng, packed_case, DType::BF16, 128, false), Error);
 }
 
 // The simple kernels forced on BF16 d = 128 (the tensor-core kernels' shape) also match the CPU,
