@@ -32,6 +32,10 @@ struct Stream {
 struct AttentionMask {
   Tensor q_doc, q_pos;  // I32 [Tq]
   Tensor k_doc, k_pos;  // I32 [Tk]
+  // A fact the caller knows on the host, optional: q and k are the same T tokens, one document at
+  // positions 0 … T−1, i.e. the plain causal mask. A backend with a faster path for that mask
+  // (cuDNN's) may take it without reading the tensors; false says nothing.
+  bool plain_causal = false;
 };
 
 // Memory held by a backend's process, for progress lines, metrics and `spindle bench`.

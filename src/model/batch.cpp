@@ -14,6 +14,14 @@ Tensor upload_i32(Backend& backend, const std::vector<int32_t>& values) {
 }
 }  // namespace
 
+bool is_one_causal_document(const PackedRow& row) {
+  const size_t n = row.doc_ids.size();
+  if (n == 0 || row.positions.size() != n || row.doc_ids[0] < 0) return false;
+  for (size_t i = 0; i < n; ++i)
+    if (row.doc_ids[i] != row.doc_ids[0] || row.positions[i] != static_cast<int32_t>(i)) return false;
+  return true;
+}
+
 MicroBatch make_micro_batch(Backend& backend, const std::vector<PackedRow>& rows, DType model_dtype) {
   std::vector<int32_t> ids, positions, docs, selected, targets;
   std::vector<double> weights;
@@ -40,6 +48,8 @@ MicroBatch make_micro_batch(Backend& backend, const std::vector<PackedRow>& rows
     doc_offset += max_doc + 1;
   }
   MicroBatch b;
+  b.one_causal_document = rows.size() == 1 && is_one_causal_document(rows[0]);
+  b.row_one_causal_document = b.one_causal_document;
   b.num_tokens = static_cast<int64_t>(ids.size());
   b.num_selected = static_cast<int64_t>(selected.size());
   b.num_items = num_items;

@@ -19,7 +19,15 @@ struct MicroBatch {
   int64_t num_tokens = 0;
   int64_t num_selected = 0;
   int64_t num_items = 0;  // supervised targets (the denominator's share of this micro-batch)
+  // Host-side facts for attention masks (AttentionMask::plain_causal): these tokens are one
+  // document at positions 0 … T−1 (no padding); and, for a sequence-parallel shard, the same of
+  // the whole row when the Ulysses all-to-all gathers it back in order (contiguous layout).
+  bool one_causal_document = false;
+  bool row_one_causal_document = false;
 };
+
+// Whether a packed row is one document at positions 0 … n−1 with no padding.
+bool is_one_causal_document(const PackedRow& row);
 
 // Statistics (rstd, lse, loss, target weights) are F32, or F64 when the model computes in F64.
 inline DType stat_dtype(DType model_dtype) { return model_dtype == DType::F64 ? DType::F64 : DType::F32; }

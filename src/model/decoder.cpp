@@ -60,7 +60,9 @@ void linear_backward(Backend& be, Stream st, const Linear& lin, const Tensor& x,
   if (lora_first) be.gemm(st, dy, false, lin.weight->value, false, *dx, 1.0, 1.0);  // dx += dy·W
 }
 
-AttentionMask self_mask(const MicroBatch& b) { return {b.doc_ids, b.positions, b.doc_ids, b.positions}; }
+AttentionMask self_mask(const MicroBatch& b) {
+  return {b.doc_ids, b.positions, b.doc_ids, b.positions, b.one_causal_document};
+}
 
 }  // namespace
 

@@ -105,6 +105,9 @@ MicroBatch UlyssesAttention::gather_batch(Backend& backend, Stream stream, const
   gathered.positions = backend.empty(Shape{u * t}, DType::I32);
   group_.all_gather(stream, batch.doc_ids, gathered.doc_ids);
   group_.all_gather(stream, batch.positions, gathered.positions);
+  // The shards of a contiguous layout gather back into the whole row, in order.
+  gathered.one_causal_document = batch.row_one_causal_document;
+  gathered.row_one_causal_document = batch.row_one_causal_document;
   return gathered;
 }
 

@@ -79,7 +79,15 @@ StepTotals StepRunner::run(const std::vector<PackedRow>& rows, bool backward) {
   const double scale = 1.0 / static_cast<double>(totals.num_items);
   // Every rank runs every micro-batch, supervised tokens or not: attention and FSDP collectives
   // need all members of their groups.
-  for (const PackedRow& row : mine) decoder_.step(make_micro_batch(backend_, {row}, weights_.dtype), scale, loss, backward);
+  // Under pure Ulysses (contiguous layout) the strategy gathers each shard back into its whole row,
+  // so whether that row is one causal document is known here, where the whole rows are.
+  const bool contiguous = !mesh_ || mesh_->config().ring == 1;
+  for (size_t i = 0; i < mine.size(); ++i) {
+    MicroBatch batch = make_micro_batch(backend_, {mine[i]}, weights_.dtype);
+    const PackedRow& whole = mesh_ ? rows[mesh_->coordinates().dp + i * mesh_->config().dp] : rows[i];
+    batch.row_one_causal_document = contiguous && is_one_causal_document(whole);
+    decoder_.step(batch, scale, loss, backward);
+  }
 
   if (mesh_) {
     mesh_->world().all_reduce_sum(st, loss);

@@ -12,9 +12,9 @@
 //
 // How a caller finds the case from an AttentionMask (q_doc/q_pos/k_doc/k_pos, I32 on the device):
 // attention_cudnn_classify() below runs one small kernel and copies 16 bytes back (a stream
-// synchronisation per call). That is the simplest correct test and what the env-selected path
-// uses. A model that knows its batch is one unpacked sequence on one rank (no ring, no packing)
-// could pass that fact down as a flag instead and skip the check; that is not wired in.
+// synchronisation per call). The backend skips it when the caller says AttentionMask::plain_causal
+// (the decoder does for a micro-batch that is one document at positions 0 … T−1, and the Ulysses
+// strategy for a gathered row that is, see MicroBatch::one_causal_document).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -497,7 +497,10 @@ class CudaBackend final : public Backend {
   // The mask case for SPINDLE_CUDA_ATTENTION=cudnn, or an error naming why cuDNN cannot take it.
   cuda::CudnnMask cudnn_mask(Stream stream, const cuda::AttentionShape& sh, DType io, DType outs,
                              const AttentionMask& mask, const char* op) {
-    const cuda::CudnnMask m = cuda::attention_cudnn_classify(s(stream), sh, mask_ptrs(mask));
+    // The caller's host-side fact spares reading the mask on the device (a stream synchronisation).
+    const cuda::CudnnMask m = mask.plain_causal && sh.tq == sh.tk
+                                  ? cuda::CudnnMask::Causal
+                                  : cuda::attention_cudnn_classify(s(stream), sh, mask_ptrs(mask));
     std::string why;
     if (!cuda::attention_cudnn_supports(sh, io, outs, m, &why))
       fail("{}: SPINDLE_CUDA_ATTENTION=cudnn cannot take q [{}, {}, {}] k [{}, {}, {}]: {} (unset it or pick "
