@@ -129,8 +129,10 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   // One sequence per replica and step; this rank computes its sp shard of it.
   PackedRow row = synthetic_row(seq, config.vocab_size, o.seed + seq + static_cast<uint64_t>(dp_index));
   const double loss_scale = 1.0 / static_cast<double>(row.num_items() * mesh.dp);
+  const bool whole_row_causal = is_one_causal_document(row) && seq % mesh.sp == 0 && mesh.ring == 1;
   if (mesh.sp > 1) row = parallel::shard_row(row, mesh)[par.run.mesh->sp_rank()];
-  const MicroBatch batch = make_micro_batch(backend, {row}, dtype);
+  MicroBatch batch = make_micro_batch(backend, {row}, dtype);
+  batch.row_one_causal_document = whole_row_causal;  // as StepRunner::run sets it
 
   const RecomputeMode recompute = parse_recompute_mode(o.recompute);
   const DecoderOptions decoder_options = recompute_options(recompute, config.num_layers, o.recompute_layers);

@@ -85,7 +85,11 @@ StepTotals StepRunner::run(const std::vector<PackedRow>& rows, bool backward) {
   for (size_t i = 0; i < mine.size(); ++i) {
     MicroBatch batch = make_micro_batch(backend_, {mine[i]}, weights_.dtype);
     const PackedRow& whole = mesh_ ? rows[mesh_->coordinates().dp + i * mesh_->config().dp] : rows[i];
-    batch.row_one_causal_document = contiguous && is_one_causal_document(whole);
+    // (and no padding: the slices add up to the row exactly)
+    const int64_t sp = mesh_ ? mesh_->config().sp : 1;
+    batch.row_one_causal_document = contiguous && is_one_causal_document(whole) &&
+                                    static_cast<int64_t>(mine[i].doc_ids.size()) * sp ==
+                                        static_cast<int64_t>(whole.doc_ids.size());
     decoder_.step(batch, scale, loss, backward);
   }
 
