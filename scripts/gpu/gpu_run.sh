@@ -114,7 +114,18 @@ fi
 if has benchx; then
   # Extra bench runs, one per ';'-separated entry of BENCH_RUNS, each the arguments after
   # `spindle bench --device cuda --warmup 1 --steps 2 --profile-steps 1 --op-table 10`, e.g.
-  # BENCH_RUNS="--model configs/qwen2.5-1.5b.json --seq 32k --recompute keep-attention --recompute-layers 20".
+  # BENCH_RUNS="--model configs/qwen2.5-1.5b.json --seq 32k --recompute keep-attention --recompute-layers 20"
+  # (LoRA rank 16 is bench's default).
+  # BENCH_RUNS=design: the DESIGN §5 rows with the settings of docs/perf.md's summary table (the
+  # 2-GPU rows need kind nvidia-h200-x2; the 1-GPU rows use GPU 0).
+  if [[ "${BENCH_RUNS:-}" == design ]]; then
+    c15=$root/configs/qwen2.5-1.5b.json c7=$root/configs/qwen2.5-7b.json
+    BENCH_RUNS="--model $c15 --seq 32k --recompute keep-attention --recompute-layers 19"
+    BENCH_RUNS+=";--model $c15 --seq 64k --recompute none"
+    BENCH_RUNS+=";--nproc-per-node 2 --sp 2 --ring 2 --model $c15 --seq 32k --recompute keep-attention"
+    BENCH_RUNS+=";--nproc-per-node 2 --sp 2 --model $c15 --seq 128k --recompute none"
+    BENCH_RUNS+=";--nproc-per-node 2 --sp 2 --model $c7 --seq 32k,64k --recompute keep-attention"
+  fi
   IFS=";" read -ra runs <<< "${BENCH_RUNS:-}"
   n=0
   for r in "${runs[@]}"; do
