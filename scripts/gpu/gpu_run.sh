@@ -15,6 +15,11 @@ if ! ldconfig -p | grep -q libnccl.so.2; then
   nccl_lib="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)"
   [[ -d "$nccl_lib" ]] && export LD_LIBRARY_PATH="$nccl_lib:$LD_LIBRARY_PATH"
 fi
+# cuDNN: the host's comes with PyTorch's wheels (nvidia-cudnn-cu13) unless the system has one.
+if ! ldconfig -p | grep -q libcudnn.so.9; then
+  cudnn_lib="$(python3 -c 'import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], "lib"))' 2>/dev/null)"
+  [[ -d "$cudnn_lib" ]] && export LD_LIBRARY_PATH="$cudnn_lib:$LD_LIBRARY_PATH"
+fi
 # Everything is written under $root/gpu-out and packed into one archive in $OUT at the end (the
 # device tool brings back only a few files).
 out=$root/gpu-out; rm -rf "$out"; mkdir -p "$out"

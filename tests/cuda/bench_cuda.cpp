@@ -132,6 +132,7 @@ void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, in
     pos[i] = full ? 0 : static_cast<int>(i % len);
   }
   AttentionMask mask{ints(be, doc), ints(be, pos), ints(be, doc), ints(be, pos)};
+  mask.plain_causal = docs == 1 && !full;  // as the trainer says it for a one-document row
   Tensor q = be.empty(Shape{t, hq, d}, DType::BF16), k = be.empty(Shape{t, hkv, d}, DType::BF16);
   Tensor v = be.empty(Shape{t, hkv, d}, DType::BF16), dout = be.empty(Shape{t, hq, d}, DType::BF16);
   fill_random(be, q, 2.0, 7);
@@ -181,12 +182,15 @@ void bench_suite(Backend& be, bool quick) {
   bench_gemm(be, 32768, 8960, 1536, false, true, "gemm BF16 x[32k,1536]·W[8960,1536]^T");
   bench_gemm(be, 1536, 8960, 32768, true, false, "gemm BF16 dW = x^T·dy (K=32k)");
   bench_attention(be, 1, 32768, 12, 2, 128, false, "auto");
+  setenv("SPINDLE_CUDA_ATTENTION", "own", 1);
+  auto own = make_cuda_backend(0);
   setenv("SPINDLE_CUDA_ATTENTION", "mma", 1);
   auto mma = make_cuda_backend(0);
   unsetenv("SPINDLE_CUDA_ATTENTION");
+  bench_attention(*own, 1, 32768, 12, 2, 128, false, "own");
   bench_attention(*mma, 1, 32768, 12, 2, 128, false, "mma");
   setenv("SPINDLE_CUDA_ATTN_PINGPONG", "0", 1);  // knob read per call
-  bench_attention(be, 1, 32768, 12, 2, 128, false, "wgmma no-pingpong", 1);
+  bench_attention(*own, 1, 32768, 12, 2, 128, false, "wgmma no-pingpong", 1);
   unsetenv("SPINDLE_CUDA_ATTN_PINGPONG");
   if (quick) return;
   bench_attention(be, 1, 8192, 12, 2, 128, false, "auto");
@@ -218,25 +222,20 @@ int main(int argc, char** argv) {
     auto be = make_cuda_backend(0);
     if (profile) {
       g_profile = true;
-      bench_attention(*be, 1, 32768, 12, 2, 128, false, "auto", 3);
+      setenv("SPINDLE_CUDA_ATTENTION", "own", 1);  // profiles the engine's own kernels
+      auto own = make_cuda_backend(0);
+      unsetenv("SPINDLE_CUDA_ATTENTION");
+      bench_attention(*own, 1, 32768, 12, 2, 128, false, "own", 3);
       return 0;
     }
-    if (attention) {  // the default attention at 32k causal, three times (kernel comparisons)
-      for (int i = 0; i < 3; ++i) bench_attention(*be, 1, 32768, 12, 2, 128, false, "auto");
-      // cuDNN's fused SDPA on the same shape (SPINDLE_CUDA_ATTENTION=cudnn; its time includes the
-      // per-call mask check, one tiny kernel and a 16-byte copy back).
-      if (cuda::attention_cudnn_built()) {
-        setenv("SPINDLE_CUDA_ATTENTION", "cudnn", 1);
-        auto dnn = make_cuda_backend(0);
-        unsetenv("SPINDLE_CUDA_ATTENTION");
-        try {
-          for (int i = 0; i < 2; ++i) bench_attention(*dnn, 1, 32768, 12, 2, 128, false, "cudnn");
-        } catch (const Error& e) {
-          std::fprintf(stderr, "bench_cuda: cudnn attention failed: %s\n", e.what());
-        }
-      } else {
-        std::printf("bench_cuda: built without cuDNN, no cudnn attention row\n");
-      }
+    if (attention) {  // 32k causal: the engine's own kernels three times, then the default (cuDNN
+                      // for a plain causal row when built with it) twice (kernel comparisons)
+      setenv("SPINDLE_CUDA_ATTENTION", "own", 1);
+      auto own = make_cuda_backend(0);
+      unsetenv("SPINDLE_CUDA_ATTENTION");
+      for (int i = 0; i < 3; ++i) bench_attention(*own, 1, 32768, 12, 2, 128, false, "own");
+      if (!cuda::attention_cudnn_built()) std::printf("bench_cuda: built without cuDNN, auto = own\n");
+      for (int i = 0; i < 2; ++i) bench_attention(*be, 1, 32768, 12, 2, 128, false, "auto");
     } else {
       bench_suite(*be, quick);
     }

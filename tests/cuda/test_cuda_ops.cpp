@@ -451,6 +451,7 @@ TEST_F(CudaOps, RejectsWrongDtypesWithAClearMessage) {
 
 struct MaskSpec {
   std::vector<int> q_doc, q_pos, k_doc, k_pos;
+  bool plain_causal = false;  // passed on as AttentionMask::plain_causal (the trainer's host-side fact)
 };
 
 MaskSpec causal(int t) {
@@ -570,6 +571,7 @@ void check_attention(Backend& cpu, Backend& gpu, std::mt19937_64& rng, const Att
   const Shape qs{tq, c.hq, d}, ks{tk, c.hkv, d};
   AttentionMask gm{int_tensor(gpu, c.mask.q_doc), int_tensor(gpu, c.mask.q_pos), int_tensor(gpu, c.mask.k_doc),
                    int_tensor(gpu, c.mask.k_pos)};
+  gm.plain_causal = c.mask.plain_causal;
   AttentionMask cm{int_tensor(cpu, c.mask.q_doc), int_tensor(cpu, c.mask.q_pos), int_tensor(cpu, c.mask.k_doc),
                    int_tensor(cpu, c.mask.k_pos)};
   Tensor q = up(gpu, qv, qs, t), k = up(gpu, kv, ks, t), v = up(gpu, vv, ks, t), dout = up(gpu, dov, qs, t);
@@ -731,6 +733,47 @@ TEST(CudaAttentionImpls, CudnnMatchesCpu) {
   // Anything else is refused with a reason, not computed wrongly.
   const AttnCase packed_case{"packed", packed({100, 200}, 0), 4, 4};
   EXPECT_THROW(check_attention(*cpu, *gpu, rng, packed_case, DType::BF16, 128, false), Error);
+}
+
+// The default choice: a call whose mask carries the host-side fact plain_causal goes to cuDNN
+// (its forward is bit-identical to SPINDLE_CUDA_ATTENTION=cudnn's), and still matches the CPU in
+// both directions; without the fact, and under SPINDLE_CUDA_ATTENTION=own, the engine's own kernels.
+TEST(CudaAttentionImpls, DefaultTakesCudnnForPlainCausalRows) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
+  if (!cuda::attention_cudnn_built()) GTEST_SKIP() << "built without cuDNN";
+  unsetenv("SPINDLE_CUDA_ATTENTION");
+  auto dflt = make_cuda_backend(0);
+  setenv("SPINDLE_CUDA_ATTENTION", "cudnn", 1);
+  auto dnn = make_cuda_backend(0);
+  setenv("SPINDLE_CUDA_ATTENTION", "own", 1);
+  auto own = make_cuda_backend(0);
+  unsetenv("SPINDLE_CUDA_ATTENTION");
+  auto cpu = make_cpu_backend();
+  std::mt19937_64 rng(77);
+  MaskSpec plain = causal(640);
+  plain.plain_causal = true;
+  check_attention(*cpu, *dflt, rng, {"default, plain causal", plain, 12, 2}, DType::BF16, 128, false);
+
+  const int64_t t = 640, hq = 12, hkv = 2, d = 128;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  auto make = [&](Shape s) {
+    Tensor x = dflt->empty(s, DType::BF16);
+    from_host(*dflt, random_rounded(rng, s.numel(), DType::BF16, 2.0), x);
+    return x;
+  };
+  Tensor q = make(Shape{t, hq, d}), k = make(Shape{t, hkv, d}), v = make(Shape{t, hkv, d});
+  AttentionMask mask{int_tensor(*dflt, plain.q_doc), int_tensor(*dflt, plain.q_pos), int_tensor(*dflt, plain.k_doc),
+                     int_tensor(*dflt, plain.k_pos)};
+  auto forward = [&](Backend& be, bool fact) {
+    mask.plain_causal = fact;
+    Tensor out = be.empty(q.shape(), DType::BF16), lse = be.empty(Shape{hq, t}, DType::F32);
+    be.attention_forward(be.default_stream(), q, k, v, mask, scale, out, lse);
+    return to_host(be, out);
+  };
+  const std::vector<double> by_dnn = forward(*dnn, true), by_own = forward(*own, true);
+  EXPECT_EQ(forward(*dflt, true), by_dnn) << "the default did not take cuDNN for a plain causal row";
+  EXPECT_EQ(forward(*dflt, false), by_own) << "without the fact the default must use the engine's own kernels";
+  EXPECT_NE(by_dnn, by_own) << "cuDNN and the own kernels agree to the bit: this test could not tell them apart";
 }
 
 // The simple kernels forced on BF16 d = 128 (the tensor-core kernels' shape) also match the CPU,

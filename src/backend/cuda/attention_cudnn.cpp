@@ -356,8 +356,9 @@ Plan build_forward(cudnnHandle_t h, const Layout& L, CudnnMask mask) {
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, e, sum);
   auto log_sum = g.vtensor(F, L.row_dims(), L.row_strides());
   g.pointwise(CUDNN_POINTWISE_LOG, sum, log_sum);
-  g.pointwise(CUDNN_POINTWISE_ADD, mx, stats, log_sum);
-  auto p = g.vtensor(F, L.s_dims(), L.s_strides());
+  g.pointwise(CUDNN_POINTWISE_ADD, log_sum, stats, mx);
+  // P in BF16: the fused engines want both operands of P·V in the I/O type.
+  auto p = g.vtensor(B, L.s_dims(), L.s_strides());
   g.pointwise(CUDNN_POINTWISE_DIV, e, p, sum);
   g.matmul(p, v, o);
 
@@ -395,9 +396,10 @@ Plan build_backward(cudnnHandle_t h, const Layout& L, CudnnMask mask) {
   g.matmul(q, kt, s);
   auto s_scaled = g.vtensor(F, L.s_dims(), L.s_strides());
   g.pointwise(CUDNN_POINTWISE_MUL, s, s_scaled, scale);
-  if (mask == CudnnMask::Causal) s_scaled = causal_mask(g, s_scaled, L.s_dims(), L.s_strides());
+  // The backward engines match the mask after the Stats subtraction (cudnn-frontend's order).
   auto centered = g.vtensor(F, L.s_dims(), L.s_strides());
   g.pointwise(CUDNN_POINTWISE_SUB, s_scaled, centered, stats);
+  if (mask == CudnnMask::Causal) centered = causal_mask(g, centered, L.s_dims(), L.s_strides());
   auto p = g.vtensor(F, L.s_dims(), L.s_strides());
   g.pointwise(CUDNN_POINTWISE_EXP, centered, p);
 
@@ -435,7 +437,8 @@ Plan build_backward(cudnnHandle_t h, const Layout& L, CudnnMask mask) {
   }
 
   // dQ = dS·K through an F32 accumulator (non-virtual: in our workspace), then cast
-  auto k = g.vtensor(B, L.kv_dims(), L.kv_strides());
+  // K re-viewed untransposed, typed F32 like dS (the engines want equal operand types here too).
+  auto k = g.vtensor(F, L.kv_dims(), L.kv_strides());
   g.reshape(kt, k);
   const Dims acc_strides{L.hq * L.tq * L.d, L.tq * L.d, L.d, 1};
   auto dq_accum = g.tensor(kDQAccum, F, L.q_dims(), acc_strides, false);

@@ -12,6 +12,7 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -42,27 +43,42 @@ bool is_compute(DType t) { return t == DType::F32 || t == DType::BF16; }
 
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
 
-cuda::AttentionImpl impl_from_env() {
+// Which attention implementation runs (SPINDLE_CUDA_ATTENTION):
+//   auto (default): cuDNN's fused SDPA where the caller says the mask is one plain causal document
+//                   (AttentionMask::plain_causal; BF16, head dim 128: the measured faster case,
+//                   docs/perf.md), the engine's own kernels for everything else;
+//   own:            the engine's own kernels only (wgmma on Hopper, else mma.sync);
+//   simple, mma, wgmma: one of the engine's kernels, forced;
+//   cudnn:          cuDNN for every call, failing with the reason where it cannot (attention_cudnn.h);
+//                   calls without the host-side fact read the mask on the device first.
+struct AttentionChoice {
+  cuda::AttentionImpl impl = cuda::AttentionImpl::Auto;
+  bool cudnn_for_plain_causal = true;
+};
+
+AttentionChoice attention_choice_from_env() {
   const char* v = std::getenv("SPINDLE_CUDA_ATTENTION");
-  if (!v) return cuda::AttentionImpl::Auto;
-  const std::string s(v);
-  if (s == "simple") return cuda::AttentionImpl::Simple;
-  if (s == "mma") return cuda::AttentionImpl::Mma;
-  if (s == "wgmma") return cuda::AttentionImpl::Wgmma;
-  // cuDNN's fused SDPA: BF16, head dim 128, one causal document or fully visible blocks; other
-  // calls fail with the reason (attention_cudnn.h). Each call reads the mask on the device first.
+  const std::string s(v ? v : "");
+  if (s == "auto" || s.empty()) return {cuda::AttentionImpl::Auto, cuda::attention_cudnn_built()};
+  if (s == "own") return {cuda::AttentionImpl::Auto, false};
+  if (s == "simple") return {cuda::AttentionImpl::Simple, false};
+  if (s == "mma") return {cuda::AttentionImpl::Mma, false};
+  if (s == "wgmma") return {cuda::AttentionImpl::Wgmma, false};
   if (s == "cudnn") {
     if (!cuda::attention_cudnn_built())
       fail("SPINDLE_CUDA_ATTENTION=cudnn: this build has no cuDNN (cudnn.h / libcudnn not found by cmake)");
-    return cuda::AttentionImpl::Cudnn;
+    return {cuda::AttentionImpl::Cudnn, false};
   }
-  if (s == "auto" || s.empty()) return cuda::AttentionImpl::Auto;
-  fail("SPINDLE_CUDA_ATTENTION={} is not one of auto, simple, mma, wgmma, cudnn", s);
+  fail("SPINDLE_CUDA_ATTENTION={} is not one of auto, own, simple, mma, wgmma, cudnn", s);
 }
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int device) : ctx_(std::make_shared<Context>(device)), attention_impl_(impl_from_env()) {}
+  explicit CudaBackend(int device) : ctx_(std::make_shared<Context>(device)) {
+    const AttentionChoice c = attention_choice_from_env();
+    attention_impl_ = c.impl;
+    cudnn_for_plain_causal_ = c.cudnn_for_plain_causal;
+  }
 
   std::string name() const override { return "cuda"; }
   Device device() const override { return Device{DeviceKind::CUDA, ctx_->device()}; }
@@ -311,6 +327,15 @@ class CudaBackend final : public Backend {
                                     out.data(), lse.data_as<float>());
       return;
     }
+    if (cudnn_takes(sh, q.dtype(), out.dtype(), mask, {&q, &k, &v, &out})) {
+      try {
+        cuda::attention_forward_cudnn(s(stream), sh, cuda::CudnnMask::Causal, q.data(), k.data(), v.data(),
+                                      static_cast<float>(scale), out.data(), lse.data_as<float>());
+        return;
+      } catch (const Error& e) {
+        give_up_cudnn(e);  // nothing was written that our kernel does not overwrite
+      }
+    }
     cuda::attention_forward(s(stream), pick_impl(sh, q.dtype(), {&q, &k, &v}), sh, q.dtype(), q.data(), k.data(),
                             v.data(), mask_ptrs(mask), static_cast<float>(scale), out.data(), out.dtype(),
                             lse.data_as<float>());
@@ -341,6 +366,18 @@ class CudaBackend final : public Backend {
                                      lse.data_as<float>(), static_cast<float>(scale), dq.data(), dk.data(),
                                      dv.data(), accumulate);
       return;
+    }
+    if (cudnn_takes(sh, q.dtype(), grad, mask, {&q, &k, &v, &out, &dout, &dq, &dk, &dv})) {
+      try {
+        cuda::attention_backward_cudnn(s(stream), sh, cuda::CudnnMask::Causal, q.data(), k.data(), v.data(),
+                                       out.data(), dout.data(), lse.data_as<float>(), static_cast<float>(scale),
+                                       dq.data(), dk.data(), dv.data(), accumulate);
+        return;
+      } catch (const Error& e) {
+        // A failure comes from building the plan or launching it, before the accumulate step:
+        // dq/dk/dv are either untouched or fully overwritten by our kernel below.
+        give_up_cudnn(e);
+      }
     }
     cuda::attention_backward(s(stream), pick_impl(sh, q.dtype(), {&q, &k, &v, &dout}), sh, q.dtype(), q.data(),
                              k.data(), v.data(), out.data(), dout.data(), lse.data_as<float>(), mask_ptrs(mask),
@@ -509,6 +546,24 @@ class CudaBackend final : public Backend {
     return m;
   }
 
+  // Whether the default choice sends this call to cuDNN: the caller's host-side fact says one plain
+  // causal document, and the dtypes, head dim and 16-byte alignment suit cuDNN's fused engines.
+  bool cudnn_takes(const cuda::AttentionShape& sh, DType io, DType outs, const AttentionMask& mask,
+                   std::initializer_list<const Tensor*> tensors) const {
+    if (!cudnn_for_plain_causal_ || attention_impl_ != cuda::AttentionImpl::Auto || !mask.plain_causal) return false;
+    if (!cuda::attention_cudnn_supports(sh, io, outs, cuda::CudnnMask::Causal)) return false;
+    for (const Tensor* t : tensors)
+      if (!aligned16(*t)) return false;
+    return true;
+  }
+
+  // cuDNN could not take a call it should have (no engine on this GPU or cuDNN version): say so
+  // once and use the engine's own kernels from now on.
+  void give_up_cudnn(const Error& e) {
+    cudnn_for_plain_causal_ = false;
+    std::fprintf(stderr, "spindle: cuDNN attention unavailable, using the engine's own kernels: %s\n", e.what());
+  }
+
   // The tensor-core kernels load 16-byte pieces; unaligned views fall back to the simple kernels.
   cuda::AttentionImpl pick_impl(const cuda::AttentionShape&, DType, std::initializer_list<const Tensor*> loaded) const {
     if (attention_impl_ != cuda::AttentionImpl::Auto) return attention_impl_;
@@ -518,7 +573,8 @@ class CudaBackend final : public Backend {
   }
 
   std::shared_ptr<Context> ctx_;
-  cuda::AttentionImpl attention_impl_;
+  cuda::AttentionImpl attention_impl_ = cuda::AttentionImpl::Auto;
+  bool cudnn_for_plain_causal_ = false;
 };
 
 }  // namespace
