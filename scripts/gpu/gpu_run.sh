@@ -106,7 +106,7 @@ if has bench; then
   IFS=";" read -ra meshes <<< "${BENCH_MESHES:---sp 2;--sp 2 --ring 2}"
   for mesh in "${meshes[@]}"; do
     timeout 280 "$S" bench --nproc-per-node 2 $mesh --device cuda --model "$cfg" --seq ${BENCH_SEQ:-32k,128k} \
-      --lora-rank 16 --recompute "${BENCH_RECOMPUTE:-all}" --warmup 1 --steps 2 --profile-steps 1 --op-table 15 \
+      --lora-rank 16 --recompute "${BENCH_RECOMPUTE:-all}" --warmup 2 --steps 2 --profile-steps 1 --op-table 15 \
       > "$out/bench_sp2_${mesh// /_}.txt" 2>&1
     summary+=("bench $mesh rc=$?")
   done
@@ -118,7 +118,7 @@ fi
 
 if has benchx; then
   # Extra bench runs, one per ';'-separated entry of BENCH_RUNS, each the arguments after
-  # `spindle bench --device cuda --warmup 1 --steps 2 --profile-steps 1 --op-table 10`, e.g.
+  # `spindle bench --device cuda --warmup 2 --steps 2 --profile-steps 1 --op-table 10`, e.g.
   # BENCH_RUNS="--model configs/qwen2.5-1.5b.json --seq 32k --recompute keep-attention --recompute-layers 20"
   # (LoRA rank 16 is bench's default).
   # BENCH_RUNS=design: the DESIGN §5 rows with the settings of docs/perf.md's summary table (the
@@ -140,7 +140,7 @@ if has benchx; then
     nvidia-smi --query-gpu=index,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
       --format=csv,noheader,nounits -lms 200 > "$out/clocks_$n.csv" 2>/dev/null &
     smi=$!
-    timeout ${BENCHX_TIMEOUT:-200} "$S" bench --device cuda --warmup 1 --steps 2 --profile-steps 1 --op-table 10 $r \
+    timeout ${BENCHX_TIMEOUT:-200} "$S" bench --device cuda --warmup 2 --steps 2 --profile-steps 1 --op-table 10 $r \
       >> "$out/benchx_$n.txt" 2>&1
     summary+=("benchx $n rc=$?: $r")
     kill $smi 2>/dev/null

@@ -23,7 +23,7 @@ struct BenchOptions {
   bool full = false;                   // full fine-tuning instead of LoRA
   std::string recompute = "all";       // none | all | keep-attention (RecomputeMode)
   int64_t recompute_layers = -1;       // the first N layers recompute; the others keep all (-1: every layer)
-  int warmup = 1, steps = 3;
+  int warmup = 2, steps = 3;
   int profile_steps = 1;               // extra steps through the timing decorator (0: no split)
   int op_table_rows = 0;               // the text report lists the profiled step's N most costly ops
   std::string device = "cuda";         // cuda | cpu

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -174,6 +175,37 @@ void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, in
   rows.push_back({label, f_ms + b_ms, 3.5 * fwd_flops / (f_ms + b_ms) / 1e9, "TFLOP/s"});
 }
 
+// The cost of a shape's first call (cuDNN builds its plans then; the engine's kernels have none):
+// wall time of a first forward + backward at a length not seen before, less the same pair again.
+void bench_first_call(Backend& be, int64_t t, const char* impl) {
+  const int hq = 12, hkv = 2, d = 128;
+  std::vector<int> doc(static_cast<size_t>(t), 0), pos(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) pos[static_cast<size_t>(i)] = static_cast<int>(i);
+  AttentionMask mask{ints(be, doc), ints(be, pos), ints(be, doc), ints(be, pos)};
+  mask.plain_causal = true;
+  Tensor q = be.empty(Shape{t, hq, d}, DType::BF16), k = be.empty(Shape{t, hkv, d}, DType::BF16);
+  Tensor v = be.empty(Shape{t, hkv, d}, DType::BF16), dout = be.empty(Shape{t, hq, d}, DType::BF16);
+  for (Tensor* x : {&q, &k, &v, &dout}) fill_random(be, *x, 1.0, 21);
+  Tensor out = be.empty(q.shape(), DType::BF16), lse = be.empty(Shape{hq, t}, DType::F32);
+  Tensor dq = be.empty(q.shape(), DType::BF16), dk = be.empty(k.shape(), DType::BF16);
+  Tensor dv = be.empty(v.shape(), DType::BF16);
+  Stream s = be.default_stream();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  auto pair_ms = [&] {
+    be.synchronize(s);
+    const auto t0 = std::chrono::steady_clock::now();
+    be.attention_forward(s, q, k, v, mask, scale, out, lse);
+    be.attention_backward(s, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, false);
+    be.synchronize(s);
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
+  const double first = pair_ms(), again = pair_ms();
+  char label[160];
+  std::snprintf(label, sizeof label, "attn %s first call T=%lld (fwd+bwd; rate = extra ms)", impl,
+                static_cast<long long>(t));
+  rows.push_back({label, first, first - again, "ms"});
+}
+
 // Bandwidth, GEMMs, then attention: the default kernels, the mma.sync fallback and the measured
 // alternatives at 32k causal; without `quick` also other shapes and the simple kernels.
 void bench_suite(Backend& be, bool quick) {
@@ -236,6 +268,18 @@ int main(int argc, char** argv) {
       for (int i = 0; i < 3; ++i) bench_attention(*own, 1, 32768, 12, 2, 128, false, "own");
       if (!cuda::attention_cudnn_built()) std::printf("bench_cuda: built without cuDNN, auto = own\n");
       for (int i = 0; i < 2; ++i) bench_attention(*be, 1, 32768, 12, 2, 128, false, "auto");
+      bench_attention(*own, 1, 65536, 12, 2, 128, false, "own");
+      bench_attention(*be, 1, 65536, 12, 2, 128, false, "auto");
+      bench_attention(*be, 1, 131072, 6, 1, 128, false, "auto");  // a rank's share under Ulysses 2
+      if (cuda::attention_cudnn_built()) {  // what a new shape's cuDNN plans cost (worth_a_cudnn_plan)
+        setenv("SPINDLE_CUDA_ATTENTION", "cudnn", 1);
+        auto dnn = make_cuda_backend(0);
+        unsetenv("SPINDLE_CUDA_ATTENTION");
+        for (int64_t t : {4093, 16381, 32749, 8192}) {
+          bench_first_call(*own, t, "own");
+          bench_first_call(*dnn, t, "cudnn");
+        }
+      }
     } else {
       bench_suite(*be, quick);
     }

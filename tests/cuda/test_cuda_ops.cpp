@@ -735,9 +735,10 @@ TEST(CudaAttentionImpls, CudnnMatchesCpu) {
   EXPECT_THROW(check_attention(*cpu, *gpu, rng, packed_case, DType::BF16, 128, false), Error);
 }
 
-// The default choice: a call whose mask carries the host-side fact plain_causal goes to cuDNN
-// (its forward is bit-identical to SPINDLE_CUDA_ATTENTION=cudnn's), and still matches the CPU in
-// both directions; without the fact, and under SPINDLE_CUDA_ATTENTION=own, the engine's own kernels.
+// The default choice: a call whose mask carries the host-side fact plain_causal goes to cuDNN when
+// the shape is worth a plan — long enough (12 heads × 40k tokens²) from its first call, a shorter
+// one once it recurs (after 64 calls) — and then matches cuDNN's forward to the bit and the CPU in
+// both directions; without the fact, and under SPINDLE_CUDA_ATTENTION=own, the engine's kernels.
 TEST(CudaAttentionImpls, DefaultTakesCudnnForPlainCausalRows) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
   if (!cuda::attention_cudnn_built()) GTEST_SKIP() << "built without cuDNN";
@@ -750,30 +751,52 @@ TEST(CudaAttentionImpls, DefaultTakesCudnnForPlainCausalRows) {
   unsetenv("SPINDLE_CUDA_ATTENTION");
   auto cpu = make_cpu_backend();
   std::mt19937_64 rng(77);
+  const int hq = 12, hkv = 2, d = 128;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  // out of the three backends for one set of inputs of t tokens, with or without the fact
+  auto outputs = [&](int64_t t, int repeat_default) {
+    auto make = [&](Shape s) {
+      Tensor x = dflt->empty(s, DType::BF16);
+      from_host(*dflt, random_rounded(rng, s.numel(), DType::BF16, 2.0), x);
+      return x;
+    };
+    Tensor q = make(Shape{t, hq, d}), k = make(Shape{t, hkv, d}), v = make(Shape{t, hkv, d});
+    const MaskSpec m = causal(static_cast<int>(t));
+    AttentionMask mask{int_tensor(*dflt, m.q_doc), int_tensor(*dflt, m.q_pos), int_tensor(*dflt, m.k_doc),
+                       int_tensor(*dflt, m.k_pos)};
+    auto forward = [&](Backend& be, bool fact) {
+      mask.plain_causal = fact;
+      Tensor out = be.empty(q.shape(), DType::BF16), lse = be.empty(Shape{hq, t}, DType::F32);
+      be.attention_forward(be.default_stream(), q, k, v, mask, scale, out, lse);
+      return to_host(be, out);
+    };
+    std::vector<std::vector<double>> r;
+    r.push_back(forward(*dflt, true));  // the default's first call of this shape
+    for (int i = 0; i < repeat_default; ++i) r.push_back(forward(*dflt, true));
+    r.push_back(forward(*dnn, true));
+    r.push_back(forward(*own, true));
+    r.push_back(forward(*dflt, false));
+    return r;
+  };
+  {  // a short shape: the engine's kernels at first, cuDNN once it recurs
+    const auto r = outputs(640, 64);
+    const auto& by_dnn = r[r.size() - 3];
+    const auto& by_own = r[r.size() - 2];
+    EXPECT_NE(by_dnn, by_own) << "cuDNN and the own kernels agree to the bit: this test could not tell them apart";
+    EXPECT_EQ(r[0], by_own) << "a short shape's first call should not pay for a cuDNN plan";
+    EXPECT_EQ(r[64], by_dnn) << "the 65th call of a recurring shape should run cuDNN";
+    EXPECT_EQ(r.back(), by_own) << "without the fact the default must use the engine's own kernels";
+  }
+  {  // a long shape: cuDNN from its first call
+    const auto r = outputs(40960, 0);
+    EXPECT_EQ(r[0], r[1]) << "the default did not take cuDNN for a long plain causal row";
+    EXPECT_EQ(r[3], r[2]) << "without the fact the default must use the engine's own kernels";
+  }
+  // The recurring short shape now runs cuDNN: both directions, accumulate and F32 variants (the
+  // F32 ones fall back to the engine's kernels) against the CPU.
   MaskSpec plain = causal(640);
   plain.plain_causal = true;
-  check_attention(*cpu, *dflt, rng, {"default, plain causal", plain, 12, 2}, DType::BF16, 128, false);
-
-  const int64_t t = 640, hq = 12, hkv = 2, d = 128;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  auto make = [&](Shape s) {
-    Tensor x = dflt->empty(s, DType::BF16);
-    from_host(*dflt, random_rounded(rng, s.numel(), DType::BF16, 2.0), x);
-    return x;
-  };
-  Tensor q = make(Shape{t, hq, d}), k = make(Shape{t, hkv, d}), v = make(Shape{t, hkv, d});
-  AttentionMask mask{int_tensor(*dflt, plain.q_doc), int_tensor(*dflt, plain.q_pos), int_tensor(*dflt, plain.k_doc),
-                     int_tensor(*dflt, plain.k_pos)};
-  auto forward = [&](Backend& be, bool fact) {
-    mask.plain_causal = fact;
-    Tensor out = be.empty(q.shape(), DType::BF16), lse = be.empty(Shape{hq, t}, DType::F32);
-    be.attention_forward(be.default_stream(), q, k, v, mask, scale, out, lse);
-    return to_host(be, out);
-  };
-  const std::vector<double> by_dnn = forward(*dnn, true), by_own = forward(*own, true);
-  EXPECT_EQ(forward(*dflt, true), by_dnn) << "the default did not take cuDNN for a plain causal row";
-  EXPECT_EQ(forward(*dflt, false), by_own) << "without the fact the default must use the engine's own kernels";
-  EXPECT_NE(by_dnn, by_own) << "cuDNN and the own kernels agree to the bit: this test could not tell them apart";
+  check_attention(*cpu, *dflt, rng, {"default, plain causal", plain, hq, hkv}, DType::BF16, d);
 }
 
 // The simple kernels forced on BF16 d = 128 (the tensor-core kernels' shape) also match the CPU,

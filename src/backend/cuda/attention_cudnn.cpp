@@ -17,7 +17,9 @@
 #if SPINDLE_HAVE_CUDNN
 #include <cudnn.h>
 
+#include <algorithm>
 #include <array>
+#include <deque>
 #include <limits>
 #include <map>
 #include <memory>
@@ -453,12 +455,15 @@ Plan build_backward(cudnnHandle_t h, const Layout& L, CudnnMask mask) {
   return plan;
 }
 
-// One cuDNN handle per device and the plans built on it, for the life of the process (plans are
-// small; a training run sees a handful of shapes). Calls from several threads are serialised.
+// One cuDNN handle per device and the plans built on it. Rows of varying length bring new shapes,
+// so at most kMaxPlans are kept, the oldest dropped first. Calls from several threads are
+// serialised.
+constexpr size_t kMaxPlans = 64;
 struct Cache {
   std::mutex mu;
   std::map<int, cudnnHandle_t> handles;  // never destroyed: the driver may be gone at exit
   std::map<Key, Plan> plans;
+  std::deque<Key> built;  // plans' keys, oldest first
 };
 Cache& cache() {
   static Cache* c = new Cache;
@@ -489,8 +494,17 @@ void run(cudaStream_t s, const AttentionShape& sh, CudnnMask mask, bool backward
   const Key key{device, sh.tq, sh.tk, sh.hq, sh.hkv, sh.d, mask, backward};
   auto it = c.plans.find(key);
   if (it == c.plans.end()) {
+    auto oldest = std::find_if(c.built.begin(), c.built.end(), [&](const Key& k) { return k.device == device; });
+    if (c.plans.size() >= kMaxPlans && oldest != c.built.end()) {
+      // A dropped plan may still have work queued on some stream: let this device finish it first
+      // (rare: only once more than kMaxPlans shapes have been seen).
+      CUDA_CHECK(cudaDeviceSynchronize());
+      c.plans.erase(*oldest);
+      c.built.erase(oldest);
+    }
     const Layout L{sh.tq, sh.tk, sh.hq, sh.hkv, sh.d};
     it = c.plans.emplace(key, backward ? build_backward(h, L, mask) : build_forward(h, L, mask)).first;
+    c.built.push_back(key);
   }
   const Plan& plan = it->second;
   Scratch ws(s, static_cast<size_t>(plan.total()));

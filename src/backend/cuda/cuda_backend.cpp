@@ -16,7 +16,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <map>
 #include <string>
+#include <tuple>
 
 #include "backend/cuda/attention_cudnn.h"
 #include "backend/cuda/context.h"
@@ -547,14 +549,30 @@ class CudaBackend final : public Backend {
   }
 
   // Whether the default choice sends this call to cuDNN: the caller's host-side fact says one plain
-  // causal document, and the dtypes, head dim and 16-byte alignment suit cuDNN's fused engines.
+  // causal document, the dtypes, head dim and 16-byte alignment suit cuDNN's fused engines, and the
+  // shape is worth a plan (worth_a_cudnn_plan).
   bool cudnn_takes(const cuda::AttentionShape& sh, DType io, DType outs, const AttentionMask& mask,
-                   std::initializer_list<const Tensor*> tensors) const {
+                   std::initializer_list<const Tensor*> tensors) {
     if (!cudnn_for_plain_causal_ || attention_impl_ != cuda::AttentionImpl::Auto || !mask.plain_causal) return false;
     if (!cuda::attention_cudnn_supports(sh, io, outs, cuda::CudnnMask::Causal)) return false;
     for (const Tensor* t : tensors)
       if (!aligned16(*t)) return false;
-    return true;
+    return worth_a_cudnn_plan(sh);
+  }
+
+  // cuDNN builds a plan per shape: 90–150 ms for a forward and a backward on an H200, measured
+  // (tests/cuda/bench_cuda --attention, docs/perf.md), while it saves ≈ 3.2 ms per layer at 32k
+  // tokens of 12 heads. Rows of varying length bring a new shape every step, so a shape gets
+  // cuDNN when one step's calls repay the plan — a score count hq·tq·tk at least that of 12 heads
+  // at 40k tokens, about the break-even of a 28-layer model — or when it recurs: more calls than
+  // a step of a 32-layer model makes (fixed-length rows, where the rest of the run gains).
+  static constexpr double kCudnnScoresWorthAPlan = 12.0 * 40000.0 * 40000.0;
+  static constexpr int kCudnnCallsWorthAPlan = 64;
+  bool worth_a_cudnn_plan(const cuda::AttentionShape& sh) {
+    if (double(sh.hq) * double(sh.tq) * double(sh.tk) >= kCudnnScoresWorthAPlan) return true;
+    if (calls_per_shape_.size() > 4096) calls_per_shape_.clear();  // bounded under ever-new lengths
+    int& calls = calls_per_shape_[{sh.tq, sh.tk, sh.hq, sh.hkv, sh.d}];
+    return ++calls > kCudnnCallsWorthAPlan;
   }
 
   // cuDNN could not take a call it should have (no engine on this GPU or cuDNN version): say so
@@ -575,6 +593,7 @@ class CudaBackend final : public Backend {
   std::shared_ptr<Context> ctx_;
   cuda::AttentionImpl attention_impl_ = cuda::AttentionImpl::Auto;
   bool cudnn_for_plain_causal_ = false;
+  std::map<std::tuple<int64_t, int64_t, int, int, int>, int> calls_per_shape_;  // worth_a_cudnn_plan
 };
 
 }  // namespace
