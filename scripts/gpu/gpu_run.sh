@@ -122,7 +122,8 @@ if has benchx; then
   # BENCH_RUNS="--model configs/qwen2.5-1.5b.json --seq 32k --recompute keep-attention --recompute-layers 20"
   # (LoRA rank 16 is bench's default).
   # BENCH_RUNS=design: the DESIGN §5 rows with the settings of docs/perf.md's summary table (the
-  # 2-GPU rows need kind nvidia-h200-x2; the 1-GPU rows use GPU 0).
+  # 2-GPU rows need kind nvidia-h200-x2; the 1-GPU rows use GPU 0). All five take ~6 min; the 7B
+  # sweep alone needs more than 150 s of BENCHX_TIMEOUT (300 by default, per run).
   if [[ "${BENCH_RUNS:-}" == design ]]; then
     c15=$root/configs/qwen2.5-1.5b.json c7=$root/configs/qwen2.5-7b.json
     BENCH_RUNS="--model $c15 --seq 32k --recompute keep-attention --recompute-layers 19"
@@ -140,7 +141,7 @@ if has benchx; then
     nvidia-smi --query-gpu=index,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
       --format=csv,noheader,nounits -lms 200 > "$out/clocks_$n.csv" 2>/dev/null &
     smi=$!
-    timeout ${BENCHX_TIMEOUT:-200} "$S" bench --device cuda --warmup 2 --steps 2 --profile-steps 1 --op-table 10 $r \
+    timeout ${BENCHX_TIMEOUT:-300} "$S" bench --device cuda --warmup 2 --steps 2 --profile-steps 1 --op-table 10 $r \
       >> "$out/benchx_$n.txt" 2>&1
     summary+=("benchx $n rc=$?: $r")
     kill $smi 2>/dev/null

@@ -1,5 +1,6 @@
 // Attention through cuDNN's fused flash-attention engines (cuDNN 9 backend graph API, no
-// cudnn-frontend): an alternative to the engine's own kernels, selected only with
+// cudnn-frontend). The CUDA backend sends it the calls whose mask the caller declares plain causal
+// when the shape is worth a plan (cuda_backend.cpp, worth_a_cudnn_plan), and every call under
 // SPINDLE_CUDA_ATTENTION=cudnn. BF16 q/k/v/out/gradients, head dim 128, GQA, and two mask cases:
 //
 //   Causal: one document, q and k the same tokens (tq == tk), positions p0, p0+1, ... on both
