@@ -271,6 +271,9 @@ int main(int argc, char** argv) {
       bench_attention(*own, 1, 65536, 12, 2, 128, false, "own");
       bench_attention(*be, 1, 65536, 12, 2, 128, false, "auto");
       bench_attention(*be, 1, 131072, 6, 1, 128, false, "auto");  // a rank's share under Ulysses 2
+      // packed rows (the common SFT case; always the engine's kernels): the same 32k in documents
+      bench_attention(*own, 8, 4096, 12, 2, 128, false, "own");
+      bench_attention(*own, 32, 1024, 12, 2, 128, false, "own");
       if (cuda::attention_cudnn_built()) {  // what a new shape's cuDNN plans cost (worth_a_cudnn_plan)
         setenv("SPINDLE_CUDA_ATTENTION", "cudnn", 1);
         auto dnn = make_cuda_backend(0);
