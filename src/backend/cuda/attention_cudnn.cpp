@@ -405,17 +405,18 @@ Plan build_backward(cudnnHandle_t h, const Layout& L, CudnnMask mask) {
   auto p = g.vtensor(F, L.s_dims(), L.s_strides());
   g.pointwise(CUDNN_POINTWISE_EXP, centered, p);
 
-  // dV = Pᵀ·dO (summed over the query heads of a kv head)
+  // grad = a·b for a kv-head gradient: under GQA a per-query-head product summed over each group.
+  auto kv_grad = [&](cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t grad) {
+    if (!gqa) return g.matmul(a, b, grad);
+    auto full = g.vtensor(B, {1, L.hq, L.tk, L.d}, {L.hq * L.tk * L.d, L.tk * L.d, L.d, 1});
+    g.matmul(a, b, full);
+    g.reduction(CUDNN_REDUCE_TENSOR_ADD, full, grad);
+  };
+
+  // dV = Pᵀ·dO
   auto pt = g.vtensor(B, L.st_dims(), L.st_strides());
   g.reshape(p, pt);
-  const Dims full_dims{1, L.hq, L.tk, L.d}, full_strides{L.hq * L.tk * L.d, L.tk * L.d, L.d, 1};
-  if (!gqa) {
-    g.matmul(pt, d_o, dv);
-  } else {
-    auto dv_full = g.vtensor(B, full_dims, full_strides);
-    g.matmul(pt, d_o, dv_full);
-    g.reduction(CUDNN_REDUCE_TENSOR_ADD, dv_full, dv);
-  }
+  kv_grad(pt, d_o, dv);
 
   // dS = scale · P ∘ (dO·Vᵀ − softmax_sum)
   auto dp = g.vtensor(F, L.s_dims(), L.s_strides());
@@ -427,16 +428,10 @@ Plan build_backward(cudnnHandle_t h, const Layout& L, CudnnMask mask) {
   auto ds = g.vtensor(F, L.s_dims(), L.s_strides());
   g.pointwise(CUDNN_POINTWISE_MUL, ds_unscaled, ds, scale);
 
-  // dK = dSᵀ·Q (summed over the group)
+  // dK = dSᵀ·Q
   auto dst = g.vtensor(B, L.st_dims(), L.st_strides());
   g.reshape(ds, dst);
-  if (!gqa) {
-    g.matmul(dst, q, dk);
-  } else {
-    auto dk_full = g.vtensor(B, full_dims, full_strides);
-    g.matmul(dst, q, dk_full);
-    g.reduction(CUDNN_REDUCE_TENSOR_ADD, dk_full, dk);
-  }
+  kv_grad(dst, q, dk);
 
   // dQ = dS·K through an F32 accumulator (non-virtual: in our workspace), then cast
   // K re-viewed untransposed, typed F32 like dS (the engines want equal operand types here too).

@@ -48,7 +48,8 @@ bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) %
 // Which attention implementation runs (SPINDLE_CUDA_ATTENTION):
 //   auto (default): cuDNN's fused SDPA where the caller says the mask is one plain causal document
 //                   (AttentionMask::plain_causal; BF16, head dim 128: the measured faster case,
-//                   docs/perf.md), the engine's own kernels for everything else;
+//                   docs/perf.md) and the shape is worth a plan (worth_a_cudnn_plan), the engine's
+//                   own kernels for everything else;
 //   own:            the engine's own kernels only (wgmma on Hopper, else mma.sync);
 //   simple, mma, wgmma: one of the engine's kernels, forced;
 //   cudnn:          cuDNN for every call, failing with the reason where it cannot (attention_cudnn.h);
