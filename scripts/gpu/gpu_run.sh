@@ -118,7 +118,7 @@ fi
 
 if has benchx; then
   # Extra bench runs, one per ';'-separated entry of BENCH_RUNS, each the arguments after
-  # `spindle bench --device cuda --warmup 2 --steps 2 --profile-steps 1 --op-table 10`, e.g.
+  # `spindle bench --device cuda --warmup 2 --steps 2 --profile-steps 1 --op-table ${BENCHX_OP_TABLE:-10}`, e.g.
   # BENCH_RUNS="--model configs/qwen2.5-1.5b.json --seq 32k --recompute keep-attention --recompute-layers 20"
   # (LoRA rank 16 is bench's default).
   # BENCH_RUNS=design: the DESIGN §5 rows with the settings of docs/perf.md's summary table (the
@@ -141,7 +141,7 @@ if has benchx; then
     nvidia-smi --query-gpu=index,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
       --format=csv,noheader,nounits -lms 200 > "$out/clocks_$n.csv" 2>/dev/null &
     smi=$!
-    timeout ${BENCHX_TIMEOUT:-300} "$S" bench --device cuda --warmup 2 --steps 2 --profile-steps 1 --op-table 10 $r \
+    timeout ${BENCHX_TIMEOUT:-300} "$S" bench --device cuda --warmup 2 --steps 2 --profile-steps 1 --op-table ${BENCHX_OP_TABLE:-10} $r \
       >> "$out/benchx_$n.txt" 2>&1
     summary+=("benchx $n rc=$?: $r")
     kill $smi 2>/dev/null

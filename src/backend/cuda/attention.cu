@@ -34,6 +34,31 @@ __global__ void tile_ranges_kernel(const int32_t* doc, const int32_t* pos, int64
   if (lane == 0) ranges[t] = TileRange{dmin, dmax, pmin, pmax};
 }
 
+// One warp per tile of the walking side; its lanes test the other side's tiles.
+__global__ void tile_spans_kernel(const TileRange* q_ranges, int64_t q_tiles, const TileRange* k_ranges,
+                                  int64_t k_tiles, bool per_query, TileSpan* spans) {
+  const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  const int64_t n_self = per_query ? q_tiles : k_tiles, n_other = per_query ? k_tiles : q_tiles;
+  if (t >= n_self) return;
+  const TileRange self = load_range((per_query ? q_ranges : k_ranges) + t);
+  const TileRange* other = per_query ? k_ranges : q_ranges;
+  int first = INT_MAX, last = -1;
+  for (int64_t j = lane; j < n_other; j += 32) {
+    const TileRange o = load_range(other + j);
+    if (!(per_query ? tiles_disjoint(self, o) : tiles_disjoint(o, self))) {
+      first = min(first, static_cast<int>(j));
+      last = max(last, static_cast<int>(j));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+    last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
+  }
+  if (lane == 0) spans[t] = last < 0 ? TileSpan{0, 0} : TileSpan{first, last + 1};
+}
+
 // One warp per (token, head) row: delta [h, i] = Σ_e dout·out.
 template <typename T>
 __global__ void delta_kernel(const T* out, const T* dout, int64_t tq, int hq, int d, float* delta) {
@@ -65,6 +90,15 @@ void tile_ranges(cudaStream_t s, const int32_t* doc, const int32_t* pos, int64_t
   if (tiles == 0) return;
   tile_ranges_kernel<<<static_cast<unsigned>((tiles * 32 + 255) / 256), 256, 0, s>>>(doc, pos, n, tile, tiles,
                                                                                       ranges);
+  CUDA_CHECK_LAUNCH();
+}
+
+void tile_spans(cudaStream_t s, const TileRange* q_ranges, int64_t q_tiles, const TileRange* k_ranges,
+                int64_t k_tiles, bool per_query, TileSpan* spans) {
+  const int64_t n = per_query ? q_tiles : k_tiles;
+  if (n == 0) return;
+  tile_spans_kernel<<<static_cast<unsigned>((n * 32 + 255) / 256), 256, 0, s>>>(q_ranges, q_tiles, k_ranges, k_tiles,
+                                                                                 per_query, spans);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -27,6 +27,7 @@ struct BwdParams {
   const float *lse, *delta;
   AttentionMaskPtrs mask;
   const TileRange *q_ranges, *k_ranges;
+  const TileSpan* q_spans;  // per key tile: the query tiles to walk
   float scale, scale_log2;
   float* dq_acc;  // f32 [tq, hq, D], pre-zeroed
   void *dk, *dv;    // BF16, or F32 when f32_grads
@@ -88,10 +89,13 @@ __global__ void __launch_bounds__(kThreads, 1) backward_wide_kernel(const BwdPar
   const int64_t j0 = static_cast<int64_t>(kt) * kWBc;
   const TileRange kr = load_range(p.k_ranges + kt);
   const bool k_complete = j0 + kWBc <= sh.tk;
-  const int nq = static_cast<int>((sh.tq + kBr - 1) / kBr);
+  // Items: (head of the group, query tile of the span), heads outermost.
+  const TileSpan span = load_span(p.q_spans + kt);
+  const int nq = span.end - span.first;
   const int items = group * nq;
+  auto item_tile = [&](int it) { return span.first + it % nq; };
 
-  auto item_class = [&](int it) { return classify_tile(load_range(p.q_ranges + it % nq), kr, k_complete); };
+  auto item_class = [&](int it) { return classify_tile(load_range(p.q_ranges + item_tile(it)), kr, k_complete); };
   auto next_active = [&](int from) {
     for (int it = from; it < items; ++it)
       if (item_class(it) != kTileSkip) return it;
@@ -99,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_wide_kernel(const BwdPar
   };
   auto load_q = [&](int it, int stage) {
     const int h = hk * group + it / nq;
-    const int64_t i0 = static_cast<int64_t>(it % nq) * kBr;
+    const int64_t i0 = static_cast<int64_t>(item_tile(it)) * kBr;
     load_tile<D, kBr, kThreads>(sQ + stage * kBr * S, p.q, i0, sh.tq, sh.hq, h);
     load_tile<D, kBr, kThreads>(sdO + stage * kBr * S, p.dout, i0, sh.tq, sh.hq, h);
     if (threadIdx.x < kBr) {
@@ -143,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_wide_kernel(const BwdPar
     if (next < items) load_q(next, stage ^ 1);
     cp_async_commit();
     const int h = hk * group + it / nq;
-    const int64_t i0 = static_cast<int64_t>(it % nq) * kBr;
+    const int64_t i0 = static_cast<int64_t>(item_tile(it)) * kBr;
     const int cls = item_class(it);
     const bf16* cQ = sQ + stage * kBr * S;
     const bf16* cdO = sdO + stage * kBr * S;
@@ -319,11 +323,14 @@ void attention_backward_mma(cudaStream_t s, const AttentionShape& sh, const void
     throw_message("attention_backward", "too many tiles or heads");
   Scratch dq_acc(s, static_cast<size_t>(dq_elems) * sizeof(float));
   Scratch delta(s, static_cast<size_t>(sh.tq * sh.hq) * sizeof(float));
-  Scratch ranges(s, static_cast<size_t>(q_tiles + k_tiles + 1) * sizeof(TileRange));
+  Scratch ranges(s, static_cast<size_t>(q_tiles + k_tiles + 1) * sizeof(TileRange) + k_tiles * sizeof(TileSpan));
   if (dq_elems)
     CUDA_CHECK(cudaMemsetAsync(dq_acc.as<float>(), 0, static_cast<size_t>(dq_elems) * sizeof(float), s));
   tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, kBr, ranges.as<TileRange>());
   tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, kWBc, ranges.as<TileRange>() + q_tiles);
+  auto* q_spans = reinterpret_cast<TileSpan*>(ranges.as<TileRange>() + q_tiles + k_tiles + 1);
+  tile_spans(s, ranges.as<TileRange>(), q_tiles, ranges.as<TileRange>() + q_tiles, k_tiles, /*per_query=*/false,
+             q_spans);
   attention_delta(s, DType::BF16, out, dout, sh.tq, sh.hq, sh.d, delta.as<float>());
   BwdParams p{sh,
               static_cast<const bf16*>(q),
@@ -335,6 +342,7 @@ void attention_backward_mma(cudaStream_t s, const AttentionShape& sh, const void
               mask,
               ranges.as<TileRange>(),
               ranges.as<TileRange>() + q_tiles,
+              q_spans,
               scale,
               scale * kLog2e,
               dq_acc.as<float>(),

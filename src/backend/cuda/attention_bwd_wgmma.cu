@@ -69,6 +69,7 @@ struct Params {
   AttentionShape sh;
   AttentionMaskPtrs mask;
   const TileRange *q_ranges, *k_ranges;  // tiles of kBM queries / kBN keys
+  const TileSpan* q_spans;                // per key tile: the query tiles to walk
   const float *lse2, *delta;             // [hq, tq_pad]
   int64_t tq_pad;
   float scale_log2;
@@ -118,7 +119,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t k0 = static_cast<int64_t>(k_tile) * kBN;
   const TileRange kr = load_range(p.k_ranges + k_tile);
   const bool k_complete = k0 + kBN <= sh.tk;
-  const int nq = static_cast<int>((sh.tq + kBM - 1) / kBM);
   auto tile_class = [&](int i) { return classify_tile(load_range(p.q_ranges + i), kr, k_complete); };
 
   if (threadIdx.x == 0) {
@@ -150,7 +150,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         tma_load_2d(sm.v + c * kBN * 64, &v_map, hk * kD + c * 64, static_cast<int>(k0), &sm.kv_full);
       }
       int it = 0;
-      for (int i = 0; i < nq; ++i) {
+      const TileSpan span = load_span(p.q_spans + k_tile);
+      for (int i = span.first; i < span.end; ++i) {
         const int cls = tile_class(i);
         if (cls == kTileSkip) continue;
         const int stage = it % kStages;
@@ -178,7 +179,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // the reduce themselves.
       tma_prefetch_descriptor(&dq_map);
       int n = 0;
-      for (int i = 0; i < nq; ++i) {
+      const TileSpan span = load_span(p.q_spans + k_tile);
+      for (int i = span.first; i < span.end; ++i) {
         if (tile_class(i) == kTileSkip) continue;
         const int b = n % kDqBuffers;
         for (int c = 0; c < kConsumers; ++c) {
@@ -408,7 +410,7 @@ void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const vo
   const int64_t nq = sh.tq * sh.hq * kD, nk = sh.tk * sh.hkv * kD;
   // f32 scratch: dq/dk/dv accumulators, then the per-row terms.
   Scratch scratch(s, static_cast<size_t>(nq + 2 * nk + 2 * sh.hq * tq_pad) * 4 +
-                         static_cast<size_t>(q_tiles + k_tiles) * sizeof(TileRange));
+                         static_cast<size_t>(q_tiles + k_tiles) * sizeof(TileRange) + k_tiles * sizeof(TileSpan));
   float* dq_acc = scratch.as<float>();
   float* dk_acc = dq_acc + nq;
   float* dv_acc = dk_acc + nk;
@@ -418,6 +420,8 @@ void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const vo
   CUDA_CHECK(cudaMemsetAsync(dq_acc, 0, static_cast<size_t>(nq + 2 * nk) * 4, s));
   tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, kBM, ranges);
   tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, kBN, ranges + q_tiles);
+  auto* q_spans = reinterpret_cast<TileSpan*>(ranges + q_tiles + k_tiles);
+  tile_spans(s, ranges, q_tiles, ranges + q_tiles, k_tiles, /*per_query=*/false, q_spans);
   const int64_t warps = sh.hq * tq_pad;
   prepare_rows_kernel<<<static_cast<unsigned>((warps * 32 + 255) / 256), 256, 0, s>>>(
       static_cast<const bf16*>(out), static_cast<const bf16*>(dout), lse, sh.tq, tq_pad, sh.hq, lse2, delta);
@@ -427,8 +431,7 @@ void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const vo
   const CUtensorMap do_map = bf16_tile_map(dout, sh.tq, int64_t{sh.hq} * kD, kBM);
   const CUtensorMap k_map = bf16_tile_map(k, sh.tk, int64_t{sh.hkv} * kD, kBN);
   const CUtensorMap v_map = bf16_tile_map(v, sh.tk, int64_t{sh.hkv} * kD, kBN);
-  const Params p{sh,     mask,  ranges, ranges + q_tiles, lse2,  delta, tq_pad, scale * kLog2e,
-                 dk_acc, dv_acc};
+  const Params p{sh, mask, ranges, ranges + q_tiles, q_spans, lse2, delta, tq_pad, scale * kLog2e, dk_acc, dv_acc};
   const CUtensorMap dq_map = f32_tile_map(dq_acc, sh.tq, int64_t{sh.hq} * kD, kBM);
   auto kernel = backward_wgmma_kernel;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));

@@ -20,12 +20,24 @@ struct TileRange {
   int doc_min, doc_max, pos_min, pos_max;  // over the valid tokens of the tile
 };
 
+// For one tile of one side, the tiles of the other side a kernel has to walk: [first, end). Tiles
+// outside it are all skipped (below); tiles inside may still be. On a packed row this is the
+// document's own stretch, so a block's walk costs its visible tiles, not the whole row.
+struct TileSpan {
+  int first, end;
+};
+
 enum TileClass : int { kTileSkip = 0, kTileFull = 1, kTileMixed = 2 };
+
+// No query of tile q sees a key of tile k.
+__device__ __forceinline__ bool tiles_disjoint(const TileRange& q, const TileRange& k) {
+  return k.doc_max < q.doc_min || k.doc_min > q.doc_max  // no shared document
+         || k.pos_min > q.pos_max;                       // every key after every query
+}
 
 // `k_complete`: the key tile has no slot past the end of the keys (those must be masked).
 __device__ __forceinline__ int classify_tile(const TileRange& q, const TileRange& k, bool k_complete) {
-  if (k.doc_max < q.doc_min || k.doc_min > q.doc_max) return kTileSkip;  // no shared document
-  if (k.pos_min > q.pos_max) return kTileSkip;                          // every key after every query
+  if (tiles_disjoint(q, k)) return kTileSkip;
   if (k_complete && q.doc_min == q.doc_max && k.doc_min == k.doc_max && q.doc_min == k.doc_min &&
       k.pos_max <= q.pos_min)
     return kTileFull;
@@ -72,8 +84,17 @@ __device__ __forceinline__ TileRange load_range(const TileRange* r) {
   return TileRange{v.x, v.y, v.z, v.w};
 }
 
-// ranges [ceil(n / tile)] for doc/pos I32 [n] (attention_tiles.cu).
+__device__ __forceinline__ TileSpan load_span(const TileSpan* s) {
+  const int2 v = *reinterpret_cast<const int2*>(s);
+  return TileSpan{v.x, v.y};
+}
+
+// ranges [ceil(n / tile)] for doc/pos I32 [n] (attention.cu).
 void tile_ranges(cudaStream_t s, const int32_t* doc, const int32_t* pos, int64_t n, int tile, TileRange* ranges);
+// spans [q_tiles] (of key tiles, per query tile) when `per_query`, else spans [k_tiles] (of query
+// tiles, per key tile), from the tile ranges of both sides (attention.cu).
+void tile_spans(cudaStream_t s, const TileRange* q_ranges, int64_t q_tiles, const TileRange* k_ranges,
+                int64_t k_tiles, bool per_query, TileSpan* spans);
 // delta f32 [hq, tq] = Σ_d dout·out per row (the softmax-backward row term, from the final out).
 void attention_delta(cudaStream_t s, DType t, const void* out, const void* dout, int64_t tq, int hq, int d,
                      float* delta);

@@ -38,6 +38,7 @@ struct FwdParams {
   const bf16 *q, *k, *v;
   AttentionMaskPtrs mask;
   const TileRange *q_ranges, *k_ranges;
+  const TileSpan* k_spans;  // per query tile: the key tiles to walk
   float scale_log2;  // softmax scale · log2(e)
   void* out;
   float* lse;
@@ -76,12 +77,13 @@ __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const FwdParams p)
   const int64_t q0 = static_cast<int64_t>(q_tile) * kBr;
   const TileRange qr = load_range(p.q_ranges + q_tile);
   const int nk = static_cast<int>((sh.tk + kBc - 1) / kBc);
+  const TileSpan span = load_span(p.k_spans + q_tile);
 
   auto tile_class = [&](int j) {
     return classify_tile(qr, load_range(p.k_ranges + j), static_cast<int64_t>(j + 1) * kBc <= sh.tk);
   };
   auto next_active = [&](int from) {
-    for (int j = from; j < nk; ++j)
+    for (int j = from; j < span.end; ++j)
       if (tile_class(j) != kTileSkip) return j;
     return nk;
   };
@@ -97,7 +99,7 @@ __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const FwdParams p)
   };
 
   load_tile<D, kBr, kThreads>(sQ, p.q, q0, sh.tq, sh.hq, h);
-  int kt = next_active(0);
+  int kt = next_active(span.first);
   if (kt < nk) load_kv(kt, 0);
   cp_async_commit();
 
@@ -266,16 +268,21 @@ void launch_forward(cudaStream_t s, const AttentionShape& sh, const void* q, con
   using C = Cfg<D, RB, BC>;
   const int64_t q_tiles = (sh.tq + C::kBr - 1) / C::kBr, k_tiles = (sh.tk + C::kBc - 1) / C::kBc;
   if (q_tiles > 0x7fffffff || sh.hq > 65535) throw_message("attention_forward", "too many query tiles or heads");
-  Scratch ranges(s, static_cast<size_t>(q_tiles + k_tiles) * sizeof(TileRange));
-  tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, C::kBr, ranges.as<TileRange>());
-  tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, C::kBc, ranges.as<TileRange>() + q_tiles);
+  Scratch ranges(s, static_cast<size_t>(q_tiles + k_tiles) * sizeof(TileRange) + q_tiles * sizeof(TileSpan));
+  TileRange* q_ranges = ranges.as<TileRange>();
+  TileRange* k_ranges = q_ranges + q_tiles;
+  auto* k_spans = reinterpret_cast<TileSpan*>(k_ranges + k_tiles);
+  tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, C::kBr, q_ranges);
+  tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, C::kBc, k_ranges);
+  tile_spans(s, q_ranges, q_tiles, k_ranges, k_tiles, /*per_query=*/true, k_spans);
   const FwdParams p{sh,
                     static_cast<const bf16*>(q),
                     static_cast<const bf16*>(k),
                     static_cast<const bf16*>(v),
                     mask,
-                    ranges.as<TileRange>(),
-                    ranges.as<TileRange>() + q_tiles,
+                    q_ranges,
+                    k_ranges,
+                    k_spans,
                     scale * kLog2e,
                     out,
                     lse};

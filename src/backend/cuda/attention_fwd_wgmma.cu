@@ -58,6 +58,7 @@ struct Params {
   AttentionShape sh;
   AttentionMaskPtrs mask;
   const TileRange *q_ranges, *k_ranges;
+  const TileSpan* k_spans;  // per query tile: the key tiles to walk
   float scale_log2;  // softmax scale · log2(e)
   void* out;
   float* lse;
@@ -79,7 +80,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int h = blockIdx.x, hk = h / (sh.hq / sh.hkv);
   const int64_t q0 = static_cast<int64_t>(q_tile) * kBM;
   const TileRange qr = load_range(p.q_ranges + q_tile);
-  const int nk = static_cast<int>((sh.tk + kBN - 1) / kBN);
   auto tile_class = [&](int j) {
     return classify_tile(qr, load_range(p.k_ranges + j), static_cast<int64_t>(j + 1) * kBN <= sh.tk);
   };
@@ -109,7 +109,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Each step's key tile and class are posted next to its K (the consumers never read the
       // tile ranges from global memory), then an end marker.
       int it = 0;
-      for (int j = 0; j < nk; ++j) {
+      const TileSpan span = load_span(p.k_spans + q_tile);
+      for (int j = span.first; j < span.end; ++j) {
         const int cls = tile_class(j);
         if (cls == kTileSkip) continue;
         const int stage = it % kStages;
@@ -341,13 +342,17 @@ void launch(cudaStream_t s, const AttentionShape& sh, const void* q, const void*
   const int64_t q_tiles = (sh.tq + kBM - 1) / kBM, k_tiles = (sh.tk + kBN - 1) / kBN;
   if (q_tiles > 65535 || sh.hq > 0x7fffffff || sh.tk > 0x7fffffff || sh.tq > 0x7fffffff)
     throw_message("attention_forward", "too many tokens or heads for the Hopper kernel");
-  Scratch ranges(s, static_cast<size_t>(q_tiles + k_tiles) * sizeof(TileRange));
-  tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, kBM, ranges.as<TileRange>());
-  tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, kBN, ranges.as<TileRange>() + q_tiles);
+  Scratch ranges(s, static_cast<size_t>(q_tiles + k_tiles) * sizeof(TileRange) + q_tiles * sizeof(TileSpan));
+  TileRange* q_ranges = ranges.as<TileRange>();
+  TileRange* k_ranges = q_ranges + q_tiles;
+  auto* k_spans = reinterpret_cast<TileSpan*>(k_ranges + k_tiles);
+  tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, kBM, q_ranges);
+  tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, kBN, k_ranges);
+  tile_spans(s, q_ranges, q_tiles, k_ranges, k_tiles, /*per_query=*/true, k_spans);
   const CUtensorMap q_map = bf16_tile_map(q, sh.tq, int64_t{sh.hq} * kD, kBM);
   const CUtensorMap k_map = bf16_tile_map(k, sh.tk, int64_t{sh.hkv} * kD, kBN);
   const CUtensorMap v_map = bf16_tile_map(v, sh.tk, int64_t{sh.hkv} * kD, kBN);
-  const Params p{sh, mask, ranges.as<TileRange>(), ranges.as<TileRange>() + q_tiles, scale * kLog2e, out, lse};
+  const Params p{sh, mask, q_ranges, k_ranges, k_spans, scale * kLog2e, out, lse};
   auto kernel = forward_wgmma_kernel<TO, kPingPong>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));
   kernel<<<dim3(static_cast<unsigned>(sh.hq), static_cast<unsigned>(q_tiles)), kThreads, kSmemBytes, s>>>(
