@@ -4,6 +4,7 @@
 # Writes $OUT/ncu_<kernel>.txt (sections) and $OUT/ncu_<kernel>_sass.csv (per-instruction stall
 # samples) and prints the headline numbers.
 #   BENCH_BIN=path (default .gpubin/run/bin/bench_cuda)   KERNELS="regex ..." (default: the wgmma kernels)
+#   BENCH_ARGS=--profile-packed: the same kernels on a 32k row of 32 documents of 1k
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-$root/out}"
@@ -14,7 +15,7 @@ ncu_bin="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | h
 for kernel in ${KERNELS:-backward_wgmma_kernel forward_wgmma_kernel}; do
   # --launch-skip 1: profile the timed launch, not the warm-up.
   timeout 200 "$ncu_bin" --clock-control none -k "regex:$kernel" --launch-skip 1 --launch-count 1 \
-    --set full --import-source no -o "$out/ncu_$kernel" -f "$bin" --profile > "$out/ncu_${kernel}_run.txt" 2>&1
+    --set full --import-source no -o "$out/ncu_$kernel" -f "$bin" ${BENCH_ARGS:---profile} > "$out/ncu_${kernel}_run.txt" 2>&1
   echo "== $kernel: rc=$?"
   "$ncu_bin" -i "$out/ncu_$kernel.ncu-rep" --print-details all > "$out/ncu_$kernel.txt" 2>&1
   "$ncu_bin" -i "$out/ncu_$kernel.ncu-rep" --page source --print-source sass --csv > "$out/ncu_${kernel}_sass.csv" 2>&1

@@ -4,9 +4,11 @@
 // 2.5× forward (FlashAttention's convention; 5 GEMM-shaped products instead of 2); for a causal
 // sequence of T tokens the pairs are T(T+1)/2. GEMM = 2·M·N·K. Bandwidth = bytes read + written.
 // Inputs are random (zeros run faster than real data), times are medians of CUDA-event timings
-// after warm-up. Usage: bench_cuda [--quick | --profile | --attention]
-// --profile runs the default attention forward and backward once each at 32k causal (Hq=12, Hkv=2,
-// D=128), for a profiler (scripts/gpu/profile_attention.sh).
+// after warm-up. Usage: bench_cuda [--quick | --profile | --profile-packed | --attention | --packed]
+// --profile runs the engine's attention forward and backward once each at 32k causal (Hq=12, Hkv=2,
+// D=128), for a profiler (scripts/gpu/profile_attention.sh); --profile-packed the same on a 32k row
+// of 32 documents of 1k. --packed: the engine's kernels on packed 32k rows only (documents of 4k,
+// 1k and 128, causal, and 1k bidirectional: every tile fully visible, no per-element mask).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -241,6 +243,8 @@ void bench_suite(Backend& be, bool quick) {
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const bool profile = argc > 1 && std::strcmp(argv[1], "--profile") == 0;
+  const bool profile_packed = argc > 1 && std::strcmp(argv[1], "--profile-packed") == 0;
+  const bool packed = argc > 1 && std::strcmp(argv[1], "--packed") == 0;
   const bool attention = argc > 1 && std::strcmp(argv[1], "--attention") == 0;
   if (cuda_device_count() == 0) {
     std::printf("bench_cuda: no CUDA device\n");
@@ -252,16 +256,22 @@ int main(int argc, char** argv) {
     std::printf("device: %s, %d SMs, %.0f MiB, L2 %d MiB\n", prop.name, prop.multiProcessorCount,
                 prop.totalGlobalMem / 1048576.0, prop.l2CacheSize >> 20);
     auto be = make_cuda_backend(0);
-    if (profile) {
-      g_profile = true;
-      setenv("SPINDLE_CUDA_ATTENTION", "own", 1);  // profiles the engine's own kernels
+    if (profile || profile_packed || packed) {
+      g_profile = profile || profile_packed;
+      setenv("SPINDLE_CUDA_ATTENTION", "own", 1);  // the engine's own kernels
       auto own = make_cuda_backend(0);
       unsetenv("SPINDLE_CUDA_ATTENTION");
-      bench_attention(*own, 1, 32768, 12, 2, 128, false, "own", 3);
-      return 0;
-    }
-    if (attention) {  // 32k causal: the engine's own kernels three times, then the default (cuDNN
-                      // for a plain causal row when built with it) twice (kernel comparisons)
+      if (profile) bench_attention(*own, 1, 32768, 12, 2, 128, false, "own", 3);
+      if (profile_packed) bench_attention(*own, 32, 1024, 12, 2, 128, false, "own", 3);
+      if (!packed) return 0;
+      for (int i = 0; i < 2; ++i) {
+        bench_attention(*own, 8, 4096, 12, 2, 128, false, "own");
+        bench_attention(*own, 32, 1024, 12, 2, 128, false, "own");
+        bench_attention(*own, 256, 128, 12, 2, 128, false, "own");
+        bench_attention(*own, 32, 1024, 12, 2, 128, true, "own");
+      }
+    } else if (attention) {  // 32k causal: the engine's own kernels three times, then the default
+                             // (cuDNN for a plain causal row when built with it) twice
       setenv("SPINDLE_CUDA_ATTENTION", "own", 1);
       auto own = make_cuda_backend(0);
       unsetenv("SPINDLE_CUDA_ATTENTION");

@@ -512,6 +512,19 @@ MaskSpec zigzag(int a, int b, int ring, int c) {
   return m;
 }
 
+// One document whose neighbouring positions are swapped (1, 0, 3, 2, ...): no tile is a run of
+// consecutive positions, so the kernels must read every token's position.
+MaskSpec swapped_positions(int n) {
+  MaskSpec m;
+  for (int i = 0; i < n; ++i) {
+    m.q_doc.push_back(0);
+    m.q_pos.push_back(i ^ 1);
+  }
+  m.k_doc = m.q_doc;
+  m.k_pos = m.q_pos;
+  return m;
+}
+
 struct AttnCase {
   const char* name;
   MaskSpec mask;
@@ -688,7 +701,8 @@ bool gpu_is_hopper() {
 }
 
 // The Hopper kernels on rows of several 128-token tiles: tails, documents across tile borders,
-// ring blocks whose tiles are partly or wholly hidden, GQA groups of 1, 3 and 6.
+// ring blocks whose tiles are partly or wholly hidden, GQA groups of 1, 3 and 6; tiles of one run,
+// of two runs (two documents; a zigzag shard's chunks) and of more (TileLayout's slow path).
 TEST(CudaAttentionImpls, WgmmaMatchesCpuOnMultiTileRows) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
   if (!gpu_is_hopper()) GTEST_SKIP() << "the wgmma kernels need a Hopper GPU";
@@ -705,6 +719,7 @@ TEST(CudaAttentionImpls, WgmmaMatchesCpuOnMultiTileRows) {
       {"zigzag 4 x 160", zigzag(0, 3, 4, 160), 6, 6},
       {"zigzag 4 x 160 reversed", zigzag(3, 1, 4, 160), 6, 2},
       {"ring block below the diagonal", block(1000, 256, 0, 640), 4, 2},
+      {"positions out of order", swapped_positions(300), 4, 2},
   };
   // Default kernels, then the forward without turn-taking (kept for measurements).
   for (const char* pingpong : {"1", "0"}) {

@@ -34,6 +34,31 @@ __global__ void tile_ranges_kernel(const int32_t* doc, const int32_t* pos, int64
   if (lane == 0) ranges[t] = TileRange{dmin, dmax, pmin, pmax};
 }
 
+// One warp per tile.
+__global__ void tile_layouts_kernel(const int32_t* doc, const int32_t* pos, int64_t n, int tile, int64_t tiles,
+                                    TileLayout* layouts) {
+  const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (t >= tiles) return;
+  const int64_t t0 = t * tile;
+  const int valid = static_cast<int>(min(static_cast<int64_t>(tile), n - t0));
+  const int doc0 = doc[t0], base0 = pos[t0];
+  int split = tile;  // the first token that does not continue the first run
+  for (int e = lane; e < valid; e += 32)
+    if (doc[t0 + e] != doc0 || pos[t0 + e] != base0 + e) split = min(split, e);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) split = min(split, __shfl_xor_sync(0xffffffffu, split, o));
+  const int doc1 = split < valid ? doc[t0 + split] : doc0;
+  const int base1 = split < valid ? pos[t0 + split] - split : base0;
+  bool ok = true;
+  for (int e = lane; e < valid; e += 32) {
+    const bool first = e < split;
+    ok = ok && doc[t0 + e] == (first ? doc0 : doc1) && pos[t0 + e] == (first ? base0 : base1) + e;
+  }
+  const bool regular = __all_sync(0xffffffffu, ok);
+  if (lane == 0) layouts[t] = TileLayout{doc0, base0, doc1, base1, split, regular ? 1 : 0, 0, 0};
+}
+
 // One warp per tile of the walking side; its lanes test the other side's tiles.
 __global__ void tile_spans_kernel(const TileRange* q_ranges, int64_t q_tiles, const TileRange* k_ranges,
                                   int64_t k_tiles, bool per_query, TileSpan* spans) {
@@ -90,6 +115,14 @@ void tile_ranges(cudaStream_t s, const int32_t* doc, const int32_t* pos, int64_t
   if (tiles == 0) return;
   tile_ranges_kernel<<<static_cast<unsigned>((tiles * 32 + 255) / 256), 256, 0, s>>>(doc, pos, n, tile, tiles,
                                                                                       ranges);
+  CUDA_CHECK_LAUNCH();
+}
+
+void tile_layouts(cudaStream_t s, const int32_t* doc, const int32_t* pos, int64_t n, int tile, TileLayout* layouts) {
+  const int64_t tiles = (n + tile - 1) / tile;
+  if (tiles == 0) return;
+  tile_layouts_kernel<<<static_cast<unsigned>((tiles * 32 + 255) / 256), 256, 0, s>>>(doc, pos, n, tile, tiles,
+                                                                                       layouts);
   CUDA_CHECK_LAUNCH();
 }
 

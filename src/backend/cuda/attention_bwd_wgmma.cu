@@ -59,6 +59,7 @@ struct alignas(1024) Smem {
   float delta[kStages][kBM];
   int step_tile[kStages];   // query tile of the step in this stage (-1: the walk is over)
   int step_class[kStages];  // its TileClass
+  TileLayout step_layout[kStages];  // its queries' layout (mixed tiles only)
   uint64_t kv_full, full[kStages], empty[kStages];
   uint64_t dq_full[kConsumers][kDqBuffers], dq_empty[kConsumers][kDqBuffers];
 };
@@ -70,6 +71,7 @@ struct Params {
   AttentionMaskPtrs mask;
   const TileRange *q_ranges, *k_ranges;  // tiles of kBM queries / kBN keys
   const TileSpan* q_spans;                // per key tile: the query tiles to walk
+  const TileLayout* q_layouts;            // per query tile
   const float *lse2, *delta;             // [hq, tq_pad]
   int64_t tq_pad;
   float scale_log2;
@@ -160,7 +162,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         sm.step_tile[stage] = i;
         sm.step_class[stage] = cls;
         const int y = i * kBM;
-        mbar_arrive_expect_tx(&sm.full[stage], 2 * kBM * kD * 2 + 2 * kBM * 4);
+        const bool mixed = cls == kTileMixed;
+        mbar_arrive_expect_tx(&sm.full[stage],
+                              2 * kBM * kD * 2 + 2 * kBM * 4 + (mixed ? sizeof(TileLayout) : 0));
+        // (by the copy engine: this thread has too few registers to copy it through them)
+        if (mixed) bulk_load(&sm.step_layout[stage], p.q_layouts + i, sizeof(TileLayout), &sm.full[stage]);
         for (int c = 0; c < kD / 64; ++c) {
           tma_load_2d(sm.q[stage] + c * kBM * 64, &q_map, h * kD + c * 64, y, &sm.full[stage]);
           tma_load_2d(sm.dout[stage] + c * kBM * 64, &do_map, h * kD + c * 64, y, &sm.full[stage]);
@@ -257,14 +263,33 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int j = 0; j < kBM / 8; ++j) {
       const float2 lse2 = ld_shared_f32x2(lse2_row + 4 * (8 * j + 2 * t));
+      // A mixed tile: document and position of this thread's two queries (columns 8j + 2t and
+      // + 1), from the tile's layout when regular (re-read per j: registers are scarce here).
+      int qd[2] = {0, 0}, qp[2] = {0, 0};
+      if (cls == kTileMixed) {
+        const uint32_t lay_addr = smem_u32(&sm.step_layout[stage]);
+        const int4 l0 = ld_shared_s32x4(lay_addr), l1 = ld_shared_s32x4(lay_addr + 16);
+        const TileLayout lay{l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, 0, 0};
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = 8 * j + 2 * t + c;
+          const int64_t qi = qbase + col;
+          if (lay.regular) {
+            qd[c] = layout_doc(lay, col);
+            qp[c] = layout_pos(lay, col);
+          } else if (qi < sh.tq) {
+            qd[c] = p.mask.q_doc[qi];
+            qp[c] = p.mask.q_pos[qi];
+          }
+        }
+      }
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int col = 8 * j + 2 * t + (c & 1), r = c >> 1;
         float x = exp2_approx(fmaf(st[4 * j + c], p.scale_log2, -(c & 1 ? lse2.y : lse2.x)));
         if (cls == kTileMixed) {
-          const int64_t qi = qbase + col;
-          const bool visible = qi < sh.tq && krow[r] + k0 < sh.tk && p.mask.q_doc[qi] == kdoc[r] &&
-                               kpos[r] <= p.mask.q_pos[qi];
+          const bool visible = qbase + col < sh.tq && krow[r] + k0 < sh.tk && qd[c & 1] == kdoc[r] &&
+                               kpos[r] <= qp[c & 1];
           if (!visible) x = 0.f;
         }
         st[4 * j + c] = x;
@@ -410,7 +435,8 @@ void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const vo
   const int64_t nq = sh.tq * sh.hq * kD, nk = sh.tk * sh.hkv * kD;
   // f32 scratch: dq/dk/dv accumulators, then the per-row terms.
   Scratch scratch(s, static_cast<size_t>(nq + 2 * nk + 2 * sh.hq * tq_pad) * 4 +
-                         static_cast<size_t>(q_tiles + k_tiles) * sizeof(TileRange) + k_tiles * sizeof(TileSpan));
+                         static_cast<size_t>(q_tiles + k_tiles) * sizeof(TileRange) +
+                         (k_tiles + 1) * sizeof(TileSpan) + q_tiles * sizeof(TileLayout));
   float* dq_acc = scratch.as<float>();
   float* dk_acc = dq_acc + nq;
   float* dv_acc = dk_acc + nk;
@@ -422,6 +448,8 @@ void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const vo
   tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, kBN, ranges + q_tiles);
   auto* q_spans = reinterpret_cast<TileSpan*>(ranges + q_tiles + k_tiles);
   tile_spans(s, ranges, q_tiles, ranges + q_tiles, k_tiles, /*per_query=*/false, q_spans);
+  auto* q_layouts = reinterpret_cast<TileLayout*>(q_spans + k_tiles + (k_tiles & 1));  // 16-byte aligned
+  tile_layouts(s, mask.q_doc, mask.q_pos, sh.tq, kBM, q_layouts);
   const int64_t warps = sh.hq * tq_pad;
   prepare_rows_kernel<<<static_cast<unsigned>((warps * 32 + 255) / 256), 256, 0, s>>>(
       static_cast<const bf16*>(out), static_cast<const bf16*>(dout), lse, sh.tq, tq_pad, sh.hq, lse2, delta);
@@ -431,7 +459,8 @@ void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const vo
   const CUtensorMap do_map = bf16_tile_map(dout, sh.tq, int64_t{sh.hq} * kD, kBM);
   const CUtensorMap k_map = bf16_tile_map(k, sh.tk, int64_t{sh.hkv} * kD, kBN);
   const CUtensorMap v_map = bf16_tile_map(v, sh.tk, int64_t{sh.hkv} * kD, kBN);
-  const Params p{sh, mask, ranges, ranges + q_tiles, q_spans, lse2, delta, tq_pad, scale * kLog2e, dk_acc, dv_acc};
+  const Params p{sh,   mask,   ranges, ranges + q_tiles, q_spans, q_layouts, lse2, delta, tq_pad, scale * kLog2e,
+                 dk_acc, dv_acc};
   const CUtensorMap dq_map = f32_tile_map(dq_acc, sh.tq, int64_t{sh.hq} * kD, kBM);
   auto kernel = backward_wgmma_kernel;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));

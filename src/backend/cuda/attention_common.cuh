@@ -27,6 +27,23 @@ struct TileSpan {
   int first, end;
 };
 
+// How the tokens of a tile lie in their documents when that is simple: at most two runs, each of
+// one document and consecutive positions (two documents of a packed row; a zigzag shard's two
+// chunks). Token e of the tile (e < split: the first run) has document
+// (e < split ? doc0 : doc1) and position (e < split ? base0 : base1) + e. A kernel tests a mixed
+// tile from these values in registers instead of reading each token's document and position from
+// global memory (on packed rows of short documents that read was a third of a block's time). Any
+// other tile (three runs or more) has regular = 0. Tokens past
+// the end are not described: kernels test the index against the length themselves.
+struct alignas(16) TileLayout {
+  int doc0, base0, doc1, base1;
+  int split, regular, unused0, unused1;
+};
+
+// Document and position of token e (tile-local) of a regular layout.
+__device__ __forceinline__ int layout_doc(const TileLayout& l, int e) { return e < l.split ? l.doc0 : l.doc1; }
+__device__ __forceinline__ int layout_pos(const TileLayout& l, int e) { return (e < l.split ? l.base0 : l.base1) + e; }
+
 enum TileClass : int { kTileSkip = 0, kTileFull = 1, kTileMixed = 2 };
 
 // No query of tile q sees a key of tile k.
@@ -84,6 +101,20 @@ __device__ __forceinline__ TileRange load_range(const TileRange* r) {
   return TileRange{v.x, v.y, v.z, v.w};
 }
 
+__device__ __forceinline__ TileLayout load_layout(const TileLayout* l) {
+  const int4 a = *reinterpret_cast<const int4*>(l), b = *(reinterpret_cast<const int4*>(l) + 1);
+  return TileLayout{a.x, a.y, a.z, a.w, b.x, b.y, 0, 0};
+}
+
+// A layout from global memory into a stage's shared memory, in two 16-byte halves (a producer
+// thread runs with few registers).
+__device__ __forceinline__ void post_layout(TileLayout* dst, const TileLayout* src) {
+  int4* d = reinterpret_cast<int4*>(dst);
+  const int4* s = reinterpret_cast<const int4*>(src);
+  d[0] = s[0];
+  d[1] = s[1];
+}
+
 __device__ __forceinline__ TileSpan load_span(const TileSpan* s) {
   const int2 v = *reinterpret_cast<const int2*>(s);
   return TileSpan{v.x, v.y};
@@ -91,6 +122,8 @@ __device__ __forceinline__ TileSpan load_span(const TileSpan* s) {
 
 // ranges [ceil(n / tile)] for doc/pos I32 [n] (attention.cu).
 void tile_ranges(cudaStream_t s, const int32_t* doc, const int32_t* pos, int64_t n, int tile, TileRange* ranges);
+// layouts [ceil(n / tile)] for doc/pos I32 [n] (attention.cu).
+void tile_layouts(cudaStream_t s, const int32_t* doc, const int32_t* pos, int64_t n, int tile, TileLayout* layouts);
 // spans [q_tiles] (of key tiles, per query tile) when `per_query`, else spans [k_tiles] (of query
 // tiles, per key tile), from the tile ranges of both sides (attention.cu).
 void tile_spans(cudaStream_t s, const TileRange* q_ranges, int64_t q_tiles, const TileRange* k_ranges,

@@ -48,6 +48,7 @@ struct alignas(1024) Smem {
   bf16 v[kStages][kTileElems];
   int step_tile[kStages];   // key tile of the step in this stage (-1: the walk is over)
   int step_class[kStages];  // its TileClass
+  TileLayout step_layout[kStages];  // its keys' layout (mixed tiles only)
   uint64_t q_full;
   // K and V of a stage are released separately: K once Q·Kᵀ is done, V once P·V is.
   uint64_t k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
@@ -58,7 +59,8 @@ struct Params {
   AttentionShape sh;
   AttentionMaskPtrs mask;
   const TileRange *q_ranges, *k_ranges;
-  const TileSpan* k_spans;  // per query tile: the key tiles to walk
+  const TileSpan* k_spans;      // per query tile: the key tiles to walk
+  const TileLayout* k_layouts;  // per key tile
   float scale_log2;  // softmax scale · log2(e)
   void* out;
   float* lse;
@@ -118,6 +120,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (it >= kStages) mbar_wait(&sm.k_empty[stage], ((it / kStages) - 1) & 1);
         sm.step_tile[stage] = j;
         sm.step_class[stage] = cls;
+        if (cls == kTileMixed) post_layout(&sm.step_layout[stage], p.k_layouts + j);
         mbar_arrive_expect_tx(&sm.k_full[stage], kTileBytes);
         for (int c = 0; c < kD / 64; ++c)
           tma_load_2d(sm.k[stage] + c * kBN * 64, &k_map, hk * kD + c * 64, y, &sm.k_full[stage]);
@@ -173,24 +176,38 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int kk = 0; kk < kBN / 16; ++kk)
       wgmma_rs_n128<1>(o, pa + 4 * kk, smem_desc(v_base + kk * 2048, kChunkBytes, 1024), 1);
   };
-  // Masks S of tile j, updates the running max; returns the row maxima's rescale factors in
-  // alpha and leaves exp2(S·scale − m) in s with its row sums in rowsum.
-  float alpha[2], rowsum[2];
-  auto softmax = [&](int j, int cls) {
+  // Masks S of key tile j in `stage` when the tile is mixed: from its keys' layout when regular,
+  // else from each key's document and position in global memory. Reads the stage, so it runs
+  // before K is released.
+  auto apply_mask = [&](int j, int cls, int stage) {
+    if (cls != kTileMixed) return;
     const int64_t j0 = static_cast<int64_t>(j) * kBN;
-    if (cls == kTileMixed) {
+    const uint32_t lay_addr = smem_u32(&sm.step_layout[stage]);
+    const int4 l0 = ld_shared_s32x4(lay_addr), l1 = ld_shared_s32x4(lay_addr + 16);
+    const TileLayout lay{l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, 0, 0};
 #pragma unroll
-      for (int i = 0; i < kBN / 8; ++i)
+    for (int i = 0; i < kBN / 8; ++i)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int64_t key = j0 + i * 8 + 2 * t + c;
-          const bool in = key < sh.tk;
-          const int kd = in ? p.mask.k_doc[key] : 0, kp = in ? p.mask.k_pos[key] : 0;
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-            if (!(in && kd == qdoc[r] && kp <= qpos[r])) s[4 * i + 2 * r + c] = -INFINITY;
+      for (int c = 0; c < 2; ++c) {
+        const int e = i * 8 + 2 * t + c;
+        const bool in = j0 + e < sh.tk;
+        int kd, kp;
+        if (lay.regular) {
+          kd = layout_doc(lay, e);
+          kp = layout_pos(lay, e);
+        } else {
+          kd = in ? p.mask.k_doc[j0 + e] : 0;
+          kp = in ? p.mask.k_pos[j0 + e] : 0;
         }
-    }
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          if (!(in && kd == qdoc[r] && kp <= qpos[r])) s[4 * i + 2 * r + c] = -INFINITY;
+      }
+  };
+  // Updates the running max from the masked S; returns the row maxima's rescale factors in alpha
+  // and leaves exp2(S·scale − m) in s with its row sums in rowsum.
+  float alpha[2], rowsum[2];
+  auto softmax = [&]() {
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int i = 0; i < kBN / 8; ++i) {
@@ -270,8 +287,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     their_turn(false);
     wgmma_wait<0>();
     fence_regs(s);
+    apply_mask(j, step_class(0), 0);
     release(&sm.k_empty[0]);
-    softmax(j, step_class(0));
+    softmax();
     rescale_and_pack();
     // Steady state: Q·Kᵀ of the next tile and P·V of this one in flight together; the next
     // tile's softmax runs while P·V does. The loop has no conditional wgmma (ptxas serializes
@@ -296,8 +314,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       their_turn(false);
       wgmma_wait<1>();  // S of the next tile is ready; P·V may still run
       fence_regs(s);
+      apply_mask(jn, cn, sn);
       release(&sm.k_empty[sn]);
-      softmax(jn, cn);
+      softmax();
       wgmma_wait<0>();
       fence_regs(o);
       fence_regs(pa);
@@ -342,17 +361,20 @@ void launch(cudaStream_t s, const AttentionShape& sh, const void* q, const void*
   const int64_t q_tiles = (sh.tq + kBM - 1) / kBM, k_tiles = (sh.tk + kBN - 1) / kBN;
   if (q_tiles > 65535 || sh.hq > 0x7fffffff || sh.tk > 0x7fffffff || sh.tq > 0x7fffffff)
     throw_message("attention_forward", "too many tokens or heads for the Hopper kernel");
-  Scratch ranges(s, static_cast<size_t>(q_tiles + k_tiles) * sizeof(TileRange) + q_tiles * sizeof(TileSpan));
+  Scratch ranges(s, static_cast<size_t>(q_tiles + k_tiles) * sizeof(TileRange) + (q_tiles + 1) * sizeof(TileSpan) +
+                        k_tiles * sizeof(TileLayout));
   TileRange* q_ranges = ranges.as<TileRange>();
   TileRange* k_ranges = q_ranges + q_tiles;
   auto* k_spans = reinterpret_cast<TileSpan*>(k_ranges + k_tiles);
   tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, kBM, q_ranges);
   tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, kBN, k_ranges);
   tile_spans(s, q_ranges, q_tiles, k_ranges, k_tiles, /*per_query=*/true, k_spans);
+  auto* k_layouts = reinterpret_cast<TileLayout*>(k_spans + q_tiles + (q_tiles & 1));  // 16-byte aligned
+  tile_layouts(s, mask.k_doc, mask.k_pos, sh.tk, kBN, k_layouts);
   const CUtensorMap q_map = bf16_tile_map(q, sh.tq, int64_t{sh.hq} * kD, kBM);
   const CUtensorMap k_map = bf16_tile_map(k, sh.tk, int64_t{sh.hkv} * kD, kBN);
   const CUtensorMap v_map = bf16_tile_map(v, sh.tk, int64_t{sh.hkv} * kD, kBN);
-  const Params p{sh, mask, q_ranges, k_ranges, k_spans, scale * kLog2e, out, lse};
+  const Params p{sh, mask, q_ranges, k_ranges, k_spans, k_layouts, scale * kLog2e, out, lse};
   auto kernel = forward_wgmma_kernel<TO, kPingPong>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));
   kernel<<<dim3(static_cast<unsigned>(sh.hq), static_cast<unsigned>(q_tiles)), kThreads, kSmemBytes, s>>>(
