@@ -126,14 +126,24 @@ void bench_gemm(Backend& be, int64_t m, int64_t n, int64_t k, bool ta, bool tb, 
 // Attention over a packed row of `docs` documents of `len` tokens each (docs = 1: one causal
 // sequence). full = every key visible to every query (non-causal).
 // which: 3 = forward and backward, 1 = forward only, 2 = backward only.
+std::string doc_label(int64_t docs, const std::vector<int64_t>& lengths) {
+  if (!lengths.empty()) return " docs=" + std::to_string(lengths.size()) + " mixed";
+  return docs > 1 ? " docs=" + std::to_string(docs) : "";
+}
+
+// `lengths`, when given, replaces docs x len (documents of those lengths, causal, label "mixed").
 void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, int d, bool full, const char* impl,
-                     int which = 3) {
-  const int64_t t = docs * len;
-  std::vector<int> doc(t), pos(t);
-  for (int64_t i = 0; i < t; ++i) {
-    doc[i] = static_cast<int>(i / len);
-    pos[i] = full ? 0 : static_cast<int>(i % len);
-  }
+                     int which = 3, const std::vector<int64_t>& lengths = {}) {
+  std::vector<int64_t> doc_len = lengths.empty() ? std::vector<int64_t>(docs, len) : lengths;
+  int64_t t = 0;
+  for (int64_t n : doc_len) t += n;
+  std::vector<int> doc, pos;
+  for (size_t dd = 0; dd < doc_len.size(); ++dd)
+    for (int64_t i = 0; i < doc_len[dd]; ++i) {
+      doc.push_back(static_cast<int>(dd));
+      pos.push_back(full ? 0 : static_cast<int>(i));
+    }
+  docs = static_cast<int64_t>(doc_len.size());
   AttentionMask mask{ints(be, doc), ints(be, pos), ints(be, doc), ints(be, pos)};
   mask.plain_causal = docs == 1 && !full;  // as the trainer says it for a one-document row
   Tensor q = be.empty(Shape{t, hq, d}, DType::BF16), k = be.empty(Shape{t, hkv, d}, DType::BF16);
@@ -160,20 +170,21 @@ void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, in
   be.copy_to_host(s, lse, l.data());
   int64_t bad = 0;
   for (float x : l) bad += !std::isfinite(x);
-  const double pairs = full ? double(docs) * len * len : double(docs) * len * (len + 1) / 2.0;
+  double pairs = 0;
+  for (int64_t n : doc_len) pairs += full ? double(n) * n : double(n) * (n + 1) / 2.0;
   const double fwd_flops = 4.0 * d * hq * pairs;
   char label[200];
   std::snprintf(label, sizeof label, "attn %s fwd T=%lld%s Hq=%d Hkv=%d D=%d %s%s", impl,
-                static_cast<long long>(t), docs > 1 ? (" docs=" + std::to_string(docs)).c_str() : "", hq, hkv, d,
+                static_cast<long long>(t), doc_label(docs, lengths).c_str(), hq, hkv, d,
                 full ? "full" : "causal", bad ? " NONFINITE-LSE" : "");
   if (which & 1) rows.push_back({label, f_ms, fwd_flops / f_ms / 1e9, "TFLOP/s"});
   if (!(which & 2)) return;
   std::snprintf(label, sizeof label, "attn %s bwd T=%lld%s Hq=%d Hkv=%d D=%d %s", impl, static_cast<long long>(t),
-                docs > 1 ? (" docs=" + std::to_string(docs)).c_str() : "", hq, hkv, d, full ? "full" : "causal");
+                doc_label(docs, lengths).c_str(), hq, hkv, d, full ? "full" : "causal");
   rows.push_back({label, b_ms, 2.5 * fwd_flops / b_ms / 1e9, "TFLOP/s"});
   if (!(which & 1)) return;
   std::snprintf(label, sizeof label, "attn %s fwd+bwd T=%lld%s D=%d %s", impl, static_cast<long long>(t),
-                docs > 1 ? (" docs=" + std::to_string(docs)).c_str() : "", d, full ? "full" : "causal");
+                doc_label(docs, lengths).c_str(), d, full ? "full" : "causal");
   rows.push_back({label, f_ms + b_ms, 3.5 * fwd_flops / (f_ms + b_ms) / 1e9, "TFLOP/s"});
 }
 
@@ -264,7 +275,16 @@ int main(int argc, char** argv) {
       if (profile) bench_attention(*own, 1, 32768, 12, 2, 128, false, "own", 3);
       if (profile_packed) bench_attention(*own, 32, 1024, 12, 2, 128, false, "own", 3);
       if (!packed) return 0;
+      // Documents of 256..4096 tokens filling 32k (scripts/gpu/bench_torch_varlen.py has the same).
+      std::vector<int64_t> mixed;
+      int64_t filled = 0;
+      for (uint64_t i = 0; filled < 32768 - 4096; ++i) {
+        mixed.push_back(256 + static_cast<int64_t>(((i + 1) * 2654435761ull) % (1ull << 32) % 3841));
+        filled += mixed.back();
+      }
+      mixed.push_back(32768 - filled);
       for (int i = 0; i < 2; ++i) {
+        bench_attention(*own, 0, 0, 12, 2, 128, false, "own", 3, mixed);
         bench_attention(*own, 8, 4096, 12, 2, 128, false, "own");
         bench_attention(*own, 32, 1024, 12, 2, 128, false, "own");
         bench_attention(*own, 256, 128, 12, 2, 128, false, "own");
