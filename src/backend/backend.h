@@ -129,9 +129,10 @@ class Backend {
   // y[R, C] = x / sqrt(mean(x²) + eps) · w[C]; rstd[R] (F32) saved for backward.
   virtual void rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& w, double eps, Tensor& y,
                                Tensor& rstd) = 0;
-  // dx (= or += by accumulate_dx), dw += .
+  // dx (= or += by accumulate_dx), *dw += ; dw null: a frozen weight, no weight gradient (the
+  // column sums it would take are a third of the op's work).
   virtual void rmsnorm_backward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
-                                Tensor& dx, Tensor& dw, bool accumulate_dx) = 0;
+                                Tensor& dx, Tensor* dw, bool accumulate_dx) = 0;
 
   // In place on x [T, heads, D], HF "rotate_half" layout: pairs (i, i + D/2) rotated by
   // angle pos[t]·inv_freq[i] (times sign: +1 forward, −1 is the exact backward / inverse).

@@ -45,23 +45,31 @@ void validate(const BenchOptions& o) {
   if (!o.full && o.lora_rank <= 0) fail("--lora-rank must be positive (or use --full), got {}", o.lora_rank);
   check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
   if (o.sp < 0 || o.ulysses < 0 || o.ring < 0) fail("--sp, --ulysses and --ring must be positive");
+  if (o.doc_length < 0 || o.doc_length == 1)
+    fail("--doc-length {}: a document needs at least 2 tokens (0: one document per step)", o.doc_length);
 }
 
-// One causal document of random tokens; every position but the last predicts the next token.
-PackedRow synthetic_row(int64_t length, int64_t vocab, uint64_t seed) {
+// A row of random tokens: one causal document, or documents of doc_length tokens (the last one
+// shorter) as packing lays them out, positions restarting at each. Every position but a
+// document's last predicts the next token.
+PackedRow synthetic_row(int64_t length, int64_t doc_length, int64_t vocab, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab - 1));
+  const int64_t n = doc_length > 0 ? doc_length : length;
   PackedRow row;
   row.input_ids.resize(length);
   for (auto& id : row.input_ids) id = token(rng);
   row.positions.resize(length);
-  std::iota(row.positions.begin(), row.positions.end(), 0);
-  row.doc_ids.assign(length, 0);
+  row.doc_ids.resize(length);
   row.targets.resize(length);
   row.weights.assign(length, 1.0f);
-  for (int64_t i = 0; i + 1 < length; ++i) row.targets[i] = row.input_ids[i + 1];
-  row.targets[length - 1] = kIgnoreIndex;
-  row.weights[length - 1] = 0.0f;
+  for (int64_t i = 0; i < length; ++i) {
+    row.positions[i] = static_cast<int32_t>(i % n);
+    row.doc_ids[i] = static_cast<int32_t>(i / n);
+    const bool last = i + 1 == length || (i + 1) % n == 0;
+    row.targets[i] = last ? kIgnoreIndex : row.input_ids[i + 1];
+    if (last) row.weights[i] = 0.0f;
+  }
   return row;
 }
 
@@ -127,7 +135,8 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   const parallel::MeshConfig& mesh = par.run.mesh_config;
   const int dp_index = par.run.mesh ? par.run.mesh->coordinates().dp : 0;
   // One sequence per replica and step; this rank computes its sp shard of it.
-  PackedRow row = synthetic_row(seq, config.vocab_size, o.seed + seq + static_cast<uint64_t>(dp_index));
+  PackedRow row =
+      synthetic_row(seq, o.doc_length, config.vocab_size, o.seed + seq + static_cast<uint64_t>(dp_index));
   const double loss_scale = 1.0 / static_cast<double>(row.num_items() * mesh.dp);
   const bool whole_row_causal = is_one_causal_document(row) && seq % mesh.sp == 0 && mesh.ring == 1;
   if (mesh.sp > 1) row = parallel::shard_row(row, mesh)[par.run.mesh->sp_rank()];
@@ -172,6 +181,7 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
 
   FlopSetup setup;
   setup.tokens = seq;  // one replica's sequence; its FLOPs are spread over the replica's sp GPUs
+  setup.doc_length = o.doc_length;
   setup.lora_rank = o.full ? 0 : o.lora_rank;
   setup.recompute = recompute;
   setup.recomputed_layers = o.recompute_layers;
@@ -294,20 +304,25 @@ std::string format_report(const BenchReport& rep) {
   s += fmt::format("spindle bench: {} ({} layers, hidden {}, {} q / {} kv heads of {}, vocab {}), {} parameters\n",
                    o.model, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
                    rep.parameters);
-  s += fmt::format("  {} on {}, {}, {} trainable, recompute {}, {} warm-up + {} timed steps, 1 sequence per step, "
-                   "every token supervised\n",
+  s += fmt::format("  {} on {}, {}, {} trainable, recompute {}, {} warm-up + {} timed steps, {}\n",
                    o.device == "cuda" ? "BF16 (F32 accumulation)" : "F32", rep.device_name,
                    o.full ? std::string("full fine-tuning") : fmt::format("LoRA r={} on all 7 projections", o.lora_rank),
                    rep.trainable_parameters,
                    o.recompute_layers >= 0 ? fmt::format("{} on the first {} layers", o.recompute, o.recompute_layers)
                                            : o.recompute,
-                   o.warmup, o.steps);
+                   o.warmup, o.steps,
+                   o.doc_length > 0 ? fmt::format("1 row per step packed with documents of {} tokens, every token "
+                                                  "but a document's last supervised",
+                                                  o.doc_length)
+                                    : std::string("1 sequence per step, every token supervised"));
   if (rep.world > 1)
     s += fmt::format("  {} processes, one GPU each: dp {} x sp {} (ulysses {} x ring {}), FSDP over all; tokens/s counts "
                      "all replicas, TFLOP/s and MFU are per GPU, memory is rank 0's\n",
                      rep.world, rep.dp, rep.sp, rep.ulysses, rep.ring);
   s += "  step = forward + backward (gradients zeroed first); the optimizer step is not included\n";
-  s += "  model FLOPs = 6·N_matmul·T + 3.5·L·4·Hq·D·T(T+1)/2 (no recompute; frozen LoRA base weights counted as "
+  s += std::string("  model FLOPs = 6·N_matmul·T + 3.5·L·4·Hq·D·") +
+       (o.doc_length > 0 ? "Σ n(n+1)/2 over the documents" : "T(T+1)/2") +
+       " (no recompute; frozen LoRA base weights counted as "
        "trained); executed FLOPs count what runs (recompute: the layers' dense forward again, and the attention "
        "forward again with 'all' but not with 'keep-attention')\n";
   if (rep.peak_tflops > 0)
@@ -374,6 +389,7 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
   j["lora_rank"] = o.full ? 0 : o.lora_rank;
   j["recompute"] = o.recompute;
   j["recompute_layers"] = o.recompute_layers;
+  j["doc_length"] = o.doc_length;
   j["warmup"] = o.warmup;
   j["steps"] = o.steps;
   j["world"] = rep.world;
@@ -385,7 +401,8 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
   j["trainable_parameters"] = rep.trainable_parameters;
   j["optimizer_step_included"] = false;
   j["peak_tflops"] = rep.peak_tflops;
-  j["flops_formula"] = "model: 6*N_matmul*T + 3.5*L*4*Hq*D*T*(T+1)/2; executed: as run (LoRA, recompute)";
+  j["flops_formula"] =
+      "model: 6*N_matmul*T + 3.5*L*4*Hq*D*sum over documents n*(n+1)/2; executed: as run (LoRA, recompute)";
   auto& results = j["results"] = nlohmann::ordered_json::array();
   for (const BenchResult& r : rep.results) {
     nlohmann::ordered_json x;

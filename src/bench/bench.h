@@ -1,5 +1,6 @@
 // `spindle bench`: training-step throughput, MFU, peak memory and a time split on synthetic data
-// (random weights, random tokens, one causal document per step, every token supervised).
+// (random weights, random tokens, one causal document per step or a row packed with documents of
+// --doc-length tokens, every token supervised but each document's last).
 #pragma once
 
 #include <cstdint>
@@ -18,6 +19,7 @@ namespace spindle::bench {
 struct BenchOptions {
   std::string model;                   // config.json or a model folder (only the architecture is read)
   std::vector<int64_t> seq_lengths;    // one result per length, in order, on the same weights
+  int64_t doc_length = 0;              // packed rows of documents this long (the last one shorter); 0: one
   int64_t lora_rank = 16;              // 0 with full = true
   double lora_alpha = 32;
   bool full = false;                   // full fine-tuning instead of LoRA

@@ -24,8 +24,12 @@ StepFlops step_flops(const ModelConfig& c, const FlopSetup& s) {
   const double base = static_cast<double>(matmul_parameters(c));
   const double lora = static_cast<double>(lora_parameters(c, s.lora_rank, s.lora_targets));
   const double layer_base = base - static_cast<double>(c.vocab_size * c.hidden_size);  // recomputed part
+  // Visible (query, key) pairs of the row's causal documents.
+  const int64_t n = s.doc_length > 0 ? std::min(s.doc_length, s.tokens) : s.tokens;
+  const double full_docs = n > 0 ? static_cast<double>(s.tokens / n) : 0.0, rest = n > 0 ? static_cast<double>(s.tokens % n) : 0.0;
+  const double pairs = full_docs * static_cast<double>(n) * static_cast<double>(n + 1) / 2 + rest * (rest + 1) / 2;
   const double attention_forward =
-      static_cast<double>(c.num_layers) * 4.0 * static_cast<double>(c.num_heads * c.head_dim) * T * (T + 1) / 2;
+      static_cast<double>(c.num_layers) * 4.0 * static_cast<double>(c.num_heads * c.head_dim) * pairs;
 
   StepFlops f;
   f.dense_model = 6 * (base + lora) * T;

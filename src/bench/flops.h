@@ -1,9 +1,10 @@
 // FLOP counts of one training step, for MFU (docs/perf.md states the same formulas).
 //
 //   model FLOPs = 6 · N_matmul · T                      dense: forward 2, backward 4 per weight and token
-//               + 3.5 · L · 4 · Hq · D · T(T+1)/2        causal attention: QKᵀ and PV (2 FLOPs per
-//                                                        multiply-add each) over visible pairs; backward
-//                                                        = 2.5 × forward
+//               + 3.5 · L · 4 · Hq · D · Σ n(n+1)/2      causal attention: QKᵀ and PV (2 FLOPs per
+//                                                        multiply-add each) over visible pairs, summed
+//                                                        over the row's documents of n tokens (one
+//                                                        document: T(T+1)/2); backward = 2.5 × forward
 // N_matmul = every projection's weight (q, k, v, o, gate, up, down of every layer), the LM head
 // (V·H, also when tied to the embedding) and the LoRA A/B matrices; the embedding lookup, norms
 // and biases are not matrix products. This is the usual model-FLOPs convention: recomputation is
@@ -32,7 +33,8 @@ struct StepFlops {
 };
 
 struct FlopSetup {
-  int64_t tokens = 0;        // T, one causal document
+  int64_t tokens = 0;        // T
+  int64_t doc_length = 0;    // documents of this many tokens (the last one shorter); 0: one document
   int64_t lora_rank = 0;     // 0: full fine-tuning
   int64_t lora_targets = 7;  // projections per layer carrying LoRA
   RecomputeMode recompute = RecomputeMode::None;

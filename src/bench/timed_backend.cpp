@@ -108,7 +108,7 @@ void TimedBackend::rmsnorm_forward(Stream s, const Tensor& x, const Tensor& w, d
   timed(s, C::OtherOps, "rmsnorm_forward", [&] { inner_.rmsnorm_forward(s, x, w, eps, y, rstd); });
 }
 void TimedBackend::rmsnorm_backward(Stream s, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
-                                    Tensor& dx, Tensor& dw, bool accumulate_dx) {
+                                    Tensor& dx, Tensor* dw, bool accumulate_dx) {
   timed(s, C::OtherOps, "rmsnorm_backward", [&] { inner_.rmsnorm_backward(s, x, w, rstd, dy, dx, dw, accumulate_dx); });
 }
 void TimedBackend::rope(Stream s, Tensor& x, const Tensor& positions, const Tensor& inv_freq, double attention_scale,

@@ -93,7 +93,7 @@ class TimedBackend final : public Backend {
   void embedding_backward(Stream stream, const Tensor& ids, const Tensor& dout, Tensor& dtable) override;
   void rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) override;
   void rmsnorm_backward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
-                        Tensor& dx, Tensor& dw, bool accumulate_dx) override;
+                        Tensor& dx, Tensor* dw, bool accumulate_dx) override;
   void rope(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq, double attention_scale,
             int sign) override;
   void attention_forward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionMask& mask,

@@ -93,6 +93,10 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--seq", args->seq, "sequence length(s), one causal document per step: 32768 or 32k,64k,128k "
                                       "(a sweep on the same weights; stops at the first that does not fit)")
       ->capture_default_str();
+  cmd->add_option("--doc-length", o.doc_length,
+                  "pack each step's row with documents of this many tokens (the last one shorter), as SFT "
+                  "packing does; 0: one document per step")
+      ->capture_default_str();
   cmd->add_option("--lora-rank", o.lora_rank, "LoRA rank on all 7 projections")->capture_default_str();
   cmd->add_option("--lora-alpha", o.lora_alpha, "LoRA alpha")->capture_default_str();
   cmd->add_flag("--full", o.full, "full fine-tuning instead of LoRA");

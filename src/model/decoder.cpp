@@ -23,6 +23,9 @@ void gemm_maybe_bias(Backend& be, Stream st, const Tensor& a, const Tensor& b, T
 // order — base, bias, then the LoRA term — so they match its rounding.
 bool lora_term_first(const Tensor& y) { return y.dtype() == DType::BF16; }
 
+// Where a parameter's gradient goes: its grad when trainable, nowhere (null) when frozen.
+Tensor* trainable_grad(Parameter& p) { return p.trainable ? &p.grad : nullptr; }
+
 // y[T, out] = x·Wᵀ (+ b) (+ s·(x·Aᵀ)·Bᵀ); xa [T, r] is kept for backward.
 void linear_forward(Backend& be, Stream st, const Linear& lin, const Tensor& x, Tensor& y, Tensor& xa) {
   if (lin.lora_a && lora_term_first(y)) {
@@ -177,7 +180,6 @@ LayerActivations Decoder::scratch_view(LayerActivations& scratch, const LayerAct
   return view;
 }
 
-Tensor Decoder::scratch_grad(const Parameter& p) { return backend_.empty(p.value.shape(), p.value.dtype()); }
 
 // x_out = x_mid + down(silu(gate(n2)) · up(n2)),  x_mid = x_in + o(attention(rope(q(n1)), rope(k(n1)), v(n1)))
 void Decoder::forward_layer(int64_t l, const MicroBatch& batch, LayerActivations& a, Tensor& x_out,
@@ -251,8 +253,7 @@ void Decoder::backward_layer(int64_t l, const MicroBatch& batch, const LayerActi
   Tensor d_xn2 = be.empty(Shape{t, c.hidden_size}, dt);
   linear_backward(be, st, w.gate, a.xn2, d_gate, a.lora_xa[4], &d_xn2, false);
   linear_backward(be, st, w.up, a.xn2, d_up, a.lora_xa[5], &d_xn2, true);
-  Tensor dw2 = w.post_norm->trainable ? w.post_norm->grad : scratch_grad(*w.post_norm);
-  be.rmsnorm_backward(st, a.x_mid, w.post_norm->value, a.rstd2, d_xn2, d_res, dw2, true);
+  be.rmsnorm_backward(st, a.x_mid, w.post_norm->value, a.rstd2, d_xn2, d_res, trainable_grad(*w.post_norm), true);
 
   // attention
   Tensor d_attn = be.empty(Shape{t, c.num_heads, c.head_dim}, dt);
@@ -265,12 +266,12 @@ void Decoder::backward_layer(int64_t l, const MicroBatch& batch, const LayerActi
   be.rope(st, dk, batch.positions, inv_freq_, 1.0, -1);
   if (c.qk_norm) {
     Tensor dq_raw = be.empty(a.q.shape(), dt), dk_raw = be.empty(a.k.shape(), dt);
-    Tensor dqn = w.q_norm->trainable ? w.q_norm->grad : scratch_grad(*w.q_norm);
-    Tensor dkn = w.k_norm->trainable ? w.k_norm->grad : scratch_grad(*w.k_norm);
     const Shape qs{t * c.num_heads, c.head_dim}, ks{t * c.num_kv_heads, c.head_dim};
     Tensor dq_raw_rows = dq_raw.reshape(qs), dk_raw_rows = dk_raw.reshape(ks);
-    be.rmsnorm_backward(st, a.q_raw.reshape(qs), w.q_norm->value, a.q_rstd, dq.reshape(qs), dq_raw_rows, dqn, false);
-    be.rmsnorm_backward(st, a.k_raw.reshape(ks), w.k_norm->value, a.k_rstd, dk.reshape(ks), dk_raw_rows, dkn, false);
+    be.rmsnorm_backward(st, a.q_raw.reshape(qs), w.q_norm->value, a.q_rstd, dq.reshape(qs), dq_raw_rows,
+                        trainable_grad(*w.q_norm), false);
+    be.rmsnorm_backward(st, a.k_raw.reshape(ks), w.k_norm->value, a.k_rstd, dk.reshape(ks), dk_raw_rows,
+                        trainable_grad(*w.k_norm), false);
     dq = dq_raw;
     dk = dk_raw;
   }
@@ -278,9 +279,8 @@ void Decoder::backward_layer(int64_t l, const MicroBatch& batch, const LayerActi
   linear_backward(be, st, w.q, a.xn1, dq.reshape(Shape{t, c.q_dim()}), a.lora_xa[0], &d_xn1, false);
   linear_backward(be, st, w.k, a.xn1, dk.reshape(Shape{t, c.kv_dim()}), a.lora_xa[1], &d_xn1, true);
   linear_backward(be, st, w.v, a.xn1, dv.reshape(Shape{t, c.kv_dim()}), a.lora_xa[2], &d_xn1, true);
-  Tensor dw1 = w.input_norm->trainable ? w.input_norm->grad : scratch_grad(*w.input_norm);
   if (need_input_grad || w.input_norm->trainable)
-    be.rmsnorm_backward(st, a.x_in, w.input_norm->value, a.rstd1, d_xn1, d_res, dw1, true);
+    be.rmsnorm_backward(st, a.x_in, w.input_norm->value, a.rstd1, d_xn1, d_res, trainable_grad(*w.input_norm), true);
 }
 
 // Forward through every layer: returns the last layer's output [T, H]. With keep, each layer's
@@ -412,8 +412,7 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   Tensor d_res = be.zeros(Shape{t, c.hidden_size}, dt);
   if (n) {
     Tensor dh = be.empty(h.shape(), dt);
-    Tensor dnorm = weights_.final_norm->trainable ? weights_.final_norm->grad : scratch_grad(*weights_.final_norm);
-    be.rmsnorm_backward(st, h, weights_.final_norm->value, rstd, dhn, dh, dnorm, false);
+    be.rmsnorm_backward(st, h, weights_.final_norm->value, rstd, dhn, dh, trainable_grad(*weights_.final_norm), false);
     be.scatter_add_rows(st, dh, batch.selected, d_res);
   }
   after_backward(head);

@@ -157,7 +157,6 @@ class Decoder {
   // the layer's kept x_in, and its kept attn and lse when kept_attention.
   LayerActivations scratch_view(LayerActivations& scratch, const LayerActivations& layer, int64_t tokens,
                                 bool kept_attention);
-  Tensor scratch_grad(const Parameter& p);  // a sink for gradients of frozen parameters
   // The hook calls of one step without any compute: a rank with no token keeps the collectives
   // of its peers' hooks matched.
   void hooks_without_tokens(bool backward);

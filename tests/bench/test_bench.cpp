@@ -131,6 +131,12 @@ TEST(Bench, FlopFormulasCountTheAllocatedParameters) {
     const StepFlops plain = step_flops(config, setup);
     EXPECT_DOUBLE_EQ(plain.attention_executed, 3.5 * attention_forward);
     EXPECT_DOUBLE_EQ(plain.dense_executed, (4.0 * (projections + head) + 6.0 * adapters) * 100);
+    // A packed row of documents of 30 tokens: 30 + 30 + 30 + 10; attention counts their pairs only.
+    setup.doc_length = 30;
+    const StepFlops packed = step_flops(config, setup);
+    const double per_pair = config.num_layers * 4.0 * config.num_heads * config.head_dim;
+    EXPECT_DOUBLE_EQ(packed.attention_model, 3.5 * per_pair * (3 * 30 * 31 / 2 + 10 * 11 / 2));
+    EXPECT_DOUBLE_EQ(packed.dense_model, plain.dense_model);
   }
 }
 
@@ -197,6 +203,22 @@ TEST(Bench, TinySweepOnTheCpu) {
   }
   const auto j = report_json(report);
   EXPECT_EQ(j["results"].size(), 2u);
+
+  // Packed rows: documents of 20 tokens (32 = 20 + 12, 64 = 3 × 20 + 4); fewer attention FLOPs
+  // than one document of the same length, the same loss level.
+  o.doc_length = 20;
+  BenchReport packed = run_bench(o);
+  ASSERT_EQ(packed.results.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    const BenchResult& r = packed.results[i];
+    EXPECT_TRUE(r.error.empty()) << r.error;
+    EXPECT_NEAR(r.loss, ln_vocab, 0.1);
+    EXPECT_LT(r.model_flops, report.results[i].model_flops);
+  }
+  EXPECT_NE(format_report(packed).find("packed with documents of 20 tokens"), std::string::npos);
+  o.doc_length = 1;
+  EXPECT_THROW(run_bench(o), Error);
+  o.doc_length = 0;
   EXPECT_FALSE(j["optimizer_step_included"].get<bool>());
   EXPECT_NE(format_report(report).find("optimizer step is not included"), std::string::npos);
   EXPECT_EQ(format_report(report).find("most costly ops"), std::string::npos);

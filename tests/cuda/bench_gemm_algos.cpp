@@ -74,6 +74,10 @@ int main(int argc, char** argv) {
       {32768, 256, 1536, false, true, "k/v forward"},
       {883, 151936, 1536, false, true, "LM head chunk forward"},
       {883, 1536, 151936, false, false, "LM head chunk backward dx"},
+      {1766, 151936, 1536, false, true, "LM head chunk forward, 512 MiB"},
+      {1766, 1536, 151936, false, false, "LM head chunk backward dx, 512 MiB"},
+      {3532, 151936, 1536, false, true, "LM head chunk forward, 1 GiB"},
+      {3532, 1536, 151936, false, false, "LM head chunk backward dx, 1 GiB"},
       {32768, 8960, 16, false, true, "LoRA B forward (rank 16)"},
       {32768, 16, 8960, false, true, "LoRA A forward of down (rank 16)"},
   };

@@ -317,10 +317,14 @@ TEST_P(CudaOps, RmsNormForwardBackward) {
       Tensor dx = acc ? on_gpu(dxv, Shape{rows, c}, t) : poisoned(Shape{rows, c}, t);
       Tensor cdx = on_cpu(dxv, Shape{rows, c});
       Tensor dw = on_gpu(dwv, Shape{c}, t), cdw = on_cpu(dwv, Shape{c});
-      gpu->rmsnorm_backward(gs, x, w, rstd, dy, dx, dw, acc);
-      cpu->rmsnorm_backward(cs, cx, cw, crstd, cdy, cdx, cdw, acc);
+      gpu->rmsnorm_backward(gs, x, w, rstd, dy, dx, &dw, acc);
+      cpu->rmsnorm_backward(cs, cx, cw, crstd, cdy, cdx, &cdw, acc);
       expect_close(to_host(*gpu, dx), to_host(*cpu, cdx), tol_for(t), acc ? "rmsnorm dx +=" : "rmsnorm dx");
       expect_close(to_host(*gpu, dw), to_host(*cpu, cdw), tol_for(t), "rmsnorm dw");
+      // A frozen weight (no dw): the kernels without the column sums give the same dx.
+      Tensor dx_frozen = acc ? on_gpu(dxv, Shape{rows, c}, t) : poisoned(Shape{rows, c}, t);
+      gpu->rmsnorm_backward(gs, x, w, rstd, dy, dx_frozen, nullptr, acc);
+      expect_close(to_host(*gpu, dx_frozen), to_host(*cpu, cdx), tol_for(t), "rmsnorm dx without dw");
     }
   }
 }

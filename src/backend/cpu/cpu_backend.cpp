@@ -326,11 +326,11 @@ class CpuBackend final : public Backend {
   }
 
   void rmsnorm_backward(Stream, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy, Tensor& dx,
-                        Tensor& dw, bool accumulate_dx) override {
+                        Tensor* dw, bool accumulate_dx) override {
     require_compute(x, "rmsnorm_backward");
     require_same(x, dy, "rmsnorm_backward");
     require_same(x, dx, "rmsnorm_backward");
-    require_same(x, dw, "rmsnorm_backward");
+    if (dw) require_same(x, *dw, "rmsnorm_backward");
     const int64_t c = w.numel(), rows = c ? x.numel() / c : 0;
     dispatch(x, [&](auto z) {
       using T = decltype(z);
@@ -353,7 +353,8 @@ class CpuBackend final : public Backend {
           dxp[r * c + j] = static_cast<T>(accumulate_dx ? dxp[r * c + j] + v : v);
         }
       }
-      T* dwp = dw.data_as<T>();
+      if (!dw) return;
+      T* dwp = dw->data_as<T>();
       for (int64_t j = 0; j < c; ++j) dwp[j] = static_cast<T>(dwp[j] + dw_acc[j]);
     });
   }

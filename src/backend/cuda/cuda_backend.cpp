@@ -287,15 +287,17 @@ class CudaBackend final : public Backend {
   }
 
   void rmsnorm_backward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
-                        Tensor& dx, Tensor& dw, bool accumulate_dx) override {
+                        Tensor& dx, Tensor* dw, bool accumulate_dx) override {
     require_compute(x, "rmsnorm_backward");
-    for (const Tensor* t : std::initializer_list<const Tensor*>{&w, &dy, &dx, &dw}) require_same(x, *t, "rmsnorm_backward");
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&w, &dy, &dx}) require_same(x, *t, "rmsnorm_backward");
+    if (dw) require_same(x, *dw, "rmsnorm_backward");
     const int64_t c = w.numel(), rows = c ? x.numel() / c : 0;
     require_stat(rstd, rows, "rmsnorm_backward rstd");
-    SPINDLE_CHECK(rows * c == x.numel() && dy.numel() == x.numel() && dx.numel() == x.numel() && dw.numel() == c,
-                  "rmsnorm_backward {} {} {} {}", x.describe(), dy.describe(), dx.describe(), dw.describe());
-    cuda::rmsnorm_backward(s(stream), x.data(), w.data(), rstd.data_as<float>(), dy.data(), dx.data(), dw.data(),
-                           x.dtype(), rows, c, accumulate_dx);
+    SPINDLE_CHECK(rows * c == x.numel() && dy.numel() == x.numel() && dx.numel() == x.numel() && (!dw || dw->numel() == c),
+                  "rmsnorm_backward {} {} {} {}", x.describe(), dy.describe(), dx.describe(),
+                  dw ? dw->describe() : std::string("(no dw)"));
+    cuda::rmsnorm_backward(s(stream), x.data(), w.data(), rstd.data_as<float>(), dy.data(), dx.data(),
+                           dw ? dw->data() : nullptr, x.dtype(), rows, c, accumulate_dx);
   }
 
   void rope(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq, double attention_scale,

@@ -81,6 +81,7 @@ void scatter_add_rows(cudaStream_t s, const void* src, const int32_t* idx, int64
 // ---- rmsnorm.cu --------------------------------------------------------------------------------
 void rmsnorm_forward(cudaStream_t s, const void* x, const void* w, void* y, float* rstd, DType t, int64_t rows,
                      int64_t c, float eps);
+// dw null: no weight gradient.
 void rmsnorm_backward(cudaStream_t s, const void* x, const void* w, const float* rstd, const void* dy, void* dx,
                       void* dw, DType t, int64_t rows, int64_t c, bool accumulate_dx);
 

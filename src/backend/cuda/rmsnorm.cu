@@ -71,7 +71,8 @@ constexpr int kVecBackwardWarps = 4;
 // Rows [blockIdx.x·rows_per_block, ...), warp k of the block taking every kVecBackwardWarps-th;
 // each warp sums its rows' dw terms in its own shared row (dynamic shared f32
 // [kVecBackwardWarps, c]), which the block adds up in a fixed order into dw_partial [gridDim.x, c].
-template <typename T>
+// Without kDw (a frozen weight) no dw term is formed and no shared memory is used.
+template <typename T, bool kDw>
 __global__ void rmsnorm_backward_vec_kernel(const T* x, const T* w, const float* rstd, const T* dy, T* dx,
                                             float* dw_partial, int64_t rows, int64_t c, int64_t rows_per_block,
                                             bool accumulate_dx) {
@@ -80,7 +81,8 @@ __global__ void rmsnorm_backward_vec_kernel(const T* x, const T* w, const float*
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t nv = c / V;
   float* mine = dw_acc + warp * c;
-  for (int64_t j = lane; j < c; j += 32) mine[j] = 0.f;
+  if constexpr (kDw)
+    for (int64_t j = lane; j < c; j += 32) mine[j] = 0.f;
   const int64_t r0 = blockIdx.x * rows_per_block, r1 = min(rows, r0 + rows_per_block);
   const float inv_c = 1.0f / static_cast<float>(c);
   for (int64_t r = r0 + warp; r < r1; r += kVecBackwardWarps) {
@@ -98,7 +100,7 @@ __global__ void rmsnorm_backward_vec_kernel(const T* x, const T* w, const float*
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         dot = fmaf(gv[i] * wv[i], xv[i], dot);
-        mine[j * V + i] = fmaf(gv[i] * xv[i], rs, mine[j * V + i]);  // this lane's columns only
+        if constexpr (kDw) mine[j * V + i] = fmaf(gv[i] * xv[i], rs, mine[j * V + i]);  // this lane's columns only
       }
     }
     dot = warp_sum(dot);
@@ -119,6 +121,7 @@ __global__ void rmsnorm_backward_vec_kernel(const T* x, const T* w, const float*
       store_vec(dxr + j * V, out);
     }
   }
+  if constexpr (!kDw) return;
   __syncthreads();
   for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
     float sum = 0.f;
@@ -128,14 +131,16 @@ __global__ void rmsnorm_backward_vec_kernel(const T* x, const T* w, const float*
   }
 }
 
-// Rows [blockIdx.x·rows_per_block, ...). dw_partial f32 [gridDim.x, c]; dynamic shared f32 [c].
+// Rows [blockIdx.x·rows_per_block, ...). dw_partial f32 [gridDim.x, c] (null: no dw); dynamic
+// shared f32 [c].
 template <typename T>
 __global__ void rmsnorm_backward_kernel(const T* x, const T* w, const float* rstd, const T* dy, T* dx,
                                         float* dw_partial, int64_t rows, int64_t c, int64_t rows_per_block,
                                         bool accumulate_dx) {
   extern __shared__ float dw_acc[];
   __shared__ float shared[32];
-  for (int64_t j = threadIdx.x; j < c; j += blockDim.x) dw_acc[j] = 0.f;
+  if (dw_partial)
+    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) dw_acc[j] = 0.f;
   const int64_t r0 = blockIdx.x * rows_per_block, r1 = min(rows, r0 + rows_per_block);
   const float inv_c = 1.0f / static_cast<float>(c);
   for (int64_t r = r0; r < r1; ++r) {
@@ -147,7 +152,7 @@ __global__ void rmsnorm_backward_kernel(const T* x, const T* w, const float* rst
     for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
       const float xv = to_f32(xr[j]), gv = to_f32(gr[j]);
       dot = fmaf(gv * to_f32(w[j]), xv, dot);
-      dw_acc[j] = fmaf(gv * xv, rs, dw_acc[j]);  // each thread owns its columns: no race
+      if (dw_partial) dw_acc[j] = fmaf(gv * xv, rs, dw_acc[j]);  // each thread owns its columns: no race
     }
     dot = block_sum(dot, shared);
     // y = x·r·w, r = (mean x² + eps)^-½  =>  dx = r·(g∘w) − x·r³·mean(x∘g∘w)
@@ -158,7 +163,8 @@ __global__ void rmsnorm_backward_kernel(const T* x, const T* w, const float* rst
       dxr[j] = from_f32<T>(v);
     }
   }
-  for (int64_t j = threadIdx.x; j < c; j += blockDim.x) dw_partial[blockIdx.x * c + j] = dw_acc[j];
+  if (dw_partial)
+    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) dw_partial[blockIdx.x * c + j] = dw_acc[j];
 }
 
 // dw += Σ_b dw_partial[b]: a block of 8 warps per 32 columns; warp k adds the partial rows k, k + 8,
@@ -216,29 +222,35 @@ void rmsnorm_backward(cudaStream_t s, const void* x, const void* w, const float*
                       void* dw, DType t, int64_t rows, int64_t c, bool accumulate_dx) {
   if (c == 0) return;
   // A fixed split (depends on the shape only) keeps dw reproducible run to run.
-  const int64_t blocks = rows == 0 ? 1 : std::min<int64_t>(rows, 132 * 4);
+  // Without dw nothing is summed over rows: a warp per two rows, as many blocks as that takes.
+  const int64_t blocks = rows == 0 ? 1
+                         : dw      ? std::min<int64_t>(rows, 132 * 4)
+                                   : (rows + 2 * kVecBackwardWarps - 1) / (2 * kVecBackwardWarps);
   const int64_t rows_per_block = rows == 0 ? 1 : (rows + blocks - 1) / blocks;
-  Scratch partial(s, static_cast<size_t>(blocks) * c * sizeof(float));
+  Scratch partial(s, dw ? static_cast<size_t>(blocks) * c * sizeof(float) : 0);
+  float* dw_partial = dw ? partial.as<float>() : nullptr;
   dispatch_compute(t, "rmsnorm_backward", [&](auto z) {
     using T = decltype(z);
     const size_t vec_smem = static_cast<size_t>(kVecBackwardWarps) * c * sizeof(float);
     if (vector_rows<T>(c, {x, w, dy, dx}) && vec_smem <= 200 * 1024) {
-      auto kernel = rmsnorm_backward_vec_kernel<T>;
-      if (vec_smem > 48 * 1024)
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(vec_smem)));
-      kernel<<<static_cast<unsigned>(blocks), 32 * kVecBackwardWarps, vec_smem, s>>>(
+      auto kernel = dw ? rmsnorm_backward_vec_kernel<T, true> : rmsnorm_backward_vec_kernel<T, false>;
+      const size_t smem = dw ? vec_smem : 0;
+      if (smem > 48 * 1024)
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      kernel<<<static_cast<unsigned>(blocks), 32 * kVecBackwardWarps, smem, s>>>(
           static_cast<const T*>(x), static_cast<const T*>(w), rstd, static_cast<const T*>(dy), static_cast<T*>(dx),
-          partial.as<float>(), rows, c, rows_per_block, accumulate_dx);
+          dw_partial, rows, c, rows_per_block, accumulate_dx);
     } else {
-      const size_t smem = static_cast<size_t>(c) * sizeof(float);
+      const size_t smem = dw ? static_cast<size_t>(c) * sizeof(float) : 0;
       auto kernel = rmsnorm_backward_kernel<T>;
       if (smem > 48 * 1024)
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
       kernel<<<static_cast<unsigned>(blocks), kThreads, smem, s>>>(
           static_cast<const T*>(x), static_cast<const T*>(w), rstd, static_cast<const T*>(dy), static_cast<T*>(dx),
-          partial.as<float>(), rows, c, rows_per_block, accumulate_dx);
+          dw_partial, rows, c, rows_per_block, accumulate_dx);
     }
     CUDA_CHECK_LAUNCH();
+    if (!dw) return;
     rmsnorm_dw_finish<<<static_cast<unsigned>((c + 31) / 32), 256, 0, s>>>(partial.as<float>(),
                                                                              static_cast<int>(blocks), c,
                                                                              static_cast<T*>(dw));
