@@ -2,10 +2,10 @@
 // structure, written for this engine's document/position mask.
 //
 // A block owns one 128-key tile of K and V (of the kv head its query head reads) and one query
-// head, and walks the 64-row query tiles that can see the keys. Three warpgroups: in the first,
-// one thread streams Q, dO and the per-row terms (LSE·log2 e, delta) of each query tile into a
-// two-stage ring with the copy engine and another adds the consumers' staged dQ parts to global
-// memory; two consumers own 64 keys each. Per query tile a consumer computes
+// head, and walks the 64-row query tiles that can see the keys (the span tile_spans gives it).
+// Three warpgroups: in the first, one thread streams Q, dO and the per-row terms (LSE·log2 e,
+// delta) of each query tile into a two-stage ring with the copy engine and another adds the
+// consumers' staged dQ parts to global memory; two consumers own 64 keys each. Per query tile a consumer computes
 //   Sᵀ  = K·Qᵀ, dPᵀ = V·dOᵀ            (wgmma from shared memory, 64 keys × 64 queries)
 //   Pᵀ  = exp2(Sᵀ·scale·log2 e − LSE·log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − delta)
 //   dV += Pᵀ·dO,  dK += dSᵀ·Q          (A from registers, accumulated over the whole walk)

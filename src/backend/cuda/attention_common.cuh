@@ -29,12 +29,12 @@ struct TileSpan {
 
 // How the tokens of a tile lie in their documents when that is simple: at most two runs, each of
 // one document and consecutive positions (two documents of a packed row; a zigzag shard's two
-// chunks). Token e of the tile (e < split: the first run) has document
-// (e < split ? doc0 : doc1) and position (e < split ? base0 : base1) + e. A kernel tests a mixed
-// tile from these values in registers instead of reading each token's document and position from
-// global memory (on packed rows of short documents that read was a third of a block's time). Any
-// other tile (three runs or more) has regular = 0. Tokens past
-// the end are not described: kernels test the index against the length themselves.
+// chunks). Token e of the tile (e < split: the first run) has document (e < split ? doc0 : doc1)
+// and position (e < split ? base0 : base1) + e. A kernel tests a mixed tile from these values in
+// registers instead of reading each token's document and position from global memory (on packed
+// rows of short documents that read was a third of a block's time). Any other tile (three runs or
+// more) has regular = 0. Tokens past the end are not described: kernels test the index against
+// the length themselves.
 struct alignas(16) TileLayout {
   int doc0, base0, doc1, base1;
   int split, regular, unused0, unused1;
@@ -99,11 +99,6 @@ __device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* p, floa
 __device__ __forceinline__ TileRange load_range(const TileRange* r) {
   const int4 v = *reinterpret_cast<const int4*>(r);
   return TileRange{v.x, v.y, v.z, v.w};
-}
-
-__device__ __forceinline__ TileLayout load_layout(const TileLayout* l) {
-  const int4 a = *reinterpret_cast<const int4*>(l), b = *(reinterpret_cast<const int4*>(l) + 1);
-  return TileLayout{a.x, a.y, a.z, a.w, b.x, b.y, 0, 0};
 }
 
 // A layout from global memory into a stage's shared memory, in two 16-byte halves (a producer

@@ -9,8 +9,10 @@
 // before this tile's P·V and its softmax runs while the tensor cores work on the other product
 // (FA3's intra-warpgroup overlap); the two consumers also cover each other's softmax.
 //
-// Tiles the mask hides completely are never loaded; tiles it shows completely skip the
-// per-element test (attention_common.cuh). Rows with no visible key get out = 0, lse = −inf.
+// A block walks only the span of key tiles its rows can see (tile_spans: on a packed row, its
+// document's), never loads a tile the mask hides completely, skips the per-element test on tiles it
+// shows completely and takes a mixed tile's mask from the tile's layout (attention_common.cuh).
+// Rows with no visible key get out = 0, lse = −inf.
 //
 // Budget per 128×128 tile pair: 2·128·128·128·2 = 8.4 MFLOP on the tensor cores (≈ 2050 cycles of
 // one SM at its dense bf16 rate) against 16384 exp2 (≈ 1024 cycles of the SFUs): the exp2 work
