@@ -12,20 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-
-def median_ms(fn, warmup=2, reps=7):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+from bench_torch_attention import median_ms  # this script's folder is on sys.path
 
 
 def jagged(offsets, hq, d, scale, g):
@@ -46,9 +33,9 @@ def bench(name, lengths, backend, hq=12, d=128):
     fwd_flops = 4.0 * d * hq * pairs
     try:
         with sdpa_kernel(backend):
-            f_ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            f_ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps=7)
             fb_ms = median_ms(lambda: torch.autograd.grad(
-                F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), dout))
+                F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), dout), reps=7)
         b_ms = fb_ms - f_ms
         print(f"torch {backend.name.lower():18s} jagged {name:12s} causal: fwd {f_ms:7.3f} ms "
               f"{fwd_flops / f_ms / 1e9:6.1f} TFLOP/s | bwd {b_ms:7.3f} ms {2.5 * fwd_flops / b_ms / 1e9:6.1f} | "
