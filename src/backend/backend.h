@@ -115,6 +115,15 @@ class Backend {
     gemm(stream, a, trans_a, b, trans_b, c, alpha, beta);
     add_bias(stream, c, bias);
   }
+  // The backward of a LoRA projection's B product y += s·xa·Bᵀ, for dy [T, out], B [out, r] and the
+  // forward's xa [T, r]: dxa [T, r] = s·dy·B and, when db is given, db [out, r] += s·dyᵀ·xa. Both
+  // read all of dy; a backend that forms them from one read of it (CUDA, BF16) saves a pass over
+  // the largest tensor of the projection's backward. This default is the two GEMMs.
+  virtual void lora_b_backward(Stream stream, const Tensor& dy, const Tensor& b, const Tensor& xa, double scaling,
+                               Tensor& dxa, Tensor* db) {
+    if (db) gemm(stream, dy, true, xa, false, *db, scaling, 1.0);
+    gemm(stream, dy, false, b, false, dxa, scaling, 0.0);
+  }
   // y[R, N] += bias[N] (broadcast over rows).
   virtual void add_bias(Stream stream, Tensor& y, const Tensor& bias) = 0;
   // dbias[N] += Σ_rows dy[R, N].

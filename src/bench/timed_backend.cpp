@@ -92,6 +92,14 @@ void TimedBackend::gemm_bias(Stream s, const Tensor& a, bool trans_a, const Tens
   const auto [label, flops] = gemm_label(a, trans_a, c, trans_b, beta, true);
   timed(s, C::Gemm, label, [&] { inner_.gemm_bias(s, a, trans_a, b, trans_b, c, alpha, beta, bias); }, flops);
 }
+void TimedBackend::lora_b_backward(Stream s, const Tensor& dy, const Tensor& b, const Tensor& xa, double scaling,
+                                   Tensor& dxa, Tensor* db) {
+  // "lora_b_backward T×out×r[ +dB]": 2·T·out·r FLOPs per product
+  const int64_t t = dy.shape()[0], out = dy.shape()[-1], r = b.shape()[-1];
+  const std::string label = fmt::format("lora_b_backward {}x{}x{}{}", t, out, r, db ? " +dB" : "");
+  timed(s, C::Gemm, label, [&] { inner_.lora_b_backward(s, dy, b, xa, scaling, dxa, db); },
+        (db ? 4.0 : 2.0) * t * out * r);
+}
 void TimedBackend::add_bias(Stream s, Tensor& y, const Tensor& bias) {
   timed(s, C::OtherOps, "add_bias", [&] { inner_.add_bias(s, y, bias); });
 }

@@ -87,6 +87,8 @@ class TimedBackend final : public Backend {
             double beta) override;
   void gemm_bias(Stream stream, const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, double alpha,
                  double beta, const Tensor& bias) override;
+  void lora_b_backward(Stream stream, const Tensor& dy, const Tensor& b, const Tensor& xa, double scaling, Tensor& dxa,
+                       Tensor* db) override;
   void add_bias(Stream stream, Tensor& y, const Tensor& bias) override;
   void bias_backward(Stream stream, const Tensor& dy, Tensor& dbias) override;
   void embedding_forward(Stream stream, const Tensor& ids, const Tensor& table, Tensor& out) override;

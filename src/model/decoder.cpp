@@ -51,9 +51,8 @@ void linear_backward(Backend& be, Stream st, const Linear& lin, const Tensor& x,
   if (dx && !lora_first) be.gemm(st, dy, false, lin.weight->value, false, *dx, 1.0, accumulate_dx ? 1.0 : 0.0);
   if (lin.lora_a) {
     const double s = lin.lora_scaling;
-    if (lin.lora_b->trainable) be.gemm(st, dy, true, xa, false, lin.lora_b->grad, s, 1.0);  // dB += s·dyᵀ·xa
     Tensor dxa = be.empty(xa.shape(), xa.dtype());
-    be.gemm(st, dy, false, lin.lora_b->value, false, dxa, s, 0.0);                              // dxa = s·dy·B
+    be.lora_b_backward(st, dy, lin.lora_b->value, xa, s, dxa, trainable_grad(*lin.lora_b));  // dxa, dB += s·dyᵀ·xa
     if (lin.lora_a->trainable) be.gemm(st, dxa, true, x, false, lin.lora_a->grad, 1.0, 1.0);  // dA += dxaᵀ·x
     if (dx) {
       const bool onto = !lora_first || accumulate_dx;

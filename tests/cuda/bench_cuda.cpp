@@ -4,7 +4,8 @@
 // 2.5× forward (FlashAttention's convention; 5 GEMM-shaped products instead of 2); for a causal
 // sequence of T tokens the pairs are T(T+1)/2. GEMM = 2·M·N·K. Bandwidth = bytes read + written.
 // Inputs are random (zeros run faster than real data), times are medians of CUDA-event timings
-// after warm-up. Usage: bench_cuda [--quick | --profile | --profile-packed | --attention | --packed]
+// after warm-up. Usage: bench_cuda [--quick | --profile | --profile-packed | --attention | --packed |
+// --cudnn-knobs | --overlap | --lora]
 // --profile runs the engine's attention forward and backward once each at 32k causal (Hq=12, Hkv=2,
 // D=128), for a profiler (scripts/gpu/profile_attention.sh); --profile-packed the same on a 32k row
 // of 32 documents of 1k. --packed: the engine's kernels on packed 32k rows only (documents of 4k,
@@ -219,6 +220,133 @@ void bench_first_call(Backend& be, int64_t t, const char* impl) {
   rows.push_back({label, first, first - again, "ms"});
 }
 
+// cuDNN's engine knobs at 32k and 64k causal (Hq 12, Hkv 2, D 128): the heuristics' plan, then each
+// knob of the forward and backward engines moved alone through its range (at most 64 values).
+void bench_cudnn_knobs() {
+  setenv("SPINDLE_CUDA_ATTENTION", "cudnn", 1);
+  auto dnn = make_cuda_backend(0);
+  unsetenv("SPINDLE_CUDA_ATTENTION");
+  for (int64_t t : {int64_t{32768}, int64_t{65536}}) {
+    bench_attention(*dnn, 1, t, 12, 2, 128, false, "cudnn heuristics");
+    const cuda::AttentionShape sh{t, t, 12, 2, 128};
+    std::vector<cuda::CudnnKnob> both[2];
+    int64_t engines[2] = {-1, -1};
+    for (int backward : {0, 1})
+      both[backward] = cuda::attention_cudnn_knobs(sh, cuda::CudnnMask::Causal, backward, &engines[backward]);
+    for (bool backward : {false, true}) {
+      const int64_t engine = engines[backward];
+      const auto& knobs = both[backward];
+      std::printf("T=%lld %s: engine %lld, knobs (type: min..max/stride = chosen):", static_cast<long long>(t),
+                  backward ? "backward" : "forward", static_cast<long long>(engine));
+      for (const auto& k : knobs)
+        std::printf(" %d: %lld..%lld/%lld = %lld;", k.type, static_cast<long long>(k.min),
+                    static_cast<long long>(k.max), static_cast<long long>(k.stride), static_cast<long long>(k.chosen));
+      std::printf("\n");
+      std::fflush(stdout);
+      for (const auto& k : knobs) {
+        const int64_t stride = std::max<int64_t>(k.stride, 1);
+        for (int64_t v = k.min, tried = 0; v <= k.max && tried < 64; v += stride, ++tried) {
+          if (v == k.chosen) continue;
+          char label[64];
+          std::snprintf(label, sizeof label, "cudnn knob %d=%lld", k.type, static_cast<long long>(v));
+          try {
+            cuda::attention_cudnn_force_knobs({std::make_pair(k.type, v)}, backward);
+            bench_attention(*dnn, 1, t, 12, 2, 128, false, label, backward ? 2 : 1);
+          } catch (const Error& e) {
+            std::printf("%s %s: %.60s\n", backward ? "backward" : "forward", label, e.what());
+          }
+          cuda::attention_cudnn_force_knobs({}, backward);
+        }
+      }
+    }
+  }
+}
+
+// LoRA backward through B (dxa = s·dy·B, dB += s·dyᵀ·xa) at the step's shapes, rank 16: the fused
+// kernel against the two GEMMs it replaces. Rate = dy's bytes (read once by the fused kernel, twice
+// by the GEMMs) per second.
+void bench_lora(Backend& be) {
+  struct Case {
+    int64_t t, out;
+    const char* what;
+  };
+  for (const Case c : {Case{65536, 8960, "gate/up"}, Case{65536, 1536, "q/o/down"}, Case{65536, 256, "k/v"},
+                       Case{32768, 8960, "gate/up"}}) {
+    const int64_t r = 16;
+    Tensor dy = be.empty(Shape{c.t, c.out}, DType::BF16), b = be.empty(Shape{c.out, r}, DType::BF16);
+    Tensor xa = be.empty(Shape{c.t, r}, DType::BF16), dxa = be.empty(Shape{c.t, r}, DType::BF16);
+    Tensor db = be.empty(Shape{c.out, r}, DType::BF16);
+    for (Tensor* x : {&dy, &b, &xa, &db}) fill_random(be, *x, 1.0, 41);
+    Stream s = be.default_stream();
+    const double gb = 2.0 * c.t * c.out / 1e9;
+    const double fused = median_ms(be, [&] { be.lora_b_backward(s, dy, b, xa, 2.0, dxa, &db); }, 3, 20);
+    const double gemms = median_ms(be, [&] { be.Backend::lora_b_backward(s, dy, b, xa, 2.0, dxa, &db); }, 3, 20);
+    char label[120];
+    std::snprintf(label, sizeof label, "lora_b_backward fused %lldx%lldx16 (%s)", static_cast<long long>(c.t),
+                  static_cast<long long>(c.out), c.what);
+    rows.push_back({label, fused, gb / fused, "TB/s of dy"});
+    std::snprintf(label, sizeof label, "lora_b_backward 2 gemms %lldx%lldx16 (%s)", static_cast<long long>(c.t),
+                  static_cast<long long>(c.out), c.what);
+    rows.push_back({label, gemms, gb / gemms, "TB/s of dy"});
+  }
+}
+
+// Does work off the critical path hide under the attention backward? One layer's LoRA weight
+// gradients at 64k (rank 16: dB and dA of gate, up and down, K = 64k, memory-bound) on a second
+// backend's stream (its own cuBLASLt workspace) while the 64k causal backward runs on the first:
+// the pair's time against each alone.
+void bench_overlap(Backend& be) {
+  const int64_t t = 65536, h = 1536, f = 8960, r = 16;
+  auto aux = make_cuda_backend(0);
+  std::vector<int> doc(static_cast<size_t>(t), 0), pos(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) pos[static_cast<size_t>(i)] = static_cast<int>(i);
+  AttentionMask mask{ints(be, doc), ints(be, pos), ints(be, doc), ints(be, pos)};
+  mask.plain_causal = true;
+  Tensor q = be.empty(Shape{t, 12, 128}, DType::BF16), k = be.empty(Shape{t, 2, 128}, DType::BF16);
+  Tensor v = be.empty(k.shape(), DType::BF16), dout = be.empty(q.shape(), DType::BF16);
+  for (Tensor* x : {&q, &k, &v, &dout}) fill_random(be, *x, 1.0, 31);
+  Tensor out = be.empty(q.shape(), DType::BF16), lse = be.empty(Shape{12, t}, DType::F32);
+  Tensor dq = be.empty(q.shape(), DType::BF16), dk = be.empty(k.shape(), DType::BF16);
+  Tensor dv = be.empty(k.shape(), DType::BF16);
+  const double scale = 1.0 / std::sqrt(128.0);
+  Stream s = be.default_stream(), s2 = aux->default_stream();
+  be.attention_forward(s, q, k, v, mask, scale, out, lse);
+  // gate/up/down: dy [t, out], x [t, in], xa/dxa [t, r]; gradients F32 like the trainable state's
+  Tensor dy_gate = be.empty(Shape{t, f}, DType::BF16), dy_up = be.empty(Shape{t, f}, DType::BF16);
+  Tensor dy_down = be.empty(Shape{t, h}, DType::BF16), xn = be.empty(Shape{t, h}, DType::BF16);
+  Tensor act = be.empty(Shape{t, f}, DType::BF16), xa = be.empty(Shape{t, r}, DType::BF16);
+  Tensor dxa = be.empty(Shape{t, r}, DType::BF16);
+  for (Tensor* x : {&dy_gate, &dy_up, &dy_down, &xn, &act, &xa, &dxa}) fill_random(be, *x, 1.0, 32);
+  Tensor db_f = be.zeros(Shape{f, r}, DType::F32), db_h = be.zeros(Shape{h, r}, DType::F32);
+  Tensor da_h = be.zeros(Shape{r, h}, DType::F32), da_f = be.zeros(Shape{r, f}, DType::F32);
+  be.synchronize(s);
+  auto attention = [&] { be.attention_backward(s, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, false); };
+  auto grads = [&](Backend& b, Stream st) {
+    b.gemm(st, dy_gate, true, xa, false, db_f, 1.0, 1.0);  // dB gate
+    b.gemm(st, dy_up, true, xa, false, db_f, 1.0, 1.0);    // dB up
+    b.gemm(st, dxa, true, xn, false, da_h, 1.0, 1.0);      // dA gate
+    b.gemm(st, dxa, true, xn, false, da_h, 1.0, 1.0);      // dA up
+    b.gemm(st, dy_down, true, xa, false, db_h, 1.0, 1.0);  // dB down
+    b.gemm(st, dxa, true, act, false, da_f, 1.0, 1.0);     // dA down
+  };
+  const double a_ms = median_ms(be, attention, 1, 7);
+  const double g_ms = median_ms(be, [&] { grads(be, s); }, 2, 7);
+  const double both_ms = median_ms(be, [&] {
+    be.stream_wait(s2, s);
+    grads(*aux, s2);
+    attention();
+    be.stream_wait(s, s2);
+  }, 2, 7);
+  const double serial_ms = median_ms(be, [&] {
+    grads(be, s);
+    attention();
+  }, 2, 7);
+  rows.push_back({"overlap: attention bwd 64k alone", a_ms, 0, "-"});
+  rows.push_back({"overlap: LoRA dA/dB of gate/up/down alone", g_ms, 0, "-"});
+  rows.push_back({"overlap: both, one stream", serial_ms, 0, "-"});
+  rows.push_back({"overlap: both, grads on a second stream", both_ms, serial_ms - both_ms, "ms saved"});
+}
+
 // Bandwidth, GEMMs, then attention: the default kernels, the mma.sync fallback and the measured
 // alternatives at 32k causal; without `quick` also other shapes and the simple kernels.
 void bench_suite(Backend& be, bool quick) {
@@ -257,6 +385,9 @@ int main(int argc, char** argv) {
   const bool profile_packed = argc > 1 && std::strcmp(argv[1], "--profile-packed") == 0;
   const bool packed = argc > 1 && std::strcmp(argv[1], "--packed") == 0;
   const bool attention = argc > 1 && std::strcmp(argv[1], "--attention") == 0;
+  const bool cudnn_knobs = argc > 1 && std::strcmp(argv[1], "--cudnn-knobs") == 0;
+  const bool overlap = argc > 1 && std::strcmp(argv[1], "--overlap") == 0;
+  const bool lora = argc > 1 && std::strcmp(argv[1], "--lora") == 0;
   if (cuda_device_count() == 0) {
     std::printf("bench_cuda: no CUDA device\n");
     return 0;
@@ -290,6 +421,17 @@ int main(int argc, char** argv) {
         bench_attention(*own, 256, 128, 12, 2, 128, false, "own");
         bench_attention(*own, 32, 1024, 12, 2, 128, true, "own");
       }
+    } else if (lora) {
+      bench_lora(*be);
+    } else if (overlap) {
+      bench_overlap(*be);
+      bench_overlap(*be);
+    } else if (cudnn_knobs) {
+      if (!cuda::attention_cudnn_built()) {
+        std::printf("bench_cuda: built without cuDNN\n");
+        return 0;
+      }
+      bench_cudnn_knobs();
     } else if (attention) {  // 32k causal: the engine's own kernels three times, then the default
                              // (cuDNN for a plain causal row when built with it) twice
       setenv("SPINDLE_CUDA_ATTENTION", "own", 1);

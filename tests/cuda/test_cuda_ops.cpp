@@ -183,6 +183,34 @@ TEST_P(CudaOps, GemmBiasEpilogueMatchesCpu) {
       }
 }
 
+// lora_b_backward: dxa = s·dy·B and dB += s·dyᵀ·xa. BF16 with out a multiple of 128 and rank 16/32/64
+// runs the fused kernel (strips of 128, 256 and 512 rows, the last strip partial); other shapes and
+// F32 run the two GEMMs. dB starts from random values (it accumulates) or is absent (frozen B).
+TEST_P(CudaOps, LoraBBackwardMatchesCpu) {
+  const DType t = GetParam();
+  struct Case {
+    int64_t rows, out, rank;
+  };
+  for (const Case c : {Case{1000, 128, 16}, Case{300, 256, 32}, Case{2500, 384, 64}, Case{61440, 128, 16},
+                       Case{31000, 256, 16}, Case{61440, 128, 32}, Case{31000, 256, 64}, Case{70, 192, 16},
+                       Case{50, 128, 8}})
+    for (bool with_db : {true, false}) {
+      auto dyv = rand_values(c.rows * c.out, t), bv = rand_values(c.out * c.rank, t);
+      auto xav = rand_values(c.rows * c.rank, t), dbv = rand_values(c.out * c.rank, t, 50.0);
+      const Shape sdy{c.rows, c.out}, sb{c.out, c.rank}, sxa{c.rows, c.rank};
+      Tensor dy = on_gpu(dyv, sdy, t), b = on_gpu(bv, sb, t), xa = on_gpu(xav, sxa, t), db = on_gpu(dbv, sb, t);
+      Tensor dxa = poisoned(sxa, t);
+      Tensor cdy = on_cpu(dyv, sdy), cb = on_cpu(bv, sb), cxa = on_cpu(xav, sxa), cdb = on_cpu(dbv, sb);
+      Tensor cdxa = cpu->empty(sxa, DType::F64);
+      gpu->lora_b_backward(gs, dy, b, xa, 0.5, dxa, with_db ? &db : nullptr);
+      cpu->lora_b_backward(cs, cdy, cb, cxa, 0.5, cdxa, with_db ? &cdb : nullptr);
+      const std::string what = "lora_b_backward rows " + std::to_string(c.rows) + " out " + std::to_string(c.out) +
+                               " rank " + std::to_string(c.rank) + (with_db ? "" : " frozen B");
+      expect_close(to_host(*gpu, dxa), to_host(*cpu, cdxa), tol_for(t), (what + " dxa").c_str());
+      expect_close(to_host(*gpu, db), to_host(*cpu, cdb), tol_for(t), (what + " dB").c_str());
+    }
+}
+
 // The first use of a BF16 GEMM shape times several cuBLASLt algorithms (src/backend/cuda/gemm.h).
 // With C larger than the timing's scratch (a prefix of C's rows, 256 MiB) and beta 1, the timing
 // runs must leave C alone: the result equals the same product in F32 (which is not timed), to BF16

@@ -235,6 +235,27 @@ class CudaBackend final : public Backend {
     run_gemm(stream, a, trans_a, b, trans_b, c, alpha, beta, bias.data());
   }
 
+  void lora_b_backward(Stream stream, const Tensor& dy, const Tensor& b, const Tensor& xa, double scaling, Tensor& dxa,
+                       Tensor* db) override {
+    // The fused kernel: BF16 throughout, contiguous 2-D, 16-byte aligned, out a multiple of 128, rank
+  // 16, 32 or 64;
+    // anything else (F32, other ranks) is the two GEMMs.
+    bool fused = dy.rank() == 2 && b.rank() == 2 && cuda::lora_b_backward_supported(dy.dim(1), b.dim(1));
+    for (const Tensor* x : std::initializer_list<const Tensor*>{&dy, &b, &xa, &dxa, db})
+      if (x) fused = fused && x->defined() && x->dtype() == DType::BF16 && x->device() == device() && aligned16(*x);
+    if (!fused) {
+      Backend::lora_b_backward(stream, dy, b, xa, scaling, dxa, db);
+      return;
+    }
+    const int64_t t = dy.dim(0), n = dy.dim(1), r = b.dim(1);
+    SPINDLE_CHECK(b.dim(0) == n && xa.shape() == Shape({t, r}) && dxa.shape() == xa.shape() &&
+                      (!db || db->shape() == b.shape()),
+                  "lora_b_backward: dy {} b {} xa {} dxa {} db {}", dy.describe(), b.describe(), xa.describe(),
+                  dxa.describe(), db ? db->describe() : std::string("none"));
+    cuda::lora_b_backward(s(stream), dy.data(), b.data(), xa.data(), t, n, r, static_cast<float>(scaling), dxa.data(),
+                          db ? db->data() : nullptr);
+  }
+
   void add_bias(Stream stream, Tensor& y, const Tensor& bias) override {
     require_compute(y, "add_bias");
     require_same(y, bias, "add_bias");

@@ -78,6 +78,14 @@ void gather_rows(cudaStream_t s, const void* src, int64_t src_rows, const int32_
 void scatter_add_rows(cudaStream_t s, const void* src, const int32_t* idx, int64_t n, void* dst, int64_t dst_rows,
                       int64_t row_elems, DType t, DeviceError* err);
 
+// ---- lora.cu -----------------------------------------------------------------------------------
+// BF16, all contiguous: dy [t, n], b [n, r], xa [t, r] -> dxa [t, r] = scaling·dy·b and, when db is
+// not null, db [n, r] += scaling·dyᵀ·xa (F32 sums, one rounding), from one read of dy. Only where
+// lora_b_backward_supported(n, r) (n a multiple of 128, r 16, 32 or 64), with 16-byte aligned pointers.
+bool lora_b_backward_supported(int64_t n, int64_t r);
+void lora_b_backward(cudaStream_t s, const void* dy, const void* b, const void* xa, int64_t t, int64_t n, int64_t r,
+                     float scaling, void* dxa, void* db);
+
 // ---- rmsnorm.cu --------------------------------------------------------------------------------
 void rmsnorm_forward(cudaStream_t s, const void* x, const void* w, void* y, float* rstd, DType t, int64_t rows,
                      int64_t c, float eps);
