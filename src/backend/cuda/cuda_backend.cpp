@@ -238,8 +238,7 @@ class CudaBackend final : public Backend {
   void lora_b_backward(Stream stream, const Tensor& dy, const Tensor& b, const Tensor& xa, double scaling, Tensor& dxa,
                        Tensor* db) override {
     // The fused kernel: BF16 throughout, contiguous 2-D, 16-byte aligned, out a multiple of 128, rank
-  // 16, 32 or 64;
-    // anything else (F32, other ranks) is the two GEMMs.
+    // 16, 32 or 64; anything else (F32, other shapes) is the two GEMMs.
     bool fused = dy.rank() == 2 && b.rank() == 2 && cuda::lora_b_backward_supported(dy.dim(1), b.dim(1));
     for (const Tensor* x : std::initializer_list<const Tensor*>{&dy, &b, &xa, &dxa, db})
       if (x) fused = fused && x->defined() && x->dtype() == DType::BF16 && x->device() == device() && aligned16(*x);
