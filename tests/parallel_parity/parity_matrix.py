@@ -7,7 +7,8 @@ relative norm error (F32). A tiny GQA model (4 query heads, 2 KV heads: Ulysses 
 heads) is trained fully, so every weight has a gradient.
 
 The full product sp {1,2,4} x {ulysses, ring, hybrid} x dp {1,2} x grad-accum {1,2} x packing x
-loss_scale has 96 cases. Pruned, because the factors act on different code:
+loss_scale has 96 cases (sp 8 runs its hybrid and ring splits once, dp 1). Pruned, because the
+factors act on different code:
   - the attention strategy and the layout depend on sp/ulysses/ring only, so every strategy runs at
     every degree with dp 1 and dp 2, with packing, loss_scale and grad-accum 2 on (the hardest setting);
   - grad-accum, packing and loss_scale change the rows and weights, not the strategy: each is turned
@@ -16,7 +17,7 @@ loss_scale has 96 cases. Pruned, because the factors act on different code:
 The data holds a document shorter than the ranks (2-3 tokens), one supervised only in its first
 tokens (all its targets fall on the first rank), and rows whose later shards have no supervised target.
 
-usage: parity_matrix.py SPINDLE ROOT PART   (PART: sp2, sp4, dp, variants, lora, sft, errors)
+usage: parity_matrix.py SPINDLE ROOT PART   (PART: sp2, sp4, sp8, dp, variants, lora, sft, errors)
 """
 import json
 import os
@@ -108,6 +109,12 @@ elif part == "sp4":
         results.append(check(f"ulysses sp4 (KV heads replicated) dp{dp}", sp=4, ulysses=4, dp=dp))
         results.append(check(f"ring sp4 dp{dp}", sp=4, ring=4, dp=dp))
         results.append(check(f"hybrid u2 x r2 dp{dp}", sp=4, ulysses=2, ring=2, dp=dp))
+elif part == "sp8":
+    # sp 8, the largest mesh of issue 9, on 8 CPU processes: both hybrid splits and pure ring (pure
+    # Ulysses 8 would need 8 query heads; the model has 4).
+    results.append(check("hybrid u2 x r4", sp=8, ulysses=2, ring=4))
+    results.append(check("hybrid u4 x r2 (KV heads replicated)", sp=8, ulysses=4, ring=2))
+    results.append(check("ring sp8", sp=8, ring=8))
 elif part == "dp":
     results.append(check("sp1 dp1 (the runner without a mesh)", sp=1, dp=1))
     results.append(check("sp1 dp2", sp=1, dp=2))
