@@ -55,12 +55,14 @@ if has check; then
   # last-bit differences of ring-merged outputs: 5.3e-2, then 0.105 after the BF16 LoRA reorder of
   # 2026-11-30; see docs/perf.md); Ulysses stays at 4e-3 there. The same model in F32 on the GPUs
   # (tolerances 1e-5 / 1e-4) is what shows the ring path exact on it.
-  for mesh in "--sp 2 --ulysses 2" "--sp 2 --ring 2"; do
+  # CHECK_GPUS / CHECK_MESHES (';'-separated) take other meshes (scripts/gpu/scaling.sh: 4 and 8 GPUs).
+  IFS=";" read -ra check_meshes <<< "${CHECK_MESHES:---sp 2 --ulysses 2;--sp 2 --ring 2}"
+  for mesh in "${check_meshes[@]}"; do
     for case in "qwen2 --full" "qwen2_lora --adapter $M/qwen2_lora/adapter" "qwen3 --full" \
                 "qwen2_lora --adapter $M/qwen2_lora/adapter --dtype f32"; do
       set -- $case; name=$1; shift
       tag=${name}${4:+_$4}  # qwen2_lora_f32 for the F32 case
-      timeout 120 "$S" check --device cuda --nproc-per-node 2 $mesh --model "$M/$name" --data "$M/$name/data.jsonl" \
+      timeout 120 "$S" check --device cuda --nproc-per-node ${CHECK_GPUS:-2} $mesh --model "$M/$name" --data "$M/$name/data.jsonl" \
         --max-length 64 --grad-accum 2 "$@" --json > "$out/check_${tag}_${mesh// /_}.json" 2> "$out/check_${tag}_${mesh// /_}.err"
       summary+=("check $tag $mesh rc=$?")
     done
@@ -118,7 +120,8 @@ fi
 
 if has benchx; then
   # Extra bench runs, one per ';'-separated entry of BENCH_RUNS, each the arguments after
-  # `spindle bench --device cuda --warmup 2 --steps 2 --profile-steps 1 --op-table ${BENCHX_OP_TABLE:-10}`, e.g.
+  # `spindle bench --device cuda ${BENCHX_STEPS} --op-table ${BENCHX_OP_TABLE:-10}` (BENCHX_STEPS:
+  # "--warmup 2 --steps 2 --profile-steps 1" unless given), e.g.
   # BENCH_RUNS="--model configs/qwen2.5-1.5b.json --seq 32k --recompute keep-attention --recompute-layers 20"
   # (LoRA rank 16 is bench's default).
   # BENCH_RUNS=design: the DESIGN §5 rows with the settings of docs/perf.md's summary table (the
@@ -141,7 +144,7 @@ if has benchx; then
     nvidia-smi --query-gpu=index,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
       --format=csv,noheader,nounits -lms 200 > "$out/clocks_$n.csv" 2>/dev/null &
     smi=$!
-    timeout ${BENCHX_TIMEOUT:-300} "$S" bench --device cuda --warmup 2 --steps 2 --profile-steps 1 --op-table ${BENCHX_OP_TABLE:-10} $r \
+    timeout ${BENCHX_TIMEOUT:-300} "$S" bench --device cuda ${BENCHX_STEPS:---warmup 2 --steps 2 --profile-steps 1} --op-table ${BENCHX_OP_TABLE:-10} $r \
       >> "$out/benchx_$n.txt" 2>&1
     summary+=("benchx $n rc=$?: $r")
     kill $smi 2>/dev/null
