@@ -189,27 +189,46 @@ void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, in
   rows.push_back({label, f_ms + b_ms, 3.5 * fwd_flops / (f_ms + b_ms) / 1e9, "TFLOP/s"});
 }
 
+// One causal document of t tokens at the Qwen2.5-1.5B attention shape (Hq 12, Hkv 2, D 128), BF16,
+// declared plain causal as the trainer declares such a row: random inputs and the outputs of a
+// forward and a backward.
+struct CausalRow {
+  static constexpr int kHq = 12, kHkv = 2, kD = 128;
+  CausalRow(Backend& be, int64_t t, uint64_t seed) : be(be) {
+    std::vector<int> doc(static_cast<size_t>(t), 0), pos(static_cast<size_t>(t));
+    for (int64_t i = 0; i < t; ++i) pos[static_cast<size_t>(i)] = static_cast<int>(i);
+    mask = AttentionMask{ints(be, doc), ints(be, pos), ints(be, doc), ints(be, pos)};
+    mask.plain_causal = true;
+    q = be.empty(Shape{t, kHq, kD}, DType::BF16);
+    k = be.empty(Shape{t, kHkv, kD}, DType::BF16);
+    v = be.empty(k.shape(), DType::BF16);
+    dout = be.empty(q.shape(), DType::BF16);
+    for (Tensor* x : {&q, &k, &v, &dout}) fill_random(be, *x, 1.0, seed);
+    out = be.empty(q.shape(), DType::BF16);
+    lse = be.empty(Shape{kHq, t}, DType::F32);
+    dq = be.empty(q.shape(), DType::BF16);
+    dk = be.empty(k.shape(), DType::BF16);
+    dv = be.empty(k.shape(), DType::BF16);
+  }
+  void forward(Stream s) { be.attention_forward(s, q, k, v, mask, scale, out, lse); }
+  void backward(Stream s) { be.attention_backward(s, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, false); }
+
+  Backend& be;
+  AttentionMask mask;
+  Tensor q, k, v, dout, out, lse, dq, dk, dv;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(kD));
+};
+
 // The cost of a shape's first call (cuDNN builds its plans then; the engine's kernels have none):
 // wall time of a first forward + backward at a length not seen before, less the same pair again.
 void bench_first_call(Backend& be, int64_t t, const char* impl) {
-  const int hq = 12, hkv = 2, d = 128;
-  std::vector<int> doc(static_cast<size_t>(t), 0), pos(static_cast<size_t>(t));
-  for (int64_t i = 0; i < t; ++i) pos[static_cast<size_t>(i)] = static_cast<int>(i);
-  AttentionMask mask{ints(be, doc), ints(be, pos), ints(be, doc), ints(be, pos)};
-  mask.plain_causal = true;
-  Tensor q = be.empty(Shape{t, hq, d}, DType::BF16), k = be.empty(Shape{t, hkv, d}, DType::BF16);
-  Tensor v = be.empty(Shape{t, hkv, d}, DType::BF16), dout = be.empty(Shape{t, hq, d}, DType::BF16);
-  for (Tensor* x : {&q, &k, &v, &dout}) fill_random(be, *x, 1.0, 21);
-  Tensor out = be.empty(q.shape(), DType::BF16), lse = be.empty(Shape{hq, t}, DType::F32);
-  Tensor dq = be.empty(q.shape(), DType::BF16), dk = be.empty(k.shape(), DType::BF16);
-  Tensor dv = be.empty(v.shape(), DType::BF16);
+  CausalRow row(be, t, 21);
   Stream s = be.default_stream();
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   auto pair_ms = [&] {
     be.synchronize(s);
     const auto t0 = std::chrono::steady_clock::now();
-    be.attention_forward(s, q, k, v, mask, scale, out, lse);
-    be.attention_backward(s, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, false);
+    row.forward(s);
+    row.backward(s);
     be.synchronize(s);
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   };
@@ -298,20 +317,10 @@ void bench_lora(Backend& be) {
 void bench_overlap(Backend& be) {
   const int64_t t = 65536, h = 1536, f = 8960, r = 16;
   auto aux = make_cuda_backend(0);
-  std::vector<int> doc(static_cast<size_t>(t), 0), pos(static_cast<size_t>(t));
-  for (int64_t i = 0; i < t; ++i) pos[static_cast<size_t>(i)] = static_cast<int>(i);
-  AttentionMask mask{ints(be, doc), ints(be, pos), ints(be, doc), ints(be, pos)};
-  mask.plain_causal = true;
-  Tensor q = be.empty(Shape{t, 12, 128}, DType::BF16), k = be.empty(Shape{t, 2, 128}, DType::BF16);
-  Tensor v = be.empty(k.shape(), DType::BF16), dout = be.empty(q.shape(), DType::BF16);
-  for (Tensor* x : {&q, &k, &v, &dout}) fill_random(be, *x, 1.0, 31);
-  Tensor out = be.empty(q.shape(), DType::BF16), lse = be.empty(Shape{12, t}, DType::F32);
-  Tensor dq = be.empty(q.shape(), DType::BF16), dk = be.empty(k.shape(), DType::BF16);
-  Tensor dv = be.empty(k.shape(), DType::BF16);
-  const double scale = 1.0 / std::sqrt(128.0);
+  CausalRow row(be, t, 31);
   Stream s = be.default_stream(), s2 = aux->default_stream();
-  be.attention_forward(s, q, k, v, mask, scale, out, lse);
-  // gate/up/down: dy [t, out], x [t, in], xa/dxa [t, r]; gradients F32 like the trainable state's
+  row.forward(s);
+  // gate/up/down: dy [t, out], x [t, in], xa/dxa [t, r]; F32 gradients here (the step's are BF16)
   Tensor dy_gate = be.empty(Shape{t, f}, DType::BF16), dy_up = be.empty(Shape{t, f}, DType::BF16);
   Tensor dy_down = be.empty(Shape{t, h}, DType::BF16), xn = be.empty(Shape{t, h}, DType::BF16);
   Tensor act = be.empty(Shape{t, f}, DType::BF16), xa = be.empty(Shape{t, r}, DType::BF16);
@@ -320,7 +329,7 @@ void bench_overlap(Backend& be) {
   Tensor db_f = be.zeros(Shape{f, r}, DType::F32), db_h = be.zeros(Shape{h, r}, DType::F32);
   Tensor da_h = be.zeros(Shape{r, h}, DType::F32), da_f = be.zeros(Shape{r, f}, DType::F32);
   be.synchronize(s);
-  auto attention = [&] { be.attention_backward(s, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, false); };
+  auto attention = [&] { row.backward(s); };
   auto grads = [&](Backend& b, Stream st) {
     b.gemm(st, dy_gate, true, xa, false, db_f, 1.0, 1.0);  // dB gate
     b.gemm(st, dy_up, true, xa, false, db_f, 1.0, 1.0);    // dB up
