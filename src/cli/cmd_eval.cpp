@@ -1,5 +1,5 @@
 // spindle eval: the loss of a model (and adapter) on pre-tokenized data, normalised exactly as
-// training normalises it (DESIGN §2.2): Σ loss_scale·CE over supervised targets / their number.
+// training normalises it (docs/design.md §2.2): Σ loss_scale·CE over supervised targets / their number.
 #include <chrono>
 #include <cstdio>
 #include <nlohmann/json.hpp>

@@ -1,4 +1,4 @@
-// The data contract between dataset readers, packing and the loss (DESIGN §2.1, §2.4, §2.5).
+// The data contract between dataset readers, packing and the loss (docs/design.md §2.1, §2.4, §2.5).
 #pragma once
 
 #include <cstdint>

@@ -37,7 +37,7 @@ struct ReadOptions {
   // > 0: every token id must be below it (the tokenizer's vocabulary size, added tokens included).
   int64_t vocab_size = 0;
   // Pre-tokenized `labels` must equal `input_ids` wherever supervised. Catches the common mistake
-  // of passing labels that are already shifted (spindle shifts them itself, DESIGN §2.1).
+  // of passing labels that are already shifted (spindle shifts them itself, docs/design.md §2.1).
   bool require_labels_match_input_ids = true;
 };
 

@@ -1,5 +1,5 @@
 // Packing documents into rows of at most max_length tokens, with targets shifted per document on
-// the full row (DESIGN §2.1 "shift before shard", §2.4 positions, §2.5 boundaries).
+// the full row (docs/design.md §2.1 "shift before shard", §2.4 positions, §2.5 boundaries).
 //
 // For a document of n tokens placed at row offset o:
 //   input_ids[o+i] = ids[i]        positions[o+i] = i        doc_ids[o+i] = its index in the row

@@ -6,7 +6,7 @@
 //   any of these plus "loss_scale": [...]                  per-token weight of predicting labels[i]
 //
 // Labels are *not* shifted by the user: labels[i] is the token at position i, as HF models take
-// them; spindle shifts them on the full packed row (DESIGN §2.1). An `attention_mask` is accepted
+// them; spindle shifts them on the full packed row (docs/design.md §2.1). An `attention_mask` is accepted
 // only when it is all ones (padding inside a sample would be trained on as text).
 #pragma once
 

@@ -1,5 +1,5 @@
 // The LM head and cross-entropy, fused and chunked, over the selected (supervised) positions only
-// (DESIGN §2.3): at most chunk_rows × vocab logits exist at any time, never tokens × vocab.
+// (docs/design.md §2.3): at most chunk_rows × vocab logits exist at any time, never tokens × vocab.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Splitting one packed row over the sequence-parallel ranks (DESIGN §2.1, §2.4, §2.5). The row's
+// Splitting one packed row over the sequence-parallel ranks (docs/design.md §2.1, §2.4, §2.5). The row's
 // targets are already shifted on the full row, so each shard carries, per token, its own input id,
 // position, document id, target and weight; nothing is recomputed after the split. The layouts
 // (mesh.h, SequenceLayout):

@@ -1,4 +1,4 @@
-// Sequence-parallel attention strategies (DESIGN §2, research/sp_attention.md). Each rank holds
+// Sequence-parallel attention strategies (docs/design.md §2.9, docs/parallelism.md §2). Each rank holds
 // its shard of the sequence (sequence_shard.h) and the decoder hands the strategy that shard's
 // q [t, Hq, D], k/v [t, Hkv, D]; the strategy returns the shard's out [t, Hq, D] and lse [Hq, t]
 // exactly as single-device attention over the whole sequence would, and the matching gradients.

@@ -1,7 +1,7 @@
 // `spindle check`: trust a mesh before a long job. The first global batch of the configured run is
 // computed on the requested mesh and, on the main rank, in one process with plain attention (sp = 1,
 // dp = 1, same weights, same adapter initialisation); loss, gradient norm and every gradient tensor
-// are compared. DESIGN §2: any mesh must give the single device's numbers to rounding.
+// are compared. docs/design.md §2: any mesh must give the single device's numbers to rounding.
 #pragma once
 
 #include <optional>

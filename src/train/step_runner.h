@@ -1,6 +1,6 @@
 // One optimizer step's forward/backward over the mesh: which rows this process takes (data
 // parallel), which part of each row (sequence parallel), and the one global denominator
-// (DESIGN §2.2). The same code runs a single process (no mesh) and any dp × ulysses × ring mesh,
+// (docs/design.md §2.2). The same code runs a single process (no mesh) and any dp × ulysses × ring mesh,
 // so `spindle sft`, `spindle eval` and `spindle check` cannot drift apart.
 #pragma once
 

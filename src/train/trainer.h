@@ -1,5 +1,5 @@
 // The supervised fine-tuning loop: data → micro-batches → forward/backward with one global
-// denominator per optimizer step (DESIGN §2.2) → clipped AdamW → metrics, evaluation, checkpoints.
+// denominator per optimizer step (docs/design.md §2.2) → clipped AdamW → metrics, evaluation, checkpoints.
 #pragma once
 
 #include <cstdint>

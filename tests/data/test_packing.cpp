@@ -105,7 +105,7 @@ TEST(Packing, SupervisedTargetWithZeroScaleStillCountsInTheDenominator) {
   auto rows = pack_documents({doc({1, 2, 3}, {}, {1.0f, 0.0f, 2.0f})}, options(4));
   EXPECT_EQ(rows[0].targets, (std::vector<int32_t>{2, 3, X}));
   EXPECT_EQ(rows[0].weights, (std::vector<float>{0.0f, 2.0f, 0.0f}));
-  EXPECT_EQ(rows[0].num_items(), 2);  // loss_scale multiplies the numerator only (DESIGN §2.2)
+  EXPECT_EQ(rows[0].num_items(), 2);  // loss_scale multiplies the numerator only (docs/design.md §2.2)
 }
 
 TEST(Packing, BestFitDecreasingIsDeterministicAndKeepsDatasetOrderInRows) {

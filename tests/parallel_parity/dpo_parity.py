@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""`spindle dpo` on real CPU processes against one process (DESIGN §2, docs/dpo.md).
+"""`spindle dpo` on real CPU processes against one process (docs/design.md §2, docs/dpo.md).
 
 A tiny GQA Llama (4 query heads, 2 KV heads: Ulysses 4 would replicate KV heads) with the demo's
 BPE tokenizer trains for 3 optimizer steps at lr 1e-2 on text preference pairs (a prompt, a chosen

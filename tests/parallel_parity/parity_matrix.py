@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The sequence-parallel parity matrix (DESIGN §2, issue 6), on CPU processes.
+"""The sequence-parallel parity matrix (docs/design.md §2), on CPU processes.
 
 Each case runs `spindle check`: the first global batch of a job on a mesh of real processes against
 one process with plain attention; loss within 1e-6 relative, every gradient tensor within 1e-5
@@ -110,8 +110,8 @@ elif part == "sp4":
         results.append(check(f"ring sp4 dp{dp}", sp=4, ring=4, dp=dp))
         results.append(check(f"hybrid u2 x r2 dp{dp}", sp=4, ulysses=2, ring=2, dp=dp))
 elif part == "sp8":
-    # sp 8, the largest mesh of issue 9, on 8 CPU processes: both hybrid splits and pure ring (pure
-    # Ulysses 8 would need 8 query heads; the model has 4).
+    # sp 8, the largest mesh of an 8-GPU host, on 8 CPU processes: both hybrid splits and pure
+    # ring (pure Ulysses 8 would need 8 query heads; the model has 4).
     results.append(check("hybrid u2 x r4", sp=8, ulysses=2, ring=4))
     results.append(check("hybrid u4 x r2 (KV heads replicated)", sp=8, ulysses=4, ring=2))
     results.append(check("ring sp8", sp=8, ring=8))

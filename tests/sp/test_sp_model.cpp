@@ -1,4 +1,4 @@
-// The whole decoder under sequence parallelism (DESIGN §2.1, §2.2, §2.5): each rank runs
+// The whole decoder under sequence parallelism (docs/design.md §2.1, §2.2, §2.5): each rank runs
 // Decoder::step on its shard of a packed row with the mesh's attention strategy and the global
 // denominator, the losses and gradients are summed over the sp group, and the result must equal
 // Decoder::step on the whole row in one process (F32, LoRA and full training with a recomputed layer);

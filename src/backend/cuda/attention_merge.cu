@@ -1,5 +1,5 @@
 // Ring attention: merge one key block's partial result into the f32 accumulator with the
-// log-sum-exp rule of DESIGN §2 (stable sigmoid form), rows with −inf ignored, never NaN.
+// log-sum-exp rule of docs/design.md §2.9 (stable sigmoid form), rows with −inf ignored, never NaN.
 #include <cmath>
 
 #include "backend/cuda/device_util.cuh"
