@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Runs on the GPU host: `spindle bench` for the one-GPU rows of DESIGN §5 — Qwen2.5-1.5B
+# Runs on the GPU host: `spindle bench` sweeps on one or more GPUs, one process each — Qwen2.5-1.5B
 # architecture (configs/qwen2.5-1.5b.json, random weights), BF16, LoRA r=16 on all 7 projections,
-# recompute on, one sequence per step, every token supervised. Writes $OUT/bench_<n>.{json,log}
-# and prints the tables last.
-#   SPINDLE_BIN=path  a spindle built elsewhere (default: build-gpu/src/cli/spindle, built here with
-#                     scripts/gpu/build.sh spindle when missing). A lib/ folder beside its bin/
-#                     folder is put on LD_LIBRARY_PATH (runtime libraries the host lacks).
+# recompute on, one sequence per step, every token supervised. Writes ${OUT:-out}/bench_<n>.{json,log}
+# and bench_host.txt, and prints the tables last.
+#   SPINDLE_BIN=path  a spindle built elsewhere, e.g. build-bundle/bin/spindle (scripts/gpu/stage.sh);
+#                     a lib/ folder beside its bin/ folder (the bundle's runtime libraries) is put on
+#                     LD_LIBRARY_PATH. Default: build-gpu/src/cli/spindle, built on the host with
+#                     scripts/gpu/build.sh spindle when missing.
 #   MODEL=config.json (default configs/qwen2.5-1.5b.json)   LORA_RANK=16 (0: --full)
 #   RECOMPUTE=all (or none, keep-attention)
 #   SWEEPS="GPU:LENGTHS[:STEPS:WARMUP:PROFILE] ..."  one process per entry; entries on different GPUs

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Runs on the GPU host (Ubuntu 24.04, CUDA 13, no package registry). Unpacks, from the .deb files
-# that scripts/gpu/fetch_deps.sh brought (carry: [".deps"]), only the build dependencies whose
-# headers the host lacks, points CMake / pkg-config / the compiler at them, then configures and
-# builds. Usage: scripts/gpu/build.sh [target...]   (default: everything)
+# Runs on the GPU host (Ubuntu 24.04, CUDA 13, no package registry needed). Unpacks, from the .deb
+# files that scripts/gpu/fetch_deps.sh downloaded into .deps/debs on a Debian machine (copy .deps/
+# to the host with the repository), only the build dependencies whose headers the host lacks,
+# points CMake / pkg-config / the compiler at them, then configures and builds into build-gpu/;
+# build-gpu/deps_env.sh sets LD_LIBRARY_PATH for running what was built.
+# Usage: scripts/gpu/build.sh [target...]   (default: everything)
 # Env: BUILD_DIR (default build-gpu), BUILD_TYPE (default Release), CUDA_ARCH (default 90a).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"

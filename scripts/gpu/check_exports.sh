@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Do transformers and peft load spindle's exports and compute spindle's numbers?
 #
-# 1. Where spindle builds (the GPU host lacks some build dependencies), write the cases:
+# 1. On the build machine, write the cases:
 #      SPINDLE_EXPORT_CASES_DIR=$PWD/.exports build/tests/train/test_train --gtest_filter='PythonStackCases.*'
-#    (.exports is git-ignored through .git/info/exclude; pass it to the device as carry).
-# 2. On the GPU host, from the repository root:  scripts/gpu/check_exports.sh [.exports]
+#    (.exports is not tracked; copy it to the GPU host with the repository).
+# 2. Where torch, transformers and peft are installed (the GPU host), from the repository root:
+#      scripts/gpu/check_exports.sh [.exports]
 # Prints a line per case and PASS or FAIL; exit status 0 only on PASS.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Run THERE (2 GPUs) from the repository root with .gpubin/run carried (scripts/gpu/stage.sh):
+# Runs on the GPU host (2 GPUs), from the repository root, with the bundle of scripts/gpu/stage.sh
+# (BUNDLE_DIR, default build-bundle):
 # `spindle dpo` on 1 GPU and on 2 GPUs at sp 2 (Ulysses, ring), same global batch; prints the
 # losses and margins of every step and the largest relative loss difference to 1 GPU.
 set -uo pipefail
 root=$PWD
-stage=$root/.gpubin/run
+stage=${BUNDLE_DIR:-$root/build-bundle}
 for f in "$stage"/lib/*; do n=$(basename "$f"); ldconfig -p | grep -q "^[[:space:]]*$n " && rm -f "$f"; done
 export LD_LIBRARY_PATH="$stage/lib:/usr/lib/x86_64-linux-gnu/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 S=$stage/bin/spindle

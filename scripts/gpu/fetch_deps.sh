@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Runs on the development machine (Debian, with a package registry), not on the GPU host.
-# The GPU host (Ubuntu 24.04) has no package registry and lacks some -dev packages the root
-# CMakeLists.txt requires (PCRE2 headers, utf8proc; DESIGN §4). This downloads the .deb files of
-# every build dependency into .deps/debs (git-ignored); scripts/gpu/build.sh unpacks, on the host,
-# only those whose headers the host lacks. Carry them with the device call: carry: [".deps"].
+# Runs on a Debian 12 machine with apt (the development machine), not on the GPU host.
+# A GPU host without a package registry may lack some -dev packages the root CMakeLists.txt
+# requires (an Ubuntu 24.04 CUDA host lacked the PCRE2 headers and utf8proc). This downloads the
+# .deb files of every build dependency into .deps/debs (git-ignored); copy .deps/ to the GPU host
+# with the repository, where scripts/gpu/build.sh unpacks only those whose headers the host lacks.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 dest="$root/.deps/debs"

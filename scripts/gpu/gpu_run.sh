@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Run THERE (the GPU host, 2 GPUs) from the repository root, with .gpubin/run carried (stage.sh):
-# CUDA op and model tests, NCCL tests, then sequence parallelism on 2 GPUs — spindle check
-# (2 GPUs vs 1, Ulysses and ring), sft losses on 1 and 2 GPUs, and spindle bench at sp 2.
-# Results under $OUT. PARTS selects: attn tests check sft eval bench gemm benchx (default: tests
-# check sft eval bench). gemm: cuBLASLt's algorithms for the step's shapes (bench_gemm_algos).
-# attn: the attention op tests and kernel timings alone (bench_cuda, PyTorch SDPA), plus the SASS
-# instruction mix of the attention kernels.
+# Runs on the GPU host (2 GPUs), from the repository root, with the binaries of the bundle that
+# scripts/gpu/stage.sh made on the build machine (BUNDLE_DIR, default build-bundle): CUDA op and
+# model tests, NCCL tests, then sequence parallelism on 2 GPUs — spindle check (2 GPUs vs 1,
+# Ulysses and ring), sft losses on 1 and 2 GPUs, and spindle bench at sp 2.
+# PARTS selects: attn tests check sft eval bench gemm benchx (default: tests check sft eval bench).
+# gemm: cuBLASLt's algorithms for the step's shapes (bench_gemm_algos). attn: the attention op tests
+# and kernel timings alone (bench_cuda, PyTorch SDPA), plus the SASS instruction mix of the
+# attention kernels. benchx: the `spindle bench` runs of BENCH_RUNS (below).
+# Results: every log under out/gpu_run/, packed into ${OUT:-out}/gpu-out.tgz at the end; a summary
+# prints last.
 set -uo pipefail
 root=$PWD
-stage=$root/.gpubin/run
+stage=${BUNDLE_DIR:-$root/build-bundle}
 for f in "$stage"/lib/*; do n=$(basename "$f"); ldconfig -p | grep -q "^[[:space:]]*$n " && rm -f "$f"; done
 export LD_LIBRARY_PATH="$stage/lib:/usr/lib/x86_64-linux-gnu/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 if ! ldconfig -p | grep -q libnccl.so.2; then
@@ -20,9 +23,9 @@ if ! ldconfig -p | grep -q libcudnn.so.9; then
   cudnn_lib="$(python3 -c 'import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], "lib"))' 2>/dev/null)"
   [[ -d "$cudnn_lib" ]] && export LD_LIBRARY_PATH="$cudnn_lib:$LD_LIBRARY_PATH"
 fi
-# Everything is written under $root/gpu-out and packed into one archive in $OUT at the end (the
-# device tool brings back only a few files).
-out=$root/gpu-out; rm -rf "$out"; mkdir -p "$out"
+# Everything is written under out/gpu_run and packed into one archive at the end, so one file
+# carries all results back from the host.
+out=$root/out/gpu_run; rm -rf "$out"; mkdir -p "$out"
 parts=${PARTS:-tests check sft eval bench}
 S=$stage/bin/spindle
 summary=()
@@ -124,8 +127,8 @@ if has benchx; then
   # "--warmup 2 --steps 2 --profile-steps 1" unless given), e.g.
   # BENCH_RUNS="--model configs/qwen2.5-1.5b.json --seq 32k --recompute keep-attention --recompute-layers 20"
   # (LoRA rank 16 is bench's default).
-  # BENCH_RUNS=design: the DESIGN §5 rows with the settings of docs/perf.md's summary table (the
-  # 2-GPU rows need kind nvidia-h200-x2; the 1-GPU rows use GPU 0). All five take ~6 min; the 7B
+  # BENCH_RUNS=design: the rows of docs/perf.md's summary table with their settings (the 2-GPU
+  # rows need a host with 2 GPUs; the 1-GPU rows use GPU 0). All five take ~6 min; the 7B
   # sweep alone needs more than 150 s of BENCHX_TIMEOUT (300 by default, per run).
   if [[ "${BENCH_RUNS:-}" == design ]]; then
     c15=$root/configs/qwen2.5-1.5b.json c7=$root/configs/qwen2.5-7b.json
@@ -176,4 +179,4 @@ cat "$out"/bench_sp2_*.txt 2>/dev/null | grep -vE '^\[rank 1\]' | tail -40
 for f in "$out"/benchx_*.txt; do [[ -s $f ]] && { head -1 "$f"; grep -E '^(\[rank 0\])? +[0-9]+ |error|under load' "$f" | head -8; }; done
 grep -E 'first|best' "$out/gemm_algos.txt" 2>/dev/null | grep -v '^shape' | head -80
 printf '%s\n' "${summary[@]}"
-[[ -n "${OUT:-}" ]] && tar czf "$OUT/gpu-out.tgz" -C "$out" .
+mkdir -p "${OUT:-$root/out}" && tar czf "${OUT:-$root/out}/gpu-out.tgz" -C "$out" .

@@ -8,7 +8,7 @@ no TF32 or kernel choice blurs the reference). For each tiny random model it wri
   data.jsonl                          pre-tokenized documents: input_ids, labels (-100 = prompt), loss_scale
   expected.safetensors                loss (F64[1]), num_items (I64[1]), logits (F32[tokens, vocab], the
                                       documents concatenated), grad.<parameter name> for every trainable tensor
-The loss is DESIGN §2: Σ loss_scale·CE over supervised targets / number of supervised targets, where
+The loss is docs/design.md §2.2: Σ loss_scale·CE over supervised targets / number of supervised targets, where
 document d's position i predicts labels[i+1] of the same document. Each document is run on its own, so
 the reference needs no packing support from transformers: packing must reproduce it exactly.
 
@@ -42,7 +42,7 @@ def documents(rng):
 
 
 def reference(model, docs, trainable):
-    """Loss, num_items, logits and gradients of DESIGN §2 for documents run one at a time."""
+    """Loss, num_items, logits and gradients of docs/design.md §2.2 for documents run one at a time."""
     model.zero_grad(set_to_none=True)
     num_items = sum(sum(1 for t in d["labels"][1:] if t != -100) for d in docs)
     total = torch.zeros((), dtype=torch.float64)

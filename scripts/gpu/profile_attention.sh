@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Runs on the GPU host: Nsight Compute on the default attention kernels at 32k causal, Hq=12, Hkv=2,
-# D=128, via bench_cuda --profile. Clocks are left as the card has them (--clock-control none).
-# Writes $OUT/ncu_<kernel>.txt (sections) and $OUT/ncu_<kernel>_sass.csv (per-instruction stall
-# samples) and prints the headline numbers.
-#   BENCH_BIN=path (default .gpubin/run/bin/bench_cuda)   KERNELS="regex ..." (default: the wgmma kernels)
+# Runs on the GPU host (Nsight Compute's ncu installed): ncu on the default attention kernels at
+# 32k causal, Hq=12, Hkv=2, D=128, via bench_cuda --profile. Clocks are left as the card has them
+# (--clock-control none). Writes ${OUT:-out}/ncu_<kernel>.txt (sections) and
+# ncu_<kernel>_sass.csv.gz (per-instruction stall samples) and prints the headline numbers.
+#   BENCH_BIN=path    default build-bundle/bin/bench_cuda (scripts/gpu/stage.sh with bench_cuda in
+#                     STAGE_TARGETS), or build-gpu/tests/cuda/bench_cuda after scripts/gpu/build.sh
+#   KERNELS="regex ..."  default: the wgmma kernels
 #   BENCH_ARGS=--profile-packed: the same kernels on a 32k row of 32 documents of 1k
 set -uo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="${OUT:-$root/out}"
 mkdir -p "$out"
-bin="${BENCH_BIN:-$root/.gpubin/run/bin/bench_cuda}"
+bin="${BENCH_BIN:-$root/build-bundle/bin/bench_cuda}"
 ncu_bin="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
 [[ -x "$ncu_bin" ]] || { echo "profile_attention: ncu not found"; exit 1; }
 for kernel in ${KERNELS:-backward_wgmma_kernel forward_wgmma_kernel}; do

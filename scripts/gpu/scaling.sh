@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 9 (4 and 8 H200s), run THERE on nvidia-h200-x4 or -x8 with .gpubin/run carried
-# (scripts/gpu/stage.sh, default targets). One part per device call, each within the tool's 10
-# minutes; each runs gpu_run.sh with the part's settings, results under $OUT (gpu-out.tgz).
+# Runs on a GPU host with 4 or 8 GPUs (H200), from the repository root, with the bundle of
+# scripts/gpu/stage.sh (default targets; BUNDLE_DIR, default build-bundle): sequence parallelism
+# over 4 and 8 GPUs. One part per invocation, each under 10 minutes; each runs gpu_run.sh with the
+# part's settings, results in ${OUT:-out}/gpu-out.tgz.
 #   PART=check  one SFT step on GPUS ranks against one process (`spindle check`, bf16 and one F32
 #               case) on the HF test models, for the sp = GPUS splits their 4 query heads allow:
 #               ulysses 2 × ring, ulysses 4 × ring, pure ring (pure Ulysses 8 needs 8 heads).
@@ -11,12 +12,12 @@
 #               SEQ: 128k, 64k per GPU (the 2-GPU 128k row's tokens per GPU: scaling efficiency) and
 #               512k.
 #               MESHES (';'-separated) replaces the three splits: the 7B at 512k takes ≈ 5 minutes
-#               per split (3 steps), so one split per call there (with BENCHX_TIMEOUT=560).
+#               per split (3 steps), so one split per invocation there (with BENCHX_TIMEOUT=560).
 #   PART=max    one step of the 7B at MAX_SEQ with --recompute all (the longest context).
 #   GPUS        4 or 8 (default: the GPUs nvidia-smi lists).
 # Cost, scaled from the 2-GPU 7B rows (attention ∝ T²/GPUs, 53 % of a 64k step): 7B at 1M on 4
-# H200s ≈ 8 minutes a step, so MAX_SEQ defaults to 1024k on 4 and 1408k on 8; the issue's 3.7M on 8
-# would take ≈ 50 minutes, beyond one command.
+# H200s ≈ 8 minutes a step, so MAX_SEQ defaults to 1024k on 4 and 1408k on 8; a 3.7M-token step on 8
+# would take ≈ 50 minutes a step (raise BENCHX_TIMEOUT to try it).
 set -uo pipefail
 root=$PWD
 gpus=${GPUS:-$(nvidia-smi --list-gpus | wc -l)}

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Run HERE: build bench_cuda once per kernel variant and stage them in .gpubin/var/ for a
-# side-by-side timing in one device call (each binary's --attention mode runs the default
-# attention at 32k causal three times):
-#   scripts/gpu/stage_variants.sh main bwd-fa3-order     # git refs; src/backend/cuda from each
-#   run(command='for v in .gpubin/var/bench_*; do echo $v; $v --attention | grep bwd; done',
-#       carry=[".gpubin/run", ".gpubin/var"])               # .gpubin/run from stage.sh (libraries)
+# Runs on the build machine: builds bench_cuda once per kernel variant (src/backend/cuda from each
+# git ref) and puts the stripped binaries in build-variants/, for a side-by-side timing on the GPU
+# host (each binary's --attention mode runs the default attention at 32k causal three times):
+#   scripts/gpu/stage_variants.sh main bwd-fa3-order     # on the build machine: git refs
+#   # copy the repository with build-variants/ and build-bundle/ (scripts/gpu/stage.sh: the
+#   # runtime libraries) to the GPU host, then there:
+#   export LD_LIBRARY_PATH=$PWD/build-bundle/lib
+#   for v in build-variants/bench_*; do echo $v; $v --attention | grep bwd; done
 # VARIANT_TARGETS="bench_cuda test_cuda_ops" stages the op tests of each ref too (test_cuda_ops_REF).
 # The working tree's src/backend/cuda must be clean; it is restored afterwards.
 set -euo pipefail
@@ -14,7 +16,7 @@ build=${BUILD:-build-cuda}
 git diff --quiet HEAD -- src/backend/cuda || { echo "stage_variants: src/backend/cuda has local changes" >&2; exit 1; }
 restore() { git checkout -q HEAD -- src/backend/cuda; }
 trap restore EXIT
-mkdir -p .gpubin/var
+mkdir -p build-variants
 for ref in "$@"; do
   git checkout -q "$ref" -- src/backend/cuda
   targets=(${VARIANT_TARGETS:-bench_cuda})
@@ -22,8 +24,8 @@ for ref in "$@"; do
   grep -E "C75|spill stores" /tmp/stage_variants.log | grep -v " 0 bytes spill" || true
   for t in "${targets[@]}"; do
     name=${t/bench_cuda/bench}
-    strip -o ".gpubin/var/${name}_${ref//\//_}" "$(find "$build" -type f -name "$t" -perm -u+x | head -1)"
+    strip -o "build-variants/${name}_${ref//\//_}" "$(find "$build" -type f -name "$t" -perm -u+x | head -1)"
   done
   restore
 done
-du -sh .gpubin/var
+du -sh build-variants

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Runs on the GPU host: builds (scripts/gpu/build.sh) and runs the CUDA op tests and the kernel
-# benchmark, writes logs under $OUT (or ./out), and prints a short table last.
-#   PREBUILT=dir  also run binaries built elsewhere (dir/tests/cuda/{test_cuda_ops,bench_cuda}),
-#                 first, while the local build runs (saves device time when they run there)
+# Runs on the GPU host, from anywhere: builds there (scripts/gpu/build.sh) and runs the CUDA op
+# tests and the kernel benchmark, writes logs under ${OUT:-out} (host.txt, build.log, test_*.log,
+# bench_*.log), and prints a short table last.
+#   PREBUILT=dir  also run binaries built elsewhere (dir/tests/cuda/{test_cuda_ops,bench_cuda}: a
+#                 CUDA build folder copied from the build machine), first, while the local build
+#                 runs (results come sooner when they run on the host)
 #   BUILD=0       skip the local build (only with PREBUILT)
 #   BENCH=0|quick|full (default full)   GTEST_FILTER as usual
 #   SANITIZE=filter   also run those tests under compute-sanitizer memcheck
