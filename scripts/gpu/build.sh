@@ -35,6 +35,10 @@ unpack() {
 [[ -f /usr/include/fmt/format.h ]] || unpack libfmt-dev libfmt9
 [[ -f /usr/include/gtest/gtest.h ]] || unpack libgtest-dev
 pkg-config --exists openblas || unpack libopenblas-dev libopenblas-pthread-dev libopenblas0-pthread
+# protoc must match the protobuf headers, so both come from the same packages.
+[[ -f /usr/include/google/protobuf/message_lite.h ]] && command -v protoc >/dev/null ||
+  unpack libprotobuf-dev libprotobuf32 libprotobuf-lite32 protobuf-compiler libprotoc32
+[[ -f /usr/include/isa-l.h ]] || unpack libisal-dev libisal2
 
 # The unpacked .pc files say prefix=/usr (or spell /usr/... out): move them to $deps/usr.
 lib="$deps/usr/lib/x86_64-linux-gnu"
@@ -48,6 +52,7 @@ if [[ -d "$lib/openblas-pthread" && ! -e "$lib/libopenblas.so" ]]; then
   ln -sf openblas-pthread/libopenblas.so.0 "$lib/libopenblas.so.0"
 fi
 export CMAKE_PREFIX_PATH="$deps/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+[[ -x "$deps/usr/bin/protoc" ]] && export PATH="$deps/usr/bin:$PATH"
 export PKG_CONFIG_PATH="$lib/pkgconfig:$lib/openblas-pthread/pkgconfig:$deps/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
 export CPATH="$deps/usr/include:$deps/usr/include/x86_64-linux-gnu/openblas-pthread${CPATH:+:$CPATH}"
 export LIBRARY_PATH="$lib:$lib/openblas-pthread${LIBRARY_PATH:+:$LIBRARY_PATH}"

@@ -20,6 +20,8 @@ packages=(
   libfmt-dev libfmt9
   libgtest-dev
   libopenblas-dev libopenblas-pthread-dev libopenblas0-pthread
+  libprotobuf-dev libprotobuf32 libprotobuf-lite32 protobuf-compiler libprotoc32
+  libisal-dev libisal2
 )
 missing=()
 for p in "${packages[@]}"; do

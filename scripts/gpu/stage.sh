@@ -24,9 +24,10 @@ for t in "${targets[@]}"; do
   [[ -n "$f" ]] || { echo "stage: $t not built" >&2; exit 1; }
   strip -o "$stage/bin/$t" "$f"
 done
-# Libraries spindle links that a stock CUDA/PyTorch host may not have.
+# Libraries spindle links that a stock CUDA/PyTorch host may not have (each copied when the build
+# machine has it).
 for lib in libgloo.so.0 libhiredis.so.0.14 libibverbs.so.1 libnl-3.so.200 libnl-route-3.so.200 libutf8proc.so.2 \
-           libyaml-cpp.so.0.7 libfmt.so.9; do
+           libyaml-cpp.so.0.7 libfmt.so.9 libprotobuf-lite.so.32 libisal.so.2; do
   src=$(ldconfig -p | awk -v n="$lib" '$1 == n && !found {print $NF; found = 1}')
   if [[ -n "$src" ]]; then cp -L "$src" "$stage/lib/"; fi
 done
