@@ -7,28 +7,27 @@
 
 #include "backend/op_test_util.h"
 #include "model/decoder.h"
+#include "support/tiny_model.h"
 
 using namespace spindle;
 using namespace spindle::test;
 
 namespace {
 
-ModelConfig tiny(const std::string& type, bool tied) {
-  ModelConfig c;
-  c.model_type = type;
-  c.vocab_size = 11;
-  c.hidden_size = 8;
-  c.intermediate_size = 12;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = type == "qwen3" ? 6 : 2;
-  c.rms_norm_eps = 1e-5;
-  c.tie_word_embeddings = tied;
-  c.qkv_bias = type == "qwen2";
-  c.qk_norm = type == "qwen3";
-  c.rope.theta = 100.0;
-  return c;
+// Larger weights than the 0.02 init (norms excepted) so every path carries a visible gradient.
+ModelWeights tiny_model(Backend& be, const std::string& type, bool tied, uint64_t seed) {
+  const ModelConfig config = TinyModel{.model_type = type,
+                                       .vocab_size = 11,
+                                       .hidden_size = 8,
+                                       .intermediate_size = 12,
+                                       .num_layers = 2,
+                                       .num_heads = 4,
+                                       .num_kv_heads = 2,
+                                       .head_dim = type == "qwen3" ? 6 : 2,
+                                       .rope_theta = 100.0,
+                                       .tie_word_embeddings = tied}
+                                 .config();
+  return random_weights(be, config, DType::F64, seed, 20.0);
 }
 
 // Two documents and padding in one row: doc A (5 tokens, prompt of 2), doc B (4 tokens), 1 pad.
@@ -82,17 +81,14 @@ void check_model(ModelWeights& w, Backend& be, const DecoderOptions& options) {
 
 TEST(WholeModelGradients, Qwen2WithBiasAndTiedHead) {
   auto be = make_cpu_backend();
-  ModelWeights w = ModelWeights::random(*be, tiny("qwen2", true), DType::F64, 1);
-  // Larger weights than the 0.02 init so every path carries a visible gradient.
-  for (Parameter& p : w.parameters()) be->scale(be->default_stream(), p.value, p.name.find("norm") == std::string::npos ? 20.0 : 1.0);
+  ModelWeights w = tiny_model(*be, "qwen2", true, 1);
   w.train_all(*be);
   check_model(w, *be, {});
 }
 
 TEST(WholeModelGradients, Qwen3WithQkNormUntiedHeadAndRecompute) {
   auto be = make_cpu_backend();
-  ModelWeights w = ModelWeights::random(*be, tiny("qwen3", false), DType::F64, 2);
-  for (Parameter& p : w.parameters()) be->scale(be->default_stream(), p.value, p.name.find("norm") == std::string::npos ? 20.0 : 1.0);
+  ModelWeights w = tiny_model(*be, "qwen3", false, 2);
   w.train_all(*be);
   DecoderOptions options;
   options.recompute = {true, false};
@@ -102,19 +98,12 @@ TEST(WholeModelGradients, Qwen3WithQkNormUntiedHeadAndRecompute) {
 
 TEST(WholeModelGradients, LoraAdaptersWithNonzeroB) {
   auto be = make_cpu_backend();
-  ModelWeights w = ModelWeights::random(*be, tiny("llama", false), DType::F64, 3);
-  for (Parameter& p : w.parameters()) be->scale(be->default_stream(), p.value, p.name.find("norm") == std::string::npos ? 20.0 : 1.0);
+  ModelWeights w = tiny_model(*be, "llama", false, 3);
   LoraConfig lora;
   lora.rank = 2;
   lora.alpha = 3;
   lora.targets = {"q_proj", "v_proj", "o_proj", "up_proj", "down_proj"};
-  w.add_lora(*be, lora, 4);
-  std::mt19937_64 rng(5);
-  for (Parameter& p : w.parameters())
-    if (p.name.find("lora_B") != std::string::npos) {
-      Tensor r = random_tensor(*be, p.value.shape(), DType::F64, rng);
-      be->copy(be->default_stream(), r, p.value);
-    }
+  add_lora_with_random_b(*be, w, lora, 4, uniform_draw(1.0));
   int trainable = 0;
   for (Parameter& p : w.parameters()) trainable += p.trainable;
   EXPECT_EQ(trainable, 2 * 5 * 2);  // A and B, five targets, two layers; the base stays frozen

@@ -10,6 +10,7 @@
 #include "backend/op_test_util.h"
 #include "core/error.h"
 #include "model/decoder.h"
+#include "support/tiny_model.h"
 
 using namespace spindle;
 using namespace spindle::test;
@@ -17,21 +18,17 @@ using namespace spindle::test;
 namespace {
 
 ModelConfig tiny(const std::string& type) {
-  ModelConfig c;
-  c.model_type = type;
-  c.vocab_size = 13;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_layers = 3;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 4;
-  c.rms_norm_eps = 1e-5;
-  c.tie_word_embeddings = type == "qwen2";
-  c.qkv_bias = type == "qwen2";
-  c.qk_norm = type == "qwen3";
-  c.rope.theta = 100.0;
-  return c;
+  return TinyModel{.model_type = type,
+                   .vocab_size = 13,
+                   .hidden_size = 16,
+                   .intermediate_size = 24,
+                   .num_layers = 3,
+                   .num_heads = 4,
+                   .num_kv_heads = 2,
+                   .head_dim = 4,
+                   .rope_theta = 100.0,
+                   .tie_word_embeddings = type == "qwen2"}
+      .config();
 }
 
 // Packed documents of the given lengths with a few unsupervised prompt tokens and a padding tail.
@@ -82,25 +79,9 @@ class CountingAttention final : public AttentionStrategy {
 };
 
 ModelWeights make_weights(Backend& be, const std::string& type, DType dtype, bool lora) {
-  ModelWeights w = ModelWeights::random(be, tiny(type), dtype, 21);
-  // Larger than the 0.02 init so attention is far from uniform and every path carries gradient.
-  for (Parameter& p : w.parameters())
-    if (p.name.find("norm") == std::string::npos) be.scale(be.default_stream(), p.value, 10.0);
-  if (!lora) {
-    w.train_all(be);
-    return w;
-  }
-  LoraConfig config;
-  config.rank = 2;
-  config.alpha = 4;
-  config.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-  w.add_lora(be, config, 22);
-  std::mt19937_64 rng(23);
-  for (Parameter& p : w.parameters())
-    if (p.name.find("lora_B") != std::string::npos) {
-      Tensor r = random_tensor(be, p.value.shape(), dtype, rng, 0.3);
-      be.copy(be.default_stream(), r, p.value);
-    }
+  ModelWeights w = random_weights(be, tiny(type), dtype, 21, 10.0);
+  if (lora) add_lora_with_random_b(be, w, lora_on_every_projection(2, 4), 22, uniform_draw(0.3));
+  else w.train_all(be);
   return w;
 }
 

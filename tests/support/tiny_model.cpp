@@ -1,0 +1,91 @@
+#include "support/tiny_model.h"
+
+#include <fstream>
+#include <map>
+
+#include "backend/op_test_util.h"
+#include "core/error.h"
+#include "io/write_safetensors.h"
+
+namespace spindle::test {
+
+nlohmann::json TinyModel::config_json() const {
+  nlohmann::json j = {{"model_type", model_type},
+                      {"vocab_size", vocab_size},
+                      {"hidden_size", hidden_size},
+                      {"intermediate_size", intermediate_size},
+                      {"num_hidden_layers", num_layers},
+                      {"num_attention_heads", num_heads},
+                      {"num_key_value_heads", num_kv_heads},
+                      {"head_dim", head_dim},
+                      {"hidden_act", "silu"},
+                      {"rms_norm_eps", rms_norm_eps},
+                      {"rope_theta", rope_theta},
+                      {"tie_word_embeddings", tie_word_embeddings}};
+  // transformers picks the model class by this name; a preset of another family names its own in `extra`.
+  static const std::map<std::string, std::string> kArchitectures = {
+      {"llama", "LlamaForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"}, {"qwen3", "Qwen3ForCausalLM"}};
+  if (auto it = kArchitectures.find(model_type); it != kArchitectures.end()) j["architectures"] = {it->second};
+  j.update(extra);
+  return j;
+}
+
+ModelConfig TinyModel::config() const { return ModelConfig::from_json(config_json(), "tiny " + model_type + " model"); }
+
+ModelWeights random_weights(Backend& backend, const ModelConfig& config, DType dtype, uint64_t seed, double scale) {
+  ModelWeights w = ModelWeights::random(backend, config, dtype, seed);
+  if (scale != 1.0)
+    for (Parameter& p : w.parameters())
+      if (p.name.find("norm") == std::string::npos) backend.scale(backend.default_stream(), p.value, scale);
+  return w;
+}
+
+LoraConfig lora_on_every_projection(int64_t rank, double alpha) {
+  LoraConfig lora;
+  lora.rank = rank;
+  lora.alpha = alpha;
+  lora.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  return lora;
+}
+
+Draw uniform_draw(double bound) {
+  return [dist = std::uniform_real_distribution<double>(-bound, bound)](std::mt19937_64& rng) mutable {
+    return dist(rng);
+  };
+}
+
+Draw normal_draw(double stddev) {
+  // One distribution for every draw: it keeps the second value of each pair it generates.
+  return [dist = std::normal_distribution<double>(0.0, stddev)](std::mt19937_64& rng) mutable { return dist(rng); };
+}
+
+void add_lora_with_random_b(Backend& backend, ModelWeights& weights, const LoraConfig& lora, uint64_t seed,
+                            const Draw& draw_b) {
+  weights.add_lora(backend, lora, seed);
+  std::mt19937_64 rng(seed + 1);
+  Draw draw = draw_b;  // a copy: the caller's stays unused, so it can serve another model identically
+  for (Parameter& p : weights.parameters())
+    if (p.name.find("lora_B") != std::string::npos) {
+      std::vector<double> values(p.value.numel());
+      for (double& x : values) x = draw(rng);
+      from_host(backend, values, p.value);
+    }
+}
+
+void write_model_folder(const std::filesystem::path& dir, const TinyModel& model, uint64_t seed, double scale) {
+  std::filesystem::create_directories(dir);
+  nlohmann::json config = model.config_json();
+  config["torch_dtype"] = "float32";
+  const std::filesystem::path config_path = dir / "config.json";
+  std::ofstream out(config_path);
+  out << config.dump(2) << "\n";
+  if (!out) fail("cannot write {}", config_path.string());
+
+  auto backend = make_cpu_backend(1);
+  ModelWeights weights = random_weights(*backend, model.config(), DType::F32, seed, scale);
+  io::NamedTensors tensors;
+  for (const Parameter& p : weights.parameters()) tensors.emplace_back(p.name, p.value);
+  io::write_safetensors((dir / "model.safetensors").string(), tensors, *backend, {{"format", "pt"}});
+}
+
+}  // namespace spindle::test

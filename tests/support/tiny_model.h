@@ -1,0 +1,69 @@
+// Tiny decoder models for tests: one description of the architecture (as the config.json keys a
+// Hugging Face checkout would hold), random weights from it, and a model folder on disk.
+//
+// Every in-memory ModelConfig goes through ModelConfig::from_json, so a test's model has exactly
+// the features a real config.json of that family gives it (qwen2: q/k/v biases; qwen3: q/k norms)
+// and a folder written by write_model_folder loads as the same model. A new layer kind (MoE
+// experts, gated DeltaNet layers) is a new preset: a function returning a TinyModel whose
+// model_type and `extra` keys describe it, with no new weight maker, since the weights come from
+// ModelWeights::random and are written by their parameter names.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+
+#include "model/weights.h"
+
+namespace spindle::test {
+
+// Defaults: the tiny GQA llama the sequence-parallel and FSDP tests train (4 query heads over 2 KV
+// heads, so Ulysses 4 replicates KV heads). Tests override the fields their tolerances were set on.
+struct TinyModel {
+  std::string model_type = "llama";  // llama | qwen2 | qwen3
+  int64_t vocab_size = 64;
+  int64_t hidden_size = 32;
+  int64_t intermediate_size = 48;
+  int64_t num_layers = 2;
+  int64_t num_heads = 4;
+  int64_t num_kv_heads = 2;
+  int64_t head_dim = 8;
+  double rms_norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  nlohmann::json extra = nlohmann::json::object();  // further config.json keys, written as given
+
+  // The config.json a Hugging Face checkout of this architecture holds.
+  nlohmann::json config_json() const;
+  // config_json() read as spindle reads any config.json.
+  ModelConfig config() const;
+};
+
+// Random weights (ModelWeights::random, deterministic in `seed`) with every tensor but the norms
+// multiplied by `scale`: tests scale the 0.02 initialisation up so that attention is far from
+// uniform and every path carries a visible gradient.
+ModelWeights random_weights(Backend& backend, const ModelConfig& config, DType dtype, uint64_t seed,
+                            double scale = 1.0);
+
+// LoRA of `rank` and `alpha` on every projection LoRA may target.
+LoraConfig lora_on_every_projection(int64_t rank, double alpha);
+
+// Draws one value of a LoRA B matrix from the generator it is given.
+using Draw = std::function<double(std::mt19937_64&)>;
+Draw uniform_draw(double bound);    // uniform on [-bound, bound)
+Draw normal_draw(double stddev);    // N(0, stddev²)
+
+// Adapters as add_lora makes them (seeded with `seed`), then every B drawn with `draw_b` from one
+// generator seeded `seed + 1`, parameter by parameter: PEFT starts B at zero, which leaves A
+// without a gradient and would hide a swapped A and B.
+void add_lora_with_random_b(Backend& backend, ModelWeights& weights, const LoraConfig& lora, uint64_t seed,
+                            const Draw& draw_b);
+
+// A Hugging Face model folder at `dir`: config.json and model.safetensors (F32) holding
+// random_weights(config, seed, scale), for tests that need a model on disk.
+void write_model_folder(const std::filesystem::path& dir, const TinyModel& model, uint64_t seed, double scale = 1.0);
+
+}  // namespace spindle::test
