@@ -21,13 +21,18 @@ std::vector<std::string> supervised(const AssistantSpans& spans) {
 struct Shipped {
   ModelChatTemplate model;
   bool available = false;
+  std::string missing;  // why not available, and how to supply it
 };
 
 Shipped shipped(const std::string& name) {
   Shipped s;
-  auto dir = testing::tokenizers_dir() / name;
-  if (!std::filesystem::exists(dir / "tokenizer_config.json")) return s;
-  s.model = load_model_chat_template(dir);
+  const std::filesystem::path config = std::filesystem::path(name) / "tokenizer_config.json";
+  const auto path = testing::reference_path(testing::kTokenizerFolders, config);
+  if (path.empty()) {
+    s.missing = testing::missing_reference(testing::kTokenizerFolders, config);
+    return s;
+  }
+  s.model = load_model_chat_template(path.parent_path());
   s.available = true;
   return s;
 }
@@ -40,7 +45,7 @@ ordered_json context_for(const Shipped& s, const char* messages, ordered_json ex
 
 TEST(AssistantSpans, Qwen3SupervisesThinkingOnlyWhereTheRenderingKeepsIt) {
   auto qwen3 = shipped("qwen3");
-  if (!qwen3.available) GTEST_SKIP() << "shipped tokenizers not found";
+  if (!qwen3.available) SPINDLE_SKIP_WITHOUT_REFERENCE(qwen3.missing);
   auto context = context_for(qwen3, R"([
     {"role": "user", "content": "Is 17 prime?"},
     {"role": "assistant", "content": "<think>\nCheck 2, 3.\n</think>\n\nYes."},
@@ -59,7 +64,7 @@ TEST(AssistantSpans, Qwen3SupervisesThinkingOnlyWhereTheRenderingKeepsIt) {
 
 TEST(AssistantSpans, Qwen3ToolChainKeepsReasoningOfTheActiveTurn) {
   auto qwen3 = shipped("qwen3");
-  if (!qwen3.available) GTEST_SKIP() << "shipped tokenizers not found";
+  if (!qwen3.available) SPINDLE_SKIP_WITHOUT_REFERENCE(qwen3.missing);
   auto context = context_for(qwen3, R"([
     {"role": "user", "content": "Weather in Paris?"},
     {"role": "assistant", "content": "", "reasoning_content": "Need the tool.",
@@ -75,7 +80,7 @@ TEST(AssistantSpans, Qwen3ToolChainKeepsReasoningOfTheActiveTurn) {
 
 TEST(AssistantSpans, Qwen3WithThinkingDisabledLeavesTheEmptyThinkBlockInThePrompt) {
   auto qwen3 = shipped("qwen3");
-  if (!qwen3.available) GTEST_SKIP() << "shipped tokenizers not found";
+  if (!qwen3.available) SPINDLE_SKIP_WITHOUT_REFERENCE(qwen3.missing);
   auto context = context_for(qwen3, R"([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}])",
                              {{"enable_thinking", false}});
   auto spans = render_with_assistant_spans(qwen3.model.chat_template, context);
@@ -85,7 +90,7 @@ TEST(AssistantSpans, Qwen3WithThinkingDisabledLeavesTheEmptyThinkBlockInThePromp
 
 TEST(AssistantSpans, Qwen25ToolCallsAndDefaultSystemPrompt) {
   auto qwen25 = shipped("qwen2_5");
-  if (!qwen25.available) GTEST_SKIP() << "shipped tokenizers not found";
+  if (!qwen25.available) SPINDLE_SKIP_WITHOUT_REFERENCE(qwen25.missing);
   auto context = context_for(qwen25, R"([
     {"role": "user", "content": "Weather in Paris?"},
     {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
@@ -103,7 +108,7 @@ TEST(AssistantSpans, Qwen25ToolCallsAndDefaultSystemPrompt) {
 
 TEST(AssistantSpans, Llama3SupervisesContentAndEotOnly) {
   auto llama3 = shipped("llama3");
-  if (!llama3.available) GTEST_SKIP() << "shipped tokenizers not found";
+  if (!llama3.available) SPINDLE_SKIP_WITHOUT_REFERENCE(llama3.missing);
   auto context = context_for(llama3, R"([
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Hi"},

@@ -1,5 +1,7 @@
-// Shared helpers of the chat template tests: corpus location, the pinned clock, and one batched
-// call of Python jinja2 (transformers' environment) for reference renderings.
+// Shared helpers of the chat template tests: where the template corpus and the published tokenizer
+// folders are (SPINDLE_TEST_CHAT_TEMPLATES, SPINDLE_TEST_TOKENIZERS: tests/support/reference_data.h),
+// the pinned clock, and one batched call of Python jinja2 (transformers' environment) for reference
+// renderings.
 #pragma once
 
 #include <chrono>
@@ -15,19 +17,14 @@
 #include <nlohmann/json.hpp>
 
 #include "data/chat/chat_template.h"
+#include "support/reference_data.h"
 
 namespace spindle::chat::testing {
 
-inline std::filesystem::path corpus_dir() {
-  const char* env = std::getenv("SPINDLE_CHAT_TEMPLATES_DIR");
-  // ../shared beside the checkout, where every developer machine and CI run has it.
-  return env ? std::filesystem::path(env) : std::filesystem::path(SPINDLE_SOURCE_DIR) / "../shared/chat_templates";
-}
-
-inline std::filesystem::path tokenizers_dir() {
-  const char* env = std::getenv("SPINDLE_TOKENIZERS_DIR");
-  return env ? std::filesystem::path(env) : std::filesystem::path(SPINDLE_SOURCE_DIR) / "../shared/tokenizers";
-}
+using spindle::test::kChatTemplateCorpus;
+using spindle::test::kTokenizerFolders;
+using spindle::test::missing_reference;
+using spindle::test::reference_path;
 
 inline std::string read_text(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -66,13 +63,13 @@ struct ReferenceResult {
 // python3 or jinja2 is unavailable.
 inline std::optional<std::vector<ReferenceResult>> python_reference(const std::vector<ReferenceCase>& cases,
                                                                     std::string& why_unavailable) {
-  auto hfenv = corpus_dir() / "hfenv.py";
-  if (!std::filesystem::exists(hfenv)) {
-    why_unavailable = hfenv.string() + " not found (set SPINDLE_CHAT_TEMPLATES_DIR)";
+  const auto hfenv = reference_path(kChatTemplateCorpus, "hfenv.py");
+  if (hfenv.empty()) {
+    why_unavailable = missing_reference(kChatTemplateCorpus, "hfenv.py");
     return std::nullopt;
   }
   if (std::system("python3 -c 'import jinja2' >/dev/null 2>&1") != 0) {
-    why_unavailable = "python3 with jinja2 is not installed";
+    why_unavailable = "python3 with jinja2 is not installed: pip install jinja2";
     return std::nullopt;
   }
   auto dir = std::filesystem::temp_directory_path() /
@@ -84,7 +81,7 @@ inline std::optional<std::vector<ReferenceResult>> python_reference(const std::v
   for (const auto& c : cases) request["cases"].push_back({{"template", c.template_source}, {"context", c.context}});
   std::ofstream(dir / "cases.json") << request.dump();
   std::string command = "python3 '" + std::string(SPINDLE_SOURCE_DIR) + "/tests/chat/render_reference.py' '" +
-                        corpus_dir().string() + "' '" + (dir / "cases.json").string() + "' '" +
+                        hfenv.parent_path().string() + "' '" + (dir / "cases.json").string() + "' '" +
                         (dir / "out.json").string() + "'";
   if (std::system(command.c_str()) != 0) {
     why_unavailable = "render_reference.py failed: " + command;

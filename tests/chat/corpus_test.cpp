@@ -13,12 +13,10 @@ namespace spindle::chat {
 namespace {
 
 using nlohmann::ordered_json;
-using testing::corpus_dir;
-
 std::vector<std::filesystem::path> corpus_templates() {
   std::vector<std::filesystem::path> paths;
-  auto dir = corpus_dir() / "templates";
-  if (!std::filesystem::exists(dir)) return paths;
+  const auto dir = testing::reference_path(testing::kChatTemplateCorpus, "templates");
+  if (dir.empty()) return paths;
   for (const auto& entry : std::filesystem::directory_iterator(dir))
     if (entry.path().extension() == ".jinja") paths.push_back(entry.path());
   std::sort(paths.begin(), paths.end());
@@ -27,7 +25,7 @@ std::vector<std::filesystem::path> corpus_templates() {
 
 TEST(ChatCorpus, EveryTemplateParses) {
   auto paths = corpus_templates();
-  if (paths.empty()) GTEST_SKIP() << "template corpus not found at " << corpus_dir();
+  if (paths.empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(testing::missing_reference(testing::kChatTemplateCorpus, "templates"));
   EXPECT_EQ(paths.size(), 196u);
   std::vector<std::string> failures;
   for (const auto& path : paths) {
@@ -47,8 +45,9 @@ bool javascript_target_differs_from_python(const std::string& name) {
 }
 
 TEST(ChatCorpus, ExpectedRenderingsMatch) {
-  auto path = corpus_dir() / "e2e_with_expected.json";
-  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " not found";
+  const auto path = testing::reference_path(testing::kChatTemplateCorpus, "e2e_with_expected.json");
+  if (path.empty())
+    SPINDLE_SKIP_WITHOUT_REFERENCE(testing::missing_reference(testing::kChatTemplateCorpus, "e2e_with_expected.json"));
   auto cases = ordered_json::parse(testing::read_text(path));
   ASSERT_EQ(cases.size(), 53u);
   std::vector<testing::ReferenceCase> divergent;
@@ -76,7 +75,7 @@ TEST(ChatCorpus, ExpectedRenderingsMatch) {
   EXPECT_EQ(compared, 52);
   std::string why;
   auto reference = testing::python_reference(divergent, why);
-  if (!reference) GTEST_SKIP() << "Python reference unavailable for the JS-divergent case: " << why;
+  if (!reference) SPINDLE_SKIP_WITHOUT_REFERENCE("Python reference unavailable for the JS-divergent case: " + why);
   for (size_t i = 0; i < divergent.size(); ++i) {
     ASSERT_TRUE((*reference)[i].text) << (*reference)[i].error;
     EXPECT_EQ(divergent_outputs[i], *(*reference)[i].text);
@@ -145,7 +144,7 @@ std::vector<std::pair<std::string, ordered_json>> conversations() {
 
 TEST(ChatCorpus, EveryTemplateMatchesPythonJinja) {
   auto paths = corpus_templates();
-  if (paths.empty()) GTEST_SKIP() << "template corpus not found at " << corpus_dir();
+  if (paths.empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(testing::missing_reference(testing::kChatTemplateCorpus, "templates"));
   auto convs = conversations();
   std::vector<testing::ReferenceCase> cases;
   for (const auto& path : paths) {
@@ -154,7 +153,7 @@ TEST(ChatCorpus, EveryTemplateMatchesPythonJinja) {
   }
   std::string why;
   auto reference = testing::python_reference(cases, why);
-  if (!reference) GTEST_SKIP() << why;
+  if (!reference) SPINDLE_SKIP_WITHOUT_REFERENCE(why);
   ASSERT_EQ(reference->size(), cases.size());
   size_t index = 0, identical = 0, both_raise = 0, mismatches = 0;
   for (const auto& path : paths) {

@@ -20,6 +20,7 @@
 #include "data/sample_encoder.h"
 #include "data/tokenizer/tokenizer.h"
 #include "data_test_util.h"
+#include "support/reference_data.h"
 
 using namespace spindle;
 using spindle::testing::byte_token;
@@ -33,12 +34,20 @@ namespace {
 
 constexpr int32_t X = kIgnoreIndex;
 
-fs::path shared_dir() { return fs::path(SPINDLE_SOURCE_DIR) / ".." / "shared"; }
+using spindle::test::kChatTemplateCorpus;
+using spindle::test::kTokenizerFolders;
+using spindle::test::missing_reference;
+using spindle::test::reference_path;
 
-// The folder of a shipped tokenizer, or empty when the shared test data is absent.
+// The folder of a published tokenizer (SPINDLE_TEST_TOKENIZERS), or empty when it is not supplied.
 std::string shipped(const std::string& name) {
-  const fs::path dir = shared_dir() / "tokenizers" / name;
-  return fs::exists(dir / "tokenizer.json") ? dir.string() : std::string();
+  const fs::path file = reference_path(kTokenizerFolders, fs::path(name) / "tokenizer.json");
+  return file.empty() ? std::string() : file.parent_path().string();
+}
+
+// Why shipped(name) is empty and how to supply it.
+std::string missing_shipped(const std::string& name) {
+  return missing_reference(kTokenizerFolders, fs::path(name) / "tokenizer.json");
 }
 
 // strftime_now() on both sides of every comparison.
@@ -73,13 +82,14 @@ struct ReferenceCase {
 // transformers' apply_chat_template(tokenize=True) for every case, from one Python process; unset
 // (with the reason) when python3 with jinja2 and tokenizers or hfenv.py is missing.
 std::optional<std::vector<json>> python_reference(const std::vector<ReferenceCase>& cases, std::string& why_not) {
-  const fs::path hfenv_dir = shared_dir() / "chat_templates";
-  if (!fs::exists(hfenv_dir / "hfenv.py")) {
-    why_not = (hfenv_dir / "hfenv.py").string() + " not found";
+  const fs::path hfenv = reference_path(kChatTemplateCorpus, "hfenv.py");
+  if (hfenv.empty()) {
+    why_not = missing_reference(kChatTemplateCorpus, "hfenv.py");
     return std::nullopt;
   }
+  const fs::path hfenv_dir = hfenv.parent_path();
   if (std::system("python3 -c 'import jinja2, tokenizers' >/dev/null 2>&1") != 0) {
-    why_not = "python3 with jinja2 and tokenizers is not installed";
+    why_not = "python3 with jinja2 and tokenizers is not installed: pip install jinja2 tokenizers";
     return std::nullopt;
   }
   ScratchDir scratch;
@@ -356,10 +366,9 @@ TEST(ChatPrepare, MalformedConversationsNameTheirLine) {
 // The shipped tokenizers against Python.
 
 TEST(ChatShipped, IdsMatchApplyChatTemplateOnAllThreeFamilies) {
-  std::vector<std::string> families;
-  for (const char* name : {"qwen3", "qwen2_5", "llama3"})
-    if (!shipped(name).empty()) families.push_back(name);
-  if (families.empty()) GTEST_SKIP() << "shared/tokenizers not found next to the source tree";
+  const std::vector<std::string> families = {"qwen3", "qwen2_5", "llama3"};
+  for (const auto& name : families)
+    if (shipped(name).empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(missing_shipped(name));
   std::vector<ReferenceCase> cases;
   for (const auto& family : families) {
     for (const auto& conversation : kConversations) cases.push_back({shipped(family), std::nullopt, conversation, false});
@@ -368,7 +377,7 @@ TEST(ChatShipped, IdsMatchApplyChatTemplateOnAllThreeFamilies) {
   }
   std::string why_not;
   const auto reference = python_reference(cases, why_not);
-  if (!reference) GTEST_SKIP() << why_not;
+  if (!reference) SPINDLE_SKIP_WITHOUT_REFERENCE(why_not);
   ASSERT_EQ(reference->size(), cases.size());
   std::map<std::string, std::unique_ptr<TextEncoder>> encoders;
   size_t compared = 0;
@@ -411,19 +420,17 @@ TEST(ChatShipped, SupervisedTokensAreExactlyTheAssistantTurns) {
       {"llama3", kConversations[1], {"4<|eot_id|>", "6, obviously.<|eot_id|>"}},
       {"llama3", kConversations[6], {"def f(x):\n      return x  # \u2713\n\n\t\u65e5\u672c\u8a9e 1234567<|eot_id|>"}},
   };
-  size_t checked = 0;
+  for (const auto& e : expectations)
+    if (shipped(e.family).empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(missing_shipped(e.family));
   for (const auto& e : expectations) {
     const std::string dir = shipped(e.family);
-    if (dir.empty()) continue;
     SCOPED_TRACE(std::string(e.family) + ": " + e.conversation);
     const Tokenizer tokenizer = Tokenizer::load(dir);
     auto text_encoder = load_text_encoder(dir);
     SampleEncoder encoder(text_encoder.get(), pinned_clock_options());
     const Document doc = encoder.encode(SampleEncoder::parse_sample(e.conversation));
     EXPECT_EQ(supervised_runs(tokenizer, doc), e.supervised);
-    ++checked;
   }
-  if (checked == 0) GTEST_SKIP() << "shared/tokenizers not found next to the source tree";
 }
 
 // TRL-style training template: generation blocks around each assistant answer, one of them
@@ -435,7 +442,7 @@ constexpr const char* kGenerationTemplate =
 
 TEST(ChatShipped, GenerationBlockMasksMatchTransformersAssistantMask) {
   const std::string dir = shipped("qwen2_5");
-  if (dir.empty()) GTEST_SKIP() << "shared/tokenizers/qwen2_5 not found";
+  if (dir.empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(missing_shipped("qwen2_5"));
   const std::vector<std::string> samples = {
       R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "s are below."},
                        {"role": "user", "content": "More?"}, {"role": "assistant", "content": "ing done.  \n\n"}]})",
@@ -445,7 +452,7 @@ TEST(ChatShipped, GenerationBlockMasksMatchTransformersAssistantMask) {
   for (const auto& s : samples) cases.push_back({dir, std::string(kGenerationTemplate), s, false});
   std::string why_not;
   const auto reference = python_reference(cases, why_not);
-  if (!reference) GTEST_SKIP() << why_not;
+  if (!reference) SPINDLE_SKIP_WITHOUT_REFERENCE(why_not);
   const Tokenizer tokenizer = Tokenizer::load(dir);
   const chat::ChatTemplate generation_template = chat::ChatTemplate::parse(kGenerationTemplate);
   const OffsetTokenizer tokenize = [&](std::string_view text, std::vector<int32_t>& ids,
@@ -505,7 +512,7 @@ CliResult run_tokenize_chat(const std::string& dir, const std::string& input) {
 
 TEST(TokenizeChatCli, WritesTextIdsAndMaskAsTrainingSeesThem) {
   const std::string dir = shipped("qwen3");
-  if (dir.empty()) GTEST_SKIP() << "shared/tokenizers/qwen3 not found";
+  if (dir.empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(missing_shipped("qwen3"));
   ordered_json with_prompt = ordered_json::parse(kConversations[7]);
   with_prompt["add_generation_prompt"] = true;
   const std::vector<std::string> lines = {kConversations[2], kConversations[3], with_prompt.dump()};
@@ -536,7 +543,7 @@ TEST(TokenizeChatCli, WritesTextIdsAndMaskAsTrainingSeesThem) {
 
 TEST(TokenizeChatCli, BadLinesNameTheirLineNumber) {
   const std::string dir = shipped("qwen2_5");
-  if (dir.empty()) GTEST_SKIP() << "shared/tokenizers/qwen2_5 not found";
+  if (dir.empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(missing_shipped("qwen2_5"));
   const std::string good = ordered_json::parse(kConversations[0]).dump() + "\n";
   const std::vector<std::pair<std::string, const char*>> cases = {
       {R"({"messages": []})", "empty conversation"},
@@ -559,7 +566,7 @@ TEST(TokenizeChatCli, BadLinesNameTheirLineNumber) {
 
 TEST(ChatPrepare, MessagesJsonlPreparesWithAssistantLabelsAndWeights) {
   const std::string dir = shipped("qwen2_5");
-  if (dir.empty()) GTEST_SKIP() << "shared/tokenizers/qwen2_5 not found";
+  if (dir.empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(missing_shipped("qwen2_5"));
   ScratchDir scratch;
   std::string jsonl;
   jsonl += ordered_json::parse(kConversations[1]).dump() + "\n";
@@ -609,7 +616,7 @@ TEST(ChatPrepare, MessagesJsonlPreparesWithAssistantLabelsAndWeights) {
 
 TEST(ChatPrepare, AFolderWithoutChatTemplateSaysSoForConversationsButTokenizesText) {
   const std::string shipped_dir = shipped("qwen2_5");
-  if (shipped_dir.empty()) GTEST_SKIP() << "shared/tokenizers/qwen2_5 not found";
+  if (shipped_dir.empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(missing_shipped("qwen2_5"));
   ScratchDir scratch;
   fs::copy_file(fs::path(shipped_dir) / "tokenizer.json", scratch.path() / "tokenizer.json");
   json config = json::parse(read_file(fs::path(shipped_dir) / "tokenizer_config.json"));

@@ -5,6 +5,7 @@
 #include "data/sample_encoder.h"
 #include "byte_text_encoder.h"
 #include "data_test_util.h"
+#include "support/reference_data.h"
 
 using namespace spindle;
 using json = nlohmann::json;
@@ -90,10 +91,11 @@ TEST(SampleEncoder, PreferenceTextPairSharesThePrompt) {
   EXPECT_EQ(pair.rejected.labels, (std::vector<int32_t>{X, X, t('r'), t('r'), 2}));
 }
 
-// With the real Qwen3 tokenizer (no BOS, EOS "<|im_end|>"), when the shared test data is present.
+// With the published Qwen3 tokenizer (no BOS, EOS "<|im_end|>"), when SPINDLE_TEST_TOKENIZERS supplies it.
 TEST(SampleEncoder, RealTokenizerPromptCompletion) {
-  const std::filesystem::path dir = std::filesystem::path(SPINDLE_SOURCE_DIR) / "../shared/tokenizers/qwen3";
-  if (!std::filesystem::exists(dir / "tokenizer.json")) GTEST_SKIP() << "no " << dir;
+  const auto file = test::reference_path(test::kTokenizerFolders, "qwen3/tokenizer.json");
+  if (file.empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(test::missing_reference(test::kTokenizerFolders, "qwen3/tokenizer.json"));
+  const std::filesystem::path dir = file.parent_path();
   auto tokenizer = load_text_encoder(dir);
   SampleEncoder encoder(tokenizer.get(), {});
   Document d = encoder.encode(json::parse(R"({"prompt": "Hello", "completion": " world"})"));

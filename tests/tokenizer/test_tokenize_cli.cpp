@@ -35,7 +35,7 @@ CliResult run_tokenize(const std::string& dir, const std::string& input, const s
 
 TEST(TokenizeCli, WritesTheIdsOfEachLine) {
   const std::string dir = find_shipped("llama3");
-  if (dir.empty()) GTEST_SKIP() << "../shared/tokenizers/llama3 not found";
+  if (dir.empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(missing_shipped("llama3"));
   const Tokenizer& tokenizer = cached_tokenizer(dir);
   const std::vector<std::string> texts = {"Hello world", "<|begin_of_text|>3333 \u4F60\u597D", ""};
   std::string input;
@@ -55,7 +55,7 @@ TEST(TokenizeCli, WritesTheIdsOfEachLine) {
 
 TEST(TokenizeCli, MalformedLinesAreErrorsWithTheirLineNumber) {
   const std::string dir = find_shipped("qwen2_5");
-  if (dir.empty()) GTEST_SKIP() << "../shared/tokenizers/qwen2_5 not found";
+  if (dir.empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(missing_shipped("qwen2_5"));
   const std::string good = "{\"text\": \"ok\"}\n";
   struct Case {
     std::string input, expected;

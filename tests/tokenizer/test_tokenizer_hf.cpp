@@ -87,9 +87,9 @@ bool is_char_boundary(const std::string& text, size_t pos) {
 // Compares everything for every text; reports at most a few mismatches in full.
 void expect_same_as_hf(const std::string& dir, const std::vector<std::string>& texts, const std::string& tag,
                        bool compare_offsets = true) {
-  if (!python_tokenizers_available()) GTEST_SKIP() << "python3 with the 'tokenizers' package is not available";
+  if (!python_tokenizers_available()) SPINDLE_SKIP_WITHOUT_REFERENCE(kNoPythonTokenizers);
   auto expected = oracle_encode(dir, texts, tag);
-  if (!expected) GTEST_SKIP() << "python3 with the 'tokenizers' package is not available";
+  if (!expected) SPINDLE_SKIP_WITHOUT_REFERENCE(kNoPythonTokenizers);
   ASSERT_EQ(expected->size(), texts.size());
   const Tokenizer& tokenizer = cached_tokenizer(dir);
   int reported = 0;
@@ -140,28 +140,20 @@ void expect_same_as_hf(const std::string& dir, const std::vector<std::string>& t
 
 class ShippedTokenizer : public ::testing::TestWithParam<std::string> {
  protected:
-  std::string dir() {
-    const std::string found = find_shipped(GetParam());
-    if (found.empty()) ADD_FAILURE() << "tokenizer folder " << GetParam() << " not found under ../shared/tokenizers";
-    return found;
+  void SetUp() override {
+    folder = find_shipped(GetParam());
+    if (folder.empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(missing_shipped(GetParam()));
   }
+  std::string folder;
 };
 
-TEST_P(ShippedTokenizer, CorpusMatchesHf) {
-  const std::string folder = dir();
-  if (folder.empty()) return;
-  expect_same_as_hf(folder, corpus_texts(), GetParam() + "_corpus");
-}
+TEST_P(ShippedTokenizer, CorpusMatchesHf) { expect_same_as_hf(folder, corpus_texts(), GetParam() + "_corpus"); }
 
 TEST_P(ShippedTokenizer, RandomUnicodeMatchesHf) {
-  const std::string folder = dir();
-  if (folder.empty()) return;
   expect_same_as_hf(folder, fuzz_texts(3000, 1234567), GetParam() + "_fuzz");
 }
 
 TEST_P(ShippedTokenizer, LongInputsMatchHf) {
-  const std::string folder = dir();
-  if (folder.empty()) return;
   const auto texts = corpus_texts();
   std::string joined;
   for (const auto& text : texts) joined += text;
@@ -184,8 +176,8 @@ class VariantTokenizer : public ::testing::TestWithParam<VariantCase> {};
 TEST_P(VariantTokenizer, MatchesHf) {
   const auto& param = GetParam();
   const std::string base = find_shipped(param.base);
-  ASSERT_FALSE(base.empty()) << "tokenizer folder " << param.base << " not found";
-  if (!python_tokenizers_available()) GTEST_SKIP() << "python3 with the 'tokenizers' package is not available";
+  if (base.empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(missing_shipped(param.base));
+  if (!python_tokenizers_available()) SPINDLE_SKIP_WITHOUT_REFERENCE(kNoPythonTokenizers);
   const std::string dir = oracle_variant(base, param.variant);
   ASSERT_FALSE(dir.empty());
   auto texts = corpus_texts();

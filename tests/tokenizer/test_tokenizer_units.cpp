@@ -233,7 +233,7 @@ TEST(Tokenizer, OffsetsCoverTheInputBytes) {
 
 TEST(Tokenizer, ConcurrentEncodesGiveTheSameIds) {
   const std::string dir = find_shipped("qwen3");
-  if (dir.empty()) GTEST_SKIP() << "../shared/tokenizers/qwen3 not found";
+  if (dir.empty()) SPINDLE_SKIP_WITHOUT_REFERENCE(missing_shipped("qwen3"));
   const Tokenizer& tokenizer = cached_tokenizer(dir);
   std::vector<std::string> texts;
   std::ifstream in(std::string(SPINDLE_SOURCE_DIR) + "/tests/tokenizer/corpus.jsonl");

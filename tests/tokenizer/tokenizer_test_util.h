@@ -1,5 +1,6 @@
-// Shared helpers of the tokenizer tests: the shipped tokenizer folders, loaded once per process,
-// and the HF `tokenizers` oracle (tests/tokenizer/hf_oracle.py) run as a subprocess.
+// Shared helpers of the tokenizer tests: the published tokenizer folders (SPINDLE_TEST_TOKENIZERS,
+// tests/support/reference_data.h), loaded once per process, and the HF `tokenizers` oracle
+// (tests/tokenizer/hf_oracle.py) run as a subprocess.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -20,15 +21,23 @@
 #include <nlohmann/json.hpp>
 
 #include "data/tokenizer/tokenizer.h"
+#include "support/reference_data.h"
 
 namespace spindle::test {
 
+// The published tokenizer folder `name` (qwen3, qwen2_5, llama3), or empty when it is not supplied.
 inline std::string find_shipped(const std::string& name) {
-  for (const std::string& root : {std::string(SPINDLE_SOURCE_DIR) + "/../shared/tokenizers/"}) {
-    if (std::filesystem::exists(root + name + "/tokenizer.json")) return root + name;
-  }
-  return {};
+  const auto file = reference_path(kTokenizerFolders, std::filesystem::path(name) / "tokenizer.json");
+  return file.empty() ? std::string() : file.parent_path().string();
 }
+
+// Why find_shipped(name) is empty and how to supply the folder.
+inline std::string missing_shipped(const std::string& name) {
+  return missing_reference(kTokenizerFolders, std::filesystem::path(name) / "tokenizer.json");
+}
+
+inline constexpr const char* kNoPythonTokenizers =
+    "python3 with the 'tokenizers' package (the HF oracle) is not available: pip install tokenizers";
 
 // Loading a real tokenizer.json takes a while; tests share one instance per folder.
 inline const Tokenizer& cached_tokenizer(const std::string& dir) {
