@@ -8,6 +8,7 @@
 #include "cli/commands.h"
 #include "comm/process_group.h"
 #include "core/error.h"
+#include "train/setup.h"
 
 namespace spindle::cli {
 
@@ -126,7 +127,14 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--ring", o.ring, "ring part of --sp (default: sp / ulysses)");
   cmd->add_flag("--json", args->json, "print one JSON document instead of the table");
   cmd->add_option("--json-file", args->json_file, "also write the JSON document there (after every length)");
-  commands.push_back({cmd, [args] { return run_bench_command(*args); }});
+  commands.push_back({cmd, [args] { return run_bench_command(*args); },
+                      [args](int world_size) {
+                        parallel::MeshFlags flags;  // 0: not given
+                        if (args->options.sp) flags.sp = args->options.sp;
+                        if (args->options.ulysses) flags.ulysses = args->options.ulysses;
+                        if (args->options.ring) flags.ring = args->options.ring;
+                        check_mesh_before_launch(flags, args->options.model, world_size);
+                      }});
 }
 
 }  // namespace spindle::cli

@@ -4,6 +4,7 @@
 
 #include "cli/commands.h"
 #include "train/check.h"
+#include "train/setup.h"
 
 namespace spindle::cli {
 
@@ -26,6 +27,9 @@ void add_check_command(CLI::App& app, CommandList& commands) {
                         if (*json) std::printf("%s\n", report->to_json().dump().c_str());
                         else std::printf("%s", report->to_text().c_str());
                         return report->passed ? 0 : 1;
+                      },
+                      [config](int world_size) {
+                        check_mesh_before_launch(config->mesh_flags(), config->model, world_size);
                       }});
 }
 

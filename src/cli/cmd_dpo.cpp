@@ -4,6 +4,7 @@
 
 #include "cli/commands.h"
 #include "train/dpo_trainer.h"
+#include "train/setup.h"
 
 namespace spindle::cli {
 
@@ -26,9 +27,18 @@ void add_dpo_command(CLI::App& app, CommandList& commands) {
                   "the initial model)");
   cmd->add_flag("--precompute-ref", config->precompute_ref,
                 "compute the reference log-probabilities of every pair once before training and cache them");
-  commands.push_back({cmd, [config] {
+  commands.push_back({cmd,
+                      [config] {
                         const TrainSummary summary = run_dpo(*config);
                         return summary.steps > 0 ? 0 : 1;
+                      },
+                      [config](int world_size) {
+                        config->validate();
+                        const parallel::MeshFlags flags = config->train.mesh_flags();
+                        check_mesh_before_launch(flags, config->train.model, world_size);
+                        // The reference runs on the same mesh: its heads must suit it too.
+                        if (!config->ref_model.empty())
+                          check_mesh_before_launch(flags, config->ref_model, world_size, "--ref-model");
                       }});
 }
 

@@ -11,6 +11,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "train/setup.h"
 #include "train/trainer.h"
 
 namespace spindle::cli {
@@ -153,9 +154,14 @@ void add_sft_command(CLI::App& app, CommandList& commands) {
   CLI::App* cmd = app.add_subcommand("sft", "Supervised fine-tuning (LoRA or full) of a Hugging Face model");
   cmd->add_option("--config", *config_file, "YAML file with the same options (flags override it)");
   add_train_options(cmd, *config);
-  commands.push_back({cmd, [config] {
+  commands.push_back({cmd,
+                      [config] {
                         const TrainSummary summary = run_sft(*config);
                         return summary.steps > 0 ? 0 : 1;
+                      },
+                      [config](int world_size) {
+                        config->validate();
+                        check_mesh_before_launch(config->mesh_flags(), config->model, world_size);
                       }});
 }
 

@@ -13,6 +13,9 @@ namespace spindle::cli {
 struct Command {
   CLI::App* app;               // the parsed subcommand
   std::function<int()> run;    // returns the process exit code
+  // With --nproc-per-node N, called with N before the launcher starts any process: throws
+  // spindle::Error when N processes cannot run the command (its mesh against the model's heads).
+  std::function<void(int world_size)> check_launch = {};
 };
 using CommandList = std::vector<Command>;
 

@@ -13,9 +13,11 @@
 #include "launch/launcher.h"
 
 int main(int argc, char** argv) {
-  // `--nproc-per-node N` on any command re-runs it as N local processes (src/launch/launcher.h).
+  // `--nproc-per-node N` on any command re-runs it as N local processes (src/launch/launcher.h). The
+  // flag is the launcher's: the command line is parsed without it, once, before any process starts.
+  spindle::LauncherFlag launcher_flag;
   try {
-    if (auto exit_code = spindle::launch_if_requested(argc, argv)) return *exit_code;
+    launcher_flag = spindle::extract_launcher_flag(std::vector<std::string>(argv, argv + argc));
   } catch (const spindle::Error& e) {
     std::fprintf(stderr, "spindle: error: %s\n", e.what());
     return 2;
@@ -26,7 +28,8 @@ int main(int argc, char** argv) {
   spindle::cli::CommandList commands;
   spindle::cli::register_all(app, commands);
   try {
-    std::vector<std::string> args(argv + 1, argv + argc);
+    const std::vector<std::string>& command_line = launcher_flag.remaining_arguments;  // [0]: the program
+    std::vector<std::string> args(command_line.begin() + (command_line.empty() ? 0 : 1), command_line.end());
     args = spindle::cli::expand_config_file(app, args);  // `--config FILE.yaml` becomes flags
     std::reverse(args.begin(), args.end());              // CLI11 consumes a vector from the back
     app.parse(args);
@@ -37,8 +40,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    for (auto& command : commands)
-      if (command.app->parsed()) return command.run();
+    for (auto& command : commands) {
+      if (!command.app->parsed()) continue;
+      // With --nproc-per-node: the command's check of the job (its mesh), then the processes.
+      if (auto exit_code = spindle::launch_if_requested(argc, argv, command.check_launch)) return *exit_code;
+      return command.run();
+    }
   } catch (const spindle::Error& e) {
     std::fprintf(stderr, "spindle: error: %s\n", e.what());
     return 2;

@@ -260,6 +260,7 @@ LauncherFlag extract_launcher_flag(const std::vector<std::string>& arguments) {
 int launch_local(int nproc, const std::vector<std::string>& arguments, const LaunchOptions& options) {
   if (nproc < 1) fail("--nproc-per-node needs at least one process, got {}", nproc);
   if (arguments.empty()) fail("launcher: no command to run");
+  if (options.check_before_start) options.check_before_start(nproc);
   const int port = pick_free_port();
   const bool prefix_output = nproc > 1;
 
@@ -398,7 +399,7 @@ int launch_local(int nproc, const std::vector<std::string>& arguments, const Lau
   return exit_code;
 }
 
-std::optional<int> launch_if_requested(int argc, char** argv) {
+std::optional<int> launch_if_requested(int argc, char** argv, const LaunchCheck& check) {
   std::vector<std::string> arguments(argv, argv + argc);
   LauncherFlag flag = extract_launcher_flag(arguments);
   if (!flag.nproc_per_node) {
@@ -411,7 +412,9 @@ std::optional<int> launch_if_requested(int argc, char** argv) {
     fail("--nproc-per-node starts processes on this machine, but this process is already {}; drop "
          "--nproc-per-node and let that launcher start one process per GPU",
          here.describe());
-  return launch_local(*flag.nproc_per_node, flag.remaining_arguments);
+  LaunchOptions options;
+  options.check_before_start = check;
+  return launch_local(*flag.nproc_per_node, flag.remaining_arguments, options);
 }
 
 }  // namespace spindle

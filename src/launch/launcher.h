@@ -3,32 +3,43 @@
 // LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT (a free port) and SPINDLE_LAUNCHER=1.
 // Every output line of every child is forwarded with a "[rank N] " prefix (none when N = 1). When a
 // child fails (non-zero exit or a signal) the others get SIGTERM, then SIGKILL after a grace
-// period, and the launcher returns the failing child's status. docs/parallelism.md has the rules.
+// period, and the launcher returns the failing child's status. Before it starts any child it runs
+// the command's own check of the job (the mesh against the process count and the model's heads),
+// so a job that cannot run fails once, with one message, instead of once per rank.
+// docs/parallelism.md has the rules.
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace spindle {
 
+// Checks a job of `nproc` processes before the launcher starts them; throws spindle::Error (the one
+// message the user sees) when they could not run.
+using LaunchCheck = std::function<void(int nproc)>;
+
 struct LaunchOptions {
   std::string executable = "/proc/self/exe";  // the program each child runs
   std::chrono::milliseconds grace_period = std::chrono::seconds(10);  // SIGTERM → SIGKILL
+  LaunchCheck check_before_start;             // none: nothing to check
 };
 
 // Runs `nproc` processes of `arguments` (arguments[0] becomes each child's argv[0]) and waits for
 // all of them. Returns 0 when all succeed; otherwise the first failure's exit code (128 + signal
-// for a signal) after a message on stderr naming the rank and how it died.
+// for a signal) after a message on stderr naming the rank and how it died. Throws what
+// options.check_before_start throws, with no process started.
 int launch_local(int nproc, const std::vector<std::string>& arguments, const LaunchOptions& options = {});
 
-// Called first thing in main. With `--nproc-per-node N` (or `=N`, or torchrun's
-// `--nproc_per_node`) in argv: launches the command without the flag and returns the exit code.
-// Without it: returns nullopt (in a child of the launcher it also line-buffers stdout, so output
-// arrives as it is printed). Throws spindle::Error for a malformed flag or when this process is
-// already one rank of a larger job.
-std::optional<int> launch_if_requested(int argc, char** argv);
+// Called in main before the command runs. With `--nproc-per-node N` (or `=N`, or torchrun's
+// `--nproc_per_node`) in argv: runs `check` (the parsed command's check of an N-process job), then
+// launches the command without the flag and returns the exit code. Without it: returns nullopt (in
+// a child of the launcher it also line-buffers stdout, so output arrives as it is printed). Throws
+// spindle::Error for a malformed flag, a job the check refuses, or when this process is already one
+// rank of a larger job.
+std::optional<int> launch_if_requested(int argc, char** argv, const LaunchCheck& check = {});
 
 // The argv without the launcher flag, and the process count it gave (nullopt when absent).
 struct LauncherFlag {

@@ -119,6 +119,13 @@ RunTopology connect_training_run(const TrainConfig& config, const ModelConfig& m
                      device.cuda ? device.index : -1);
 }
 
+void check_mesh_before_launch(const parallel::MeshFlags& flags, const std::string& model, int world_size,
+                              const char* option) {
+  if (model.empty()) fail("{} is required: a Hugging Face model folder", option);
+  const ModelConfig config = ModelConfig::from_file(model);
+  parallel::resolve_mesh(flags, world_size, static_cast<int>(config.num_heads), static_cast<int>(config.num_kv_heads));
+}
+
 TrainingData prepare_training_data(const TrainConfig& config, const RunTopology& run) {
   const bool main_rank = run.is_main();
   if (main_rank) fs::create_directories(config.output);

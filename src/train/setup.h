@@ -32,6 +32,12 @@ ComputeDevice choose_device(const std::string& device, const std::string& dtype,
 std::unique_ptr<Backend> make_backend(const ComputeDevice& device, int cpu_threads);
 // The mesh and process groups for this device (NCCL between GPUs, Gloo between CPU processes).
 RunTopology connect_training_run(const TrainConfig& config, const ModelConfig& model, const ComputeDevice& device);
+// What connect_training_run resolves on every rank of a `world_size`-process job, checked once
+// before the launcher starts them: the mesh flags against that count and the heads in the
+// config.json of `model` (a folder or the file; --model, or --ref-model whose heads share the mesh).
+// `option` names the flag in errors.
+void check_mesh_before_launch(const parallel::MeshFlags& flags, const std::string& model, int world_size,
+                              const char* option = "--model");
 
 struct TrainingData {
   std::vector<DataSource> sources;  // prepared datasets with their mixing weights

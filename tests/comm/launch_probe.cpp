@@ -23,8 +23,14 @@ void wait_to_be_stopped() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const std::string first = argc > 1 ? argv[1] : "";
+  // "refuse": the job's check refuses every process count, as spindle's commands refuse a mesh the
+  // count cannot hold; a child that starts anyway says so.
+  const spindle::LaunchCheck check = [&](int nproc) {
+    if (first == "refuse") spindle::fail("the probe refuses a job of {} processes", nproc);
+  };
   try {
-    if (auto code = spindle::launch_if_requested(argc, argv)) return *code;
+    if (auto code = spindle::launch_if_requested(argc, argv, check)) return *code;
   } catch (const spindle::Error& e) {
     std::fprintf(stderr, "spindle: error: %s\n", e.what());
     return 2;
@@ -40,6 +46,10 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) arguments += std::string(" ") + argv[i];
     std::printf("args:%s\n", arguments.c_str());
     std::fprintf(stderr, "note from %d\n", info.rank);
+    return 0;
+  }
+  if (mode == "refuse") {
+    std::printf("rank %d started\n", info.rank);
     return 0;
   }
   if (mode == "partial") {

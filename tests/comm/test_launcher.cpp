@@ -1,5 +1,6 @@
 // The launcher end to end: launch_probe is built with the same main hook as spindle, run with
-// --nproc-per-node, and its output and exit status are checked.
+// --nproc-per-node, and its output and exit status are checked; spindle itself for the check of the
+// mesh before any rank starts.
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -33,8 +35,9 @@ std::string slurp(const std::string& path) {
   return s.str();
 }
 
-ProbeRun run_probe(std::vector<std::string> arguments) {
-  arguments.insert(arguments.begin(), LAUNCH_PROBE);
+// Runs `program` with `arguments`, outside any launcher's job.
+ProbeRun run_program(const std::string& program, std::vector<std::string> arguments) {
+  arguments.insert(arguments.begin(), program);
   std::string dir = ::testing::TempDir();
   std::string out_path = dir + "/probe_out_" + std::to_string(::getpid());
   std::string err_path = dir + "/probe_err_" + std::to_string(::getpid());
@@ -60,6 +63,14 @@ ProbeRun run_probe(std::vector<std::string> arguments) {
   run.out = slurp(out_path);
   run.err = slurp(err_path);
   return run;
+}
+
+ProbeRun run_probe(std::vector<std::string> arguments) { return run_program(LAUNCH_PROBE, std::move(arguments)); }
+
+size_t count(const std::string& text, const std::string& part) {
+  size_t n = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + part.size())) ++n;
+  return n;
 }
 
 std::vector<std::string> sorted_lines(const std::string& text) {
@@ -158,6 +169,73 @@ TEST(Launcher, FlagErrors) {
   EXPECT_EQ(flag.remaining_arguments,
             (std::vector<std::string>{"spindle", "sft", "--sp", "4", "--", "--nproc-per-node"}));
   EXPECT_FALSE(extract_launcher_flag({"spindle", "sft"}).nproc_per_node.has_value());
+}
+
+TEST(Launcher, AJobItsCheckRefusesStartsNoProcess) {
+  ProbeRun run = run_probe({"refuse", "--nproc-per-node", "3"});
+  EXPECT_EQ(run.exit_code(), 2);
+  EXPECT_EQ(run.err, "spindle: error: the probe refuses a job of 3 processes\n");
+  EXPECT_EQ(run.out, "") << "a rank started";
+  run = run_probe({"refuse"});  // no launcher: no check, the process runs
+  EXPECT_EQ(run.exit_code(), 0);
+  EXPECT_EQ(run.out, "rank 0 started\n");
+}
+
+// A model folder holding only config.json: the launcher reads the heads from it.
+std::filesystem::path model_with_heads(const std::string& name, int q_heads, int kv_heads) {
+  const auto dir = std::filesystem::path(::testing::TempDir()) / ("launcher_model_" + std::to_string(::getpid()) + name);
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json") << fmt::format(
+      R"({{"model_type": "qwen2", "vocab_size": 64, "hidden_size": {}, "intermediate_size": 32,
+          "num_hidden_layers": 1, "num_attention_heads": {}, "num_key_value_heads": {}}})",
+      8 * q_heads, q_heads, kv_heads);
+  return dir;
+}
+
+// spindle's mesh errors come from the launcher, once, before any rank starts: no "[rank N]"
+// line, no launcher report of a dead rank, no output folder.
+void expect_one_error_and_no_rank(const ProbeRun& run, const std::string& error, const std::filesystem::path& output) {
+  EXPECT_EQ(run.exit_code(), 2) << run.err;
+  EXPECT_EQ(count(run.err, "error:"), 1u) << run.err;
+  EXPECT_NE(run.err.find("spindle: error: " + error), std::string::npos) << run.err;
+  EXPECT_EQ(run.err.find("[rank"), std::string::npos) << run.err;
+  EXPECT_EQ(run.out.find("[rank"), std::string::npos) << run.out;
+  EXPECT_EQ(run.err.find("spindle launcher:"), std::string::npos) << run.err;
+  EXPECT_FALSE(std::filesystem::exists(output)) << "a rank started and made " << output;
+}
+
+TEST(Launcher, SpindleChecksTheMeshBeforeStartingRanks) {
+  const auto model = model_with_heads("q4kv2", 4, 2);
+  const auto output = model / "out";
+  const std::vector<std::string> job = {"--model", model.string(), "--data", (model / "train.jsonl").string(),
+                                        "--output", output.string(), "--device", "cpu"};
+  auto with = [&](std::string command, std::vector<std::string> extra) {
+    std::vector<std::string> arguments = {std::move(command)};
+    arguments.insert(arguments.end(), job.begin(), job.end());
+    arguments.insert(arguments.end(), extra.begin(), extra.end());
+    return arguments;
+  };
+  // sp does not divide the processes.
+  expect_one_error_and_no_rank(run_program(SPINDLE_CLI, with("sft", {"--nproc-per-node", "3", "--sp", "2"})),
+                               "--sp 2 does not divide the 3 processes of this job", output);
+  // dp · sp is not the process count.
+  expect_one_error_and_no_rank(
+      run_program(SPINDLE_CLI, with("sft", {"--nproc-per-node", "4", "--sp", "2", "--dp", "1"})),
+      "--dp 1 × --sp 2 = 2, but this job has 4 processes", output);
+  // ulysses · ring is not sp.
+  expect_one_error_and_no_rank(
+      run_program(SPINDLE_CLI, with("check", {"--nproc-per-node", "4", "--sp", "4", "--ulysses", "2", "--ring", "1"})),
+      "--ulysses 2 × --ring 1 = 2, but --sp is 4", output);
+  // Ulysses needs a degree that divides the heads: 4 query heads cannot split 8 ways.
+  expect_one_error_and_no_rank(run_program(SPINDLE_CLI, with("sft", {"--nproc-per-node", "8", "--ulysses", "8"})),
+                               "--ulysses 8 does not divide the 4 query heads of this model", output);
+  // DPO's reference model shares the mesh: its heads are checked too.
+  const auto reference = model_with_heads("q3kv3", 3, 3);
+  expect_one_error_and_no_rank(
+      run_program(SPINDLE_CLI, with("dpo", {"--nproc-per-node", "2", "--ulysses", "2", "--ref-model", reference.string()})),
+      "--ulysses 2 does not divide the 3 query heads", output);
+  std::filesystem::remove_all(model);
+  std::filesystem::remove_all(reference);
 }
 
 TEST(Launcher, RefusesInsideAnotherLaunchersJob) {
