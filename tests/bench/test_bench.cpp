@@ -14,6 +14,7 @@
 #include "model/batch.h"
 #include "model/decoder.h"
 #include "model/weights.h"
+#include "support/tiny_model.h"
 
 namespace spindle::bench {
 namespace {
@@ -85,11 +86,7 @@ TEST(Bench, FlopFormulasCountTheAllocatedParameters) {
   for (const std::string& path : {kQwen2, kLlama}) {
     const ModelConfig config = ModelConfig::from_file(path);
     ModelWeights weights = ModelWeights::random(*backend, config, DType::F32, 1);
-    LoraConfig lora;
-    lora.rank = 4;
-    lora.alpha = 8;
-    lora.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-    weights.add_lora(*backend, lora, 2);
+    weights.add_lora(*backend, test::lora_on_every_projection(4, 8), 2);
     int64_t projections = 0, adapters = 0;
     for (const Parameter& p : weights.parameters()) {
       if (p.name.find("lora_") != std::string::npos) adapters += p.value.numel();

@@ -14,6 +14,7 @@
 #include "data/pretokenized.h"
 #include "io/checkpoint.h"
 #include "model/decoder.h"
+#include "support/tiny_model.h"
 
 using namespace spindle;
 using namespace spindle::test;
@@ -150,17 +151,14 @@ TEST(CudaLoraGemms, EveryLoraShapeMatchesCpu) {
 TEST(CudaModelAttention, CudnnStepMatchesOwnKernels) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   if (!cuda::attention_cudnn_built()) GTEST_SKIP() << "built without cuDNN";
-  ModelConfig c;
-  c.model_type = "qwen2";
-  c.vocab_size = 64;
-  c.hidden_size = 256;
-  c.intermediate_size = 512;
-  c.num_layers = 2;
-  c.num_heads = 2;
-  c.num_kv_heads = 1;
-  c.head_dim = 128;
-  c.qkv_bias = true;
-  c.rope.theta = 10000.0;
+  const ModelConfig c = TinyModel{.model_type = "qwen2",
+                                  .hidden_size = 256,
+                                  .intermediate_size = 512,
+                                  .num_heads = 2,
+                                  .num_kv_heads = 1,
+                                  .head_dim = 128,
+                                  .rms_norm_eps = 1e-6}
+                            .config();
   Document doc;
   std::mt19937_64 rng(3);
   for (int i = 0; i < 384; ++i) doc.input_ids.push_back(static_cast<int32_t>(rng() % 64));

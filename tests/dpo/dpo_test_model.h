@@ -8,48 +8,32 @@
 #include "backend/op_test_util.h"
 #include "data/packing.h"
 #include "model/decoder.h"
+#include "support/tiny_model.h"
 #include "train/preference_step.h"
 
 namespace spindle::dpo_test {
 
 inline ModelConfig tiny_config() {
-  ModelConfig c;
-  c.model_type = "qwen2";  // q/k/v bias too
-  c.vocab_size = 32;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 4;
-  c.rms_norm_eps = 1e-6;
-  c.qkv_bias = true;
-  c.rope.theta = 1000.0;
-  return c;
+  return test::TinyModel{.model_type = "qwen2",  // q/k/v bias too
+                         .vocab_size = 32,
+                         .hidden_size = 16,
+                         .intermediate_size = 24,
+                         .head_dim = 4,
+                         .rms_norm_eps = 1e-6,
+                         .rope_theta = 1000.0}
+      .config();
 }
 
 // Base weights scaled up from the 0.02 init so log-probabilities differ visibly between tokens.
 inline ModelWeights base_model(Backend& be, DType dtype, uint64_t seed = 11) {
-  ModelWeights w = ModelWeights::random(be, tiny_config(), dtype, seed);
-  for (Parameter& p : w.parameters())
-    if (p.name.find("norm") == std::string::npos) be.scale(be.default_stream(), p.value, 15.0);
-  return w;
+  return test::random_weights(be, tiny_config(), dtype, seed, 15.0);
 }
 
 // LoRA rank 2 on every projection; B random unless fresh (PEFT's init: B = 0).
 inline void add_adapters(Backend& be, ModelWeights& w, bool fresh, uint64_t seed = 5) {
-  LoraConfig lora;
-  lora.rank = 2;
-  lora.alpha = 4;
-  lora.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-  w.add_lora(be, lora, seed);
-  if (fresh) return;
-  std::mt19937_64 rng(seed + 1);
-  for (Parameter& p : w.parameters())
-    if (p.name.find("lora_B") != std::string::npos) {
-      Tensor r = test::random_tensor(be, p.value.shape(), w.dtype, rng, 0.6);
-      be.copy(be.default_stream(), r, p.value);
-    }
+  const LoraConfig lora = test::lora_on_every_projection(2, 4);
+  if (fresh) w.add_lora(be, lora, seed);
+  else test::add_lora_with_random_b(be, w, lora, seed, test::uniform_draw(0.6));
 }
 
 // Pair i is documents 2i (chosen) and 2i+1 (rejected), as in a prepared preference dataset:

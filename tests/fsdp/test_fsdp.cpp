@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "model/decoder.h"
 #include "parallel/fsdp.h"
+#include "support/tiny_model.h"
 #include "train/optimizer.h"
 
 namespace spindle::parallel {
@@ -24,39 +25,12 @@ using spindle::testing::require;
 using spindle::testing::run_ranks;
 using test::to_host;
 
-ModelConfig tiny_gqa(bool tied) {
-  ModelConfig c;
-  c.model_type = "llama";
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.rms_norm_eps = 1e-5;
-  c.tie_word_embeddings = tied;
-  c.rope.theta = 10000.0;
-  return c;
-}
+ModelConfig tiny_gqa(bool tied) { return test::TinyModel{.tie_word_embeddings = tied}.config(); }
 
-// Sizes no world divides: vocab 61, MLP 45, LoRA rank 3, q/k/v biases of 32 and 16.
-ModelConfig odd_sizes() {
-  ModelConfig c = tiny_gqa(false);
-  c.model_type = "qwen2";
-  c.qkv_bias = true;
-  c.vocab_size = 61;
-  c.intermediate_size = 45;
-  return c;
-}
+// Sizes no world divides: vocab 61, MLP 45, LoRA rank 3, q/k/v biases (qwen2) of 32 and 16.
+ModelConfig odd_sizes() { return test::TinyModel{.model_type = "qwen2", .vocab_size = 61, .intermediate_size = 45}.config(); }
 
-LoraConfig lora(int64_t rank) {
-  LoraConfig l;
-  l.rank = rank;
-  l.alpha = 2.0 * static_cast<double>(rank);
-  l.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-  return l;
-}
+LoraConfig lora(int64_t rank) { return test::lora_on_every_projection(rank, 2.0 * static_cast<double>(rank)); }
 
 // A row of `length` tokens: two documents (the first with a 2-token unsupervised prompt), weights
 // 1 or 1.5 (loss_scale); `supervised` false leaves every target ignored.

@@ -14,6 +14,7 @@
 #include "model/decoder.h"
 #include "parallel/sequence_shard.h"
 #include "parallel/sp_attention.h"
+#include "support/tiny_model.h"
 
 namespace spindle::parallel {
 namespace {
@@ -25,20 +26,7 @@ using spindle::testing::expect_all_succeeded;
 using spindle::testing::require;
 using spindle::testing::run_ranks;
 
-ModelConfig tiny_gqa() {
-  ModelConfig c;
-  c.model_type = "llama";
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.rms_norm_eps = 1e-5;
-  c.rope.theta = 1000.0;
-  return c;
-}
+ModelConfig tiny_gqa() { return test::TinyModel{.rope_theta = 1000.0}.config(); }
 
 // Documents of the given lengths, targets the next token of the same document with varied loss
 // weights; `supervised(doc, i)` says which targets count.
@@ -81,27 +69,9 @@ std::vector<PackedRow> test_rows() {
 
 // Weights of one training mode, identical on every rank (fixed seeds).
 ModelWeights make_weights(Backend& be, bool lora) {
-  ModelWeights w = ModelWeights::random(be, tiny_gqa(), DType::F32, 11);
-  // Larger than the 0.02 init so attention is far from uniform and every path carries gradient.
-  for (Parameter& p : w.parameters())
-    if (p.name.find("norm") == std::string::npos) be.scale(be.default_stream(), p.value, 10.0);
-  if (!lora) {
-    w.train_all(be);
-    return w;
-  }
-  LoraConfig config;
-  config.rank = 4;
-  config.alpha = 8;
-  config.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-  w.add_lora(be, config, 12);
-  std::mt19937_64 rng(13);
-  for (Parameter& p : w.parameters())
-    if (p.name.find("lora_B") != std::string::npos) {
-      std::vector<double> values(p.value.numel());
-      std::uniform_real_distribution<double> dist(-0.2, 0.2);
-      for (double& x : values) x = dist(rng);
-      from_host(be, values, p.value);
-    }
+  ModelWeights w = test::random_weights(be, tiny_gqa(), DType::F32, 11, 10.0);
+  if (lora) test::add_lora_with_random_b(be, w, test::lora_on_every_projection(4, 8), 12, test::uniform_draw(0.2));
+  else w.train_all(be);
   return w;
 }
 

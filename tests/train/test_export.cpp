@@ -18,6 +18,7 @@
 #include "io/load_tensor.h"
 #include "model/batch.h"
 #include "model/decoder.h"
+#include "support/tiny_model.h"
 #include "train/export.h"
 
 using namespace spindle;
@@ -50,16 +51,8 @@ void perturb(Backend& be, ModelWeights& w, uint64_t seed) {
 }
 
 // LoRA as add_lora makes it, with B random (PEFT starts B at zero, which would hide a swapped A/B).
-void add_trained_lora(Backend& be, ModelWeights& w, LoraConfig lora, uint64_t seed) {
-  w.add_lora(be, lora, seed);
-  std::mt19937_64 rng(seed + 1);
-  std::normal_distribution<double> normal(0.0, 0.1);
-  for (Parameter& p : w.parameters())
-    if (p.name.find("lora_B") != std::string::npos) {
-      std::vector<double> v(p.value.numel());
-      for (double& x : v) x = normal(rng);
-      from_host(be, v, p.value);
-    }
+void add_trained_lora(Backend& be, ModelWeights& w, const LoraConfig& lora, uint64_t seed) {
+  add_lora_with_random_b(be, w, lora, seed, normal_draw(0.1));
 }
 
 LoraConfig lora_config(int64_t rank, double alpha, bool rslora, std::vector<std::string> targets) {
