@@ -3,8 +3,9 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 DEB_PACKAGES := cmake ninja-build g++ pkg-config nlohmann-json3-dev libcli11-dev libyaml-cpp-dev libfmt-dev \
                 libgtest-dev libgmock-dev libopenblas-dev libpcre2-dev libutf8proc-dev libopenmpi-dev openmpi-bin libgloo-dev \
+                libprotobuf-dev protobuf-compiler libisal-dev \
                 python3 python3-pip
-PY_PACKAGES := numpy safetensors tokenizers jinja2
+PY_PACKAGES := numpy safetensors tokenizers jinja2 tensorboard
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: all deps build test demo clean
@@ -17,7 +18,7 @@ $(BUILD)/.deps-stamp: Makefile
 	@missing=""; for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; fi
-	@python3 -c "import numpy, safetensors, tokenizers, jinja2" 2>/dev/null || \
+	@python3 -c "import numpy, safetensors, tokenizers, jinja2, tensorboard" 2>/dev/null || \
 	  python3 -m pip install -q $(PY_PACKAGES) || python3 -m pip install -q --break-system-packages $(PY_PACKAGES)
 	@mkdir -p $(BUILD) && touch $@
 

@@ -123,6 +123,8 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--eval-steps", c.eval_steps, "score --eval-data every N steps")->capture_default_str();
   cmd->add_flag("--resume", c.resume, "continue from the latest checkpoint in --output");
   cmd->add_option("--metrics-file", c.metrics_file, "JSONL metrics (default OUTPUT/metrics.jsonl)");
+  cmd->add_option("--tensorboard", c.tensorboard, "also write every step's metrics as TensorBoard event files "
+                                                  "into this folder (tensorboard --logdir)");
   cmd->add_option("--log-every", c.log_every, "plain progress lines every N steps")->capture_default_str();
   cmd->add_option("--recompute", c.recompute,
                   "activation checkpointing: none (keep every activation), all (keep layer inputs, recompute "

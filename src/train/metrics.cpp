@@ -81,32 +81,47 @@ StepMetrics parse_line(const std::filesystem::path& path, const LogLine& line) {
 
 }  // namespace
 
+double NamedMetric::as_double() const {
+  return std::visit([](auto number) { return static_cast<double>(number); }, value);
+}
+
+std::vector<NamedMetric> named_metrics(const StepMetrics& m) {
+  std::vector<NamedMetric> values = {
+      {"epoch", m.epoch},
+      {"loss", m.loss},
+      {"grad_norm", m.grad_norm},
+      {"lr", m.lr},
+      {"num_items", m.num_items},
+      {"tokens", m.tokens},
+      {"total_tokens", m.total_tokens},
+      {"tokens_per_s", m.tokens_per_s},
+      {"step_seconds", m.step_seconds},
+      {"peak_memory", m.peak_memory_bytes},
+      {"elapsed_s", m.elapsed_seconds},
+  };
+  if (m.eval_loss) values.push_back({"eval_loss", *m.eval_loss});
+  if (m.eval_num_items) values.push_back({"eval_num_items", *m.eval_num_items});
+  if (m.eval_accuracy) values.push_back({"eval_rewards/accuracies", *m.eval_accuracy});
+  if (const auto& p = m.preference) {
+    values.push_back({"rewards/chosen", p->rewards_chosen});
+    values.push_back({"rewards/rejected", p->rewards_rejected});
+    values.push_back({"rewards/margins", p->margins});
+    values.push_back({"rewards/accuracies", p->accuracy});
+    values.push_back({"logps/chosen", p->logps_chosen});
+    values.push_back({"logps/rejected", p->logps_rejected});
+    values.push_back({"nll_loss", p->nll_loss});
+    values.push_back({"pairs", p->pairs});
+  }
+  return values;
+}
+
 std::string metrics_to_json_line(const StepMetrics& m) {
   Json line;
   line["step"] = m.step;
-  line["epoch"] = finite_or_null(m.epoch);
-  line["loss"] = finite_or_null(m.loss);
-  line["grad_norm"] = finite_or_null(m.grad_norm);
-  line["lr"] = finite_or_null(m.lr);
-  line["num_items"] = m.num_items;
-  line["tokens"] = m.tokens;
-  line["total_tokens"] = m.total_tokens;
-  line["tokens_per_s"] = finite_or_null(m.tokens_per_s);
-  line["step_seconds"] = finite_or_null(m.step_seconds);
-  line["peak_memory"] = m.peak_memory_bytes;
-  line["elapsed_s"] = finite_or_null(m.elapsed_seconds);
-  if (m.eval_loss) line["eval_loss"] = finite_or_null(*m.eval_loss);
-  if (m.eval_num_items) line["eval_num_items"] = *m.eval_num_items;
-  if (m.eval_accuracy) line["eval_rewards/accuracies"] = finite_or_null(*m.eval_accuracy);
-  if (const auto& p = m.preference) {
-    line["rewards/chosen"] = finite_or_null(p->rewards_chosen);
-    line["rewards/rejected"] = finite_or_null(p->rewards_rejected);
-    line["rewards/margins"] = finite_or_null(p->margins);
-    line["rewards/accuracies"] = finite_or_null(p->accuracy);
-    line["logps/chosen"] = finite_or_null(p->logps_chosen);
-    line["logps/rejected"] = finite_or_null(p->logps_rejected);
-    line["nll_loss"] = finite_or_null(p->nll_loss);
-    line["pairs"] = p->pairs;
+  for (const NamedMetric& metric : named_metrics(m)) {
+    Json& slot = line[std::string(metric.key)];
+    if (const int64_t* count = std::get_if<int64_t>(&metric.value)) slot = *count;
+    else slot = finite_or_null(std::get<double>(metric.value));
   }
   return line.dump();
 }

@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 namespace spindle::train {
@@ -44,6 +45,18 @@ struct StepMetrics {
   std::optional<Preference> preference;
   std::optional<double> eval_accuracy;  // dpo: "eval_rewards/accuracies" over the eval pairs
 };
+
+// One value of a record under its metrics.jsonl key ("loss", "rewards/chosen", "eval_loss"). Every
+// output that shows the metrics (the JSON line, TensorBoard's scalars) names them from this one list,
+// so the outputs cannot drift apart. Counts stay integers, as the JSON line writes them.
+struct NamedMetric {
+  std::string_view key;
+  std::variant<int64_t, double> value;
+  double as_double() const;
+};
+// Every value of the record except the step, in the JSON line's order; the eval and preference
+// values only when the record has them.
+std::vector<NamedMetric> named_metrics(const StepMetrics& metrics);
 
 // JSON text of one log line (no newline). Non-finite numbers are written as null, since JSON has
 // no NaN; reading turns null back into NaN.

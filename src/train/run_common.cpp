@@ -106,6 +106,8 @@ RunReporter::RunReporter(const TrainConfig& config, bool main_rank, int64_t tota
   // Only the main rank writes; a new run starts a new log, a resumed one keeps the lines up to its checkpoint.
   if (main_rank)
     metrics_.emplace(resume.empty() ? MetricsLog::start_new(metrics_path_) : MetricsLog::resume(metrics_path_, resume.step()));
+  if (main_rank && !config.tensorboard.empty())
+    tensorboard_.emplace(train::TensorBoardLog::start(config.tensorboard, resume.step()));
   train::ProgressOptions options;
   options.total_steps = total_steps;
   options.log_every = config.log_every;
@@ -122,6 +124,7 @@ void RunReporter::record(StepMetrics& m) {
   total_tokens_ += m.tokens;
   m.total_tokens = total_tokens_;
   if (metrics_) metrics_->append(m);
+  if (tensorboard_) tensorboard_->append(m);
   progress_->update(m);
 }
 
@@ -132,9 +135,11 @@ void RunReporter::finish(const TrainConfig& config, int64_t total_steps, const f
   fs::path plot = metrics_path_;
   plot.replace_extension(".svg");
   train::write_loss_plot_svg(history, plot);
-  train::write_run_summary(std::cerr, train::summarize_run(history), total_steps,
-                           {{config.full ? "model" : "adapter", final_output}, {"metrics", metrics_path_},
-                            {"loss plot", plot}, {"checkpoints", config.output}});
+  std::vector<train::OutputLocation> outputs = {{config.full ? "model" : "adapter", final_output},
+                                                {"metrics", metrics_path_}, {"loss plot", plot}};
+  if (tensorboard_) outputs.push_back({"tensorboard", tensorboard_->path().parent_path()});
+  outputs.push_back({"checkpoints", config.output});
+  train::write_run_summary(std::cerr, train::summarize_run(history), total_steps, outputs);
 }
 
 DType export_dtype(const TrainConfig& config) {

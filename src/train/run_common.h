@@ -18,6 +18,7 @@
 #include "train/metrics.h"
 #include "train/progress.h"
 #include "train/schedule.h"
+#include "train/tensorboard.h"
 #include "train/train_config.h"
 #include "train/trainable_state.h"
 
@@ -58,8 +59,8 @@ struct RunSchedule {
 };
 RunSchedule plan_schedule(const TrainConfig& config, int64_t items_per_epoch, int64_t items_per_step);
 
-// The metrics log and progress display of a run. Only the main rank writes the log and shows
-// progress; the others keep the same calls silent.
+// The metrics log (and, with --tensorboard, TensorBoard's event file) and the progress display of
+// a run. Only the main rank writes logs and shows progress; the others keep the same calls silent.
 class RunReporter {
  public:
   RunReporter(const TrainConfig& config, bool main_rank, int64_t total_steps, const ResumePoint& resume);
@@ -73,6 +74,7 @@ class RunReporter {
  private:
   std::filesystem::path metrics_path_;
   std::optional<train::MetricsLog> metrics_;
+  std::optional<train::TensorBoardLog> tensorboard_;
   std::ostringstream silent_;
   std::unique_ptr<train::ProgressDisplay> progress_;
   int64_t total_tokens_ = 0;

@@ -40,6 +40,7 @@ struct TrainConfig {
   int64_t eval_steps = 0;
   bool resume = false;                // continue from the latest checkpoint in --output
   std::string metrics_file;           // default: OUTPUT/metrics.jsonl
+  std::string tensorboard;            // folder for TensorBoard event files (main rank); empty: none
   int64_t log_every = 1;
   std::string recompute = "none";     // none | all | keep-attention: activation checkpointing (RecomputeMode)
   int64_t recompute_layers = -1;       // how many layers (the first ones) --recompute applies to; -1: all
