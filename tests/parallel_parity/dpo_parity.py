@@ -29,7 +29,8 @@ import tempfile
 import time
 
 
-from tiny_model import make_model
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+from tiny_model import config, write_model  # noqa: E402
 
 spindle, root = sys.argv[1], sys.argv[2]
 work = tempfile.mkdtemp(prefix="spindle-dpo-parity-")
@@ -54,7 +55,7 @@ def make_pairs(path, seed=3):
 
 
 model = os.path.join(work, "model")
-make_model(model, tokenizer_dir=tokenizer_dir)
+write_model(model, config(), tokenizer_dir=tokenizer_dir)
 data = os.path.join(work, "pairs.jsonl")
 make_pairs(data)
 FIELDS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",

@@ -26,7 +26,8 @@ import subprocess
 import sys
 import tempfile
 
-from tiny_model import make_model
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+from tiny_model import config, write_model  # noqa: E402
 
 spindle, root, part = sys.argv[1], sys.argv[2], sys.argv[3]
 work = tempfile.mkdtemp(prefix=f"spindle-parity-{part}-")
@@ -53,7 +54,7 @@ def make_data(path, loss_scale, vocab=64, seed=2):
 
 
 model = os.path.join(work, "model")
-make_model(model)
+write_model(model, config())
 data_scaled = os.path.join(work, "scaled.jsonl")
 data_plain = os.path.join(work, "plain.jsonl")
 make_data(data_scaled, True)

@@ -1,0 +1,113 @@
+"""Tiny decoder models for the Python test scripts and the demo: a Hugging Face config.json of a
+family and size, and a model folder holding it with random weights (numpy + safetensors).
+
+The C++ tests' counterpart is tests/support/tiny_model.h; both default to the tiny GQA llama the
+parity checks train (4 query heads over 2 KV heads, so Ulysses 4 replicates KV heads). The tensors
+follow from the config (qwen2: q/k/v biases; qwen3: q/k norms; no lm_head when tied), so a new
+family or layer kind is a new entry in `layer_tensors` and its config keys, not a new maker.
+
+    from tiny_model import config, write_model
+    write_model(path, config(model_type="qwen2", hidden_size=64), seed=3)
+"""
+import json
+import os
+import shutil
+
+import numpy as np
+from safetensors.numpy import save_file
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def config(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=None, rms_norm_eps=1e-5, rope_theta=10000.0,
+           tie_word_embeddings=False, max_position_embeddings=256, **extra):
+    """The config.json dict; `extra` adds or overrides keys as given (a family not in ARCHITECTURES
+    names its class there). head_dim defaults to hidden_size / num_attention_heads, as in transformers."""
+    c = {"model_type": model_type, "vocab_size": vocab_size,
+         "hidden_size": hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": num_hidden_layers,
+         "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
+         "head_dim": head_dim or hidden_size // num_attention_heads, "hidden_act": "silu",
+         "rms_norm_eps": rms_norm_eps, "rope_theta": rope_theta, "tie_word_embeddings": tie_word_embeddings,
+         "max_position_embeddings": max_position_embeddings, "torch_dtype": "float32"}
+    if model_type in ARCHITECTURES:
+        c["architectures"] = [ARCHITECTURES[model_type]]
+    c.update(extra)
+    return c
+
+
+def layer_tensors(c, layer):
+    """(name, shape, kind) of one decoder layer, kind "matrix", "bias" or "norm"."""
+    h, inter, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    qkv_bias = c["model_type"] == "qwen2" or c.get("attention_bias", False)
+    o_bias = c["model_type"] != "qwen2" and c.get("attention_bias", False)
+    p = f"model.layers.{layer}."
+    out = []
+    for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        out.append((p + f"self_attn.{proj}.weight", (rows, h), "matrix"))
+        if qkv_bias:
+            out.append((p + f"self_attn.{proj}.bias", (rows,), "bias"))
+    out.append((p + "self_attn.o_proj.weight", (h, q), "matrix"))
+    if o_bias:
+        out.append((p + "self_attn.o_proj.bias", (h,), "bias"))
+    out += [(p + "mlp.gate_proj.weight", (inter, h), "matrix"), (p + "mlp.up_proj.weight", (inter, h), "matrix"),
+            (p + "mlp.down_proj.weight", (h, inter), "matrix"),
+            (p + "input_layernorm.weight", (h,), "norm"), (p + "post_attention_layernorm.weight", (h,), "norm")]
+    if c["model_type"] == "qwen3":
+        out += [(p + "self_attn.q_norm.weight", (d,), "norm"), (p + "self_attn.k_norm.weight", (d,), "norm")]
+    return out
+
+
+def model_tensors(c):
+    """(name, shape, kind) of every tensor of the model, in the order weights are drawn."""
+    h, v = c["hidden_size"], c["vocab_size"]
+    out = [("model.embed_tokens.weight", (v, h), "matrix")]
+    if not c["tie_word_embeddings"]:
+        out.append(("lm_head.weight", (v, h), "matrix"))
+    out.append(("model.norm.weight", (h,), "norm"))
+    for layer in range(c["num_hidden_layers"]):
+        out += layer_tensors(c, layer)
+    return out
+
+
+def write_model(path, c, seed=1, weight_std=0.2, norm_std=0.1, tokenizer_dir=None):
+    """Writes config.json and model.safetensors (F32) to `path`, weights drawn from one generator
+    seeded `seed` in model_tensors order: matrices N(0, weight_std²), norms 1 + N(0, norm_std²)
+    (exactly 1 with norm_std 0), biases 0. The defaults spread the weights well beyond a new
+    model's (weight_std 0.02, norm_std 0: as transformers initialises one) so that attention is far
+    from uniform and every parameter gets a visible gradient. With tokenizer_dir, its tokenizer
+    files are copied, the vocabulary is the tokenizer's and the special token ids are its own.
+    Returns the config written."""
+    c = dict(c)
+    if tokenizer_dir:
+        tokenizer = json.load(open(os.path.join(tokenizer_dir, "tokenizer.json")))
+        tokenizer_config = json.load(open(os.path.join(tokenizer_dir, "tokenizer_config.json")))
+        added = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+        c["vocab_size"] = max(list(added.values()) + list(tokenizer["model"]["vocab"].values())) + 1
+        for role in ("bos", "eos", "pad"):
+            token = tokenizer_config.get(f"{role}_token")  # a string, an AddedToken dict or null
+            c[f"{role}_token_id"] = added.get(token["content"] if isinstance(token, dict) else token)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape, kind in model_tensors(c):
+        if kind == "matrix":
+            tensors[name] = (weight_std * rng.standard_normal(shape)).astype(np.float32)
+        elif kind == "norm":
+            values = 1.0 + norm_std * rng.standard_normal(shape) if norm_std else np.ones(shape)
+            tensors[name] = values.astype(np.float32)
+        else:
+            tensors[name] = np.zeros(shape, np.float32)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+        f.write("\n")
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer_dir:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(tokenizer_dir, name), path)
+    return c
+
+
+def parameter_count(c):
+    return sum(int(np.prod(shape)) for _, shape, _ in model_tensors(c))
