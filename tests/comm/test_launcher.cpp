@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "launch/launcher.h"
+#include "support/tiny_model.h"
 
 namespace spindle {
 namespace {
@@ -184,11 +185,13 @@ TEST(Launcher, AJobItsCheckRefusesStartsNoProcess) {
 // A model folder holding only config.json: the launcher reads the heads from it.
 std::filesystem::path model_with_heads(const std::string& name, int q_heads, int kv_heads) {
   const auto dir = std::filesystem::path(::testing::TempDir()) / ("launcher_model_" + std::to_string(::getpid()) + name);
-  std::filesystem::create_directories(dir);
-  std::ofstream(dir / "config.json") << fmt::format(
-      R"({{"model_type": "qwen2", "vocab_size": 64, "hidden_size": {}, "intermediate_size": 32,
-          "num_hidden_layers": 1, "num_attention_heads": {}, "num_key_value_heads": {}}})",
-      8 * q_heads, q_heads, kv_heads);
+  spindle::test::write_config(dir, {.model_type = "qwen2",
+                                   .hidden_size = 8 * q_heads,
+                                   .intermediate_size = 32,
+                                   .num_layers = 1,
+                                   .num_heads = q_heads,
+                                   .num_kv_heads = kv_heads,
+                                   .rms_norm_eps = 1e-6});
   return dir;
 }
 

@@ -20,6 +20,7 @@
 
 #include "core/error.h"
 #include "io/hub_cache.h"
+#include "support/tiny_model.h"
 
 namespace spindle::io {
 namespace {
@@ -237,8 +238,10 @@ TEST_F(HubCache, BenchRunsAModelFromTheCache) {
   ::setenv("HF_HUB_CACHE", cache.root().c_str(), 1);
   const fs::path snapshot = cache.add(
       "models--Org--Tiny", kCommitMain,
-      {{"config.json", R"({"model_type": "qwen2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 32,
-                           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2})"}});
+      {{"config.json",
+        spindle::test::TinyModel{.model_type = "qwen2", .intermediate_size = 32, .num_layers = 1, .rms_norm_eps = 1e-6}
+            .config_json()
+            .dump()}});
   const CliRun run = run_spindle(
       {"bench", "--model", "Org/Tiny", "--seq", "16", "--steps", "1", "--warmup", "0", "--device", "cpu", "--json"},
       scratch_);

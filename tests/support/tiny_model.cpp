@@ -72,15 +72,24 @@ void add_lora_with_random_b(Backend& backend, ModelWeights& weights, const LoraC
     }
 }
 
-void write_model_folder(const std::filesystem::path& dir, const TinyModel& model, uint64_t seed, double scale) {
-  std::filesystem::create_directories(dir);
-  nlohmann::json config = model.config_json();
-  config["torch_dtype"] = "float32";
-  const std::filesystem::path config_path = dir / "config.json";
-  std::ofstream out(config_path);
-  out << config.dump(2) << "\n";
-  if (!out) fail("cannot write {}", config_path.string());
+namespace {
 
+void write_json(const std::filesystem::path& dir, const nlohmann::json& config) {
+  std::filesystem::create_directories(dir);
+  const std::filesystem::path path = dir / "config.json";
+  std::ofstream out(path);
+  out << config.dump(2) << "\n";
+  if (!out) fail("cannot write {}", path.string());
+}
+
+}  // namespace
+
+void write_config(const std::filesystem::path& dir, const TinyModel& model) { write_json(dir, model.config_json()); }
+
+void write_model_folder(const std::filesystem::path& dir, const TinyModel& model, uint64_t seed, double scale) {
+  nlohmann::json config = model.config_json();
+  config["torch_dtype"] = "float32";  // what the weights below are stored in
+  write_json(dir, config);
   auto backend = make_cpu_backend(1);
   ModelWeights weights = random_weights(*backend, model.config(), DType::F32, seed, scale);
   io::NamedTensors tensors;

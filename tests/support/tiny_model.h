@@ -65,5 +65,8 @@ void add_lora_with_random_b(Backend& backend, ModelWeights& weights, const LoraC
 // A Hugging Face model folder at `dir`: config.json and model.safetensors (F32) holding
 // random_weights(config, seed, scale), for tests that need a model on disk.
 void write_model_folder(const std::filesystem::path& dir, const TinyModel& model, uint64_t seed, double scale = 1.0);
+// config.json alone, unchecked, for what reads only the architecture (the launcher's mesh check,
+// bench's synthetic weights) or must refuse it.
+void write_config(const std::filesystem::path& dir, const TinyModel& model);
 
 }  // namespace spindle::test
