@@ -5,6 +5,7 @@
 #include <numeric>
 #include <random>
 
+#include "backend/cuda/cuda_options.h"
 #include "bench/device_timer.h"
 #include "bench/flops.h"
 #include "bench/timed_backend.h"
@@ -28,9 +29,10 @@ const std::vector<std::string> kAllProjections = {"q_proj", "k_proj", "v_proj", 
                                                   "gate_proj", "up_proj", "down_proj"};
 
 std::unique_ptr<Backend> make_backend(const BenchOptions& o) {
-  ComputeDevice device;  // the trainer's backend factory (validate() has checked o.device)
+  ComputeDevice device;  // the trainer's backend factory (validate() has checked o.device and o.attention)
   device.cuda = o.device == "cuda";
   device.index = o.device_index;
+  device.cuda_options.attention = parse_cuda_attention(o.attention);
   return spindle::make_backend(device, o.cpu_threads);
 }
 
@@ -38,6 +40,8 @@ void validate(const BenchOptions& o) {
   if (o.model.empty()) fail("bench needs --model (a model folder or its config.json)");
   if (o.seq_lengths.empty()) fail("bench needs at least one --seq length");
   if (o.device != "cpu" && o.device != "cuda") fail("--device must be cpu or cuda, got '{}'", o.device);
+  if (o.device == "cpu") check_cuda_attention_off_gpu(parse_cuda_attention(o.attention), "--device cpu");
+  else parse_cuda_attention(o.attention);
   for (int64_t s : o.seq_lengths)
     if (s < 2) fail("--seq {} is too short: a step needs at least 2 tokens (one supervised target)", s);
   if (o.steps < 1) fail("--steps must be at least 1, got {}", o.steps);
@@ -304,8 +308,9 @@ std::string format_report(const BenchReport& rep) {
   s += fmt::format("spindle bench: {} ({} layers, hidden {}, {} q / {} kv heads of {}, vocab {}), {} parameters\n",
                    o.model, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
                    rep.parameters);
-  s += fmt::format("  {} on {}, {}, {} trainable, recompute {}, {} warm-up + {} timed steps, {}\n",
+  s += fmt::format("  {} on {}{}, {}, {} trainable, recompute {}, {} warm-up + {} timed steps, {}\n",
                    o.device == "cuda" ? "BF16 (F32 accumulation)" : "F32", rep.device_name,
+                   o.device == "cuda" ? fmt::format(" (attention {})", o.attention) : std::string(),
                    o.full ? std::string("full fine-tuning") : fmt::format("LoRA r={} on all 7 projections", o.lora_rank),
                    rep.trainable_parameters,
                    o.recompute_layers >= 0 ? fmt::format("{} on the first {} layers", o.recompute, o.recompute_layers)
@@ -389,6 +394,7 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
   j["lora_rank"] = o.full ? 0 : o.lora_rank;
   j["recompute"] = o.recompute;
   j["recompute_layers"] = o.recompute_layers;
+  j["attention"] = o.attention;
   j["doc_length"] = o.doc_length;
   j["warmup"] = o.warmup;
   j["steps"] = o.steps;

@@ -29,6 +29,7 @@ struct BenchOptions {
   int profile_steps = 1;               // extra steps through the timing decorator (0: no split)
   int op_table_rows = 0;               // the text report lists the profiled step's N most costly ops
   std::string device = "cuda";         // cuda | cpu
+  std::string attention = "auto";      // auto | own | cudnn: the CUDA backend's attention (CudaAttention)
   int device_index = 0;
   int cpu_threads = 0;
   double peak_tflops = 0;              // MFU denominator; 0: the device's BF16 dense peak if known

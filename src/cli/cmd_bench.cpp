@@ -4,6 +4,7 @@
 #include <functional>
 #include <string>
 
+#include "backend/cuda/cuda_options.h"
 #include "bench/bench.h"
 #include "cli/commands.h"
 #include "comm/process_group.h"
@@ -118,6 +119,10 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
                   "list the profiled step's N most costly ops (GEMMs by shape, with TFLOP/s); the JSON has all")
       ->capture_default_str();
   cmd->add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  cmd->add_option("--attention", o.attention,
+                  "CUDA attention: auto (cuDNN for long one-document rows, the engine's own kernels elsewhere), "
+                  "own (never cuDNN) or cudnn (cuDNN for every call; fails on calls it cannot take)")
+      ->capture_default_str();
   cmd->add_option("--device-index", o.device_index, "CUDA device (default: LOCAL_RANK, else 0)");
   cmd->add_option("--threads", o.cpu_threads, "CPU threads with --device cpu (default: all)");
   cmd->add_option("--peak-tflops", o.peak_tflops, "MFU denominator (default: the GPU's dense BF16 peak)");
@@ -129,6 +134,8 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--json-file", args->json_file, "also write the JSON document there (after every length)");
   commands.push_back({cmd, [args] { return run_bench_command(*args); },
                       [args](int world_size) {
+                        const CudaAttention attention = parse_cuda_attention(args->options.attention);
+                        if (args->options.device == "cpu") check_cuda_attention_off_gpu(attention, "--device cpu");
                         parallel::MeshFlags flags;  // 0: not given
                         if (args->options.sp) flags.sp = args->options.sp;
                         if (args->options.ulysses) flags.ulysses = args->options.ulysses;

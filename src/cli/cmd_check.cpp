@@ -2,6 +2,7 @@
 // process, and says whether they agree (exit 0) or not (exit 1). Takes the options of `spindle sft`.
 #include <cstdio>
 
+#include "backend/cuda/cuda_options.h"
 #include "cli/commands.h"
 #include "train/check.h"
 #include "train/setup.h"
@@ -29,6 +30,8 @@ void add_check_command(CLI::App& app, CommandList& commands) {
                         return report->passed ? 0 : 1;
                       },
                       [config](int world_size) {
+                        const CudaAttention attention = parse_cuda_attention(config->attention);
+                        if (config->device == "cpu") check_cuda_attention_off_gpu(attention, "--device cpu");
                         check_mesh_before_launch(config->mesh_flags(), config->model, world_size);
                       }});
 }

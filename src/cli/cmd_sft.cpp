@@ -139,6 +139,10 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
                                         "the GPU of its local rank)")->capture_default_str();
   cmd->add_option("--dtype", c.dtype, "compute precision: auto (CPU f32, CUDA bf16), f32, f64 (CPU) or bf16 (CUDA)")
       ->capture_default_str();
+  cmd->add_option("--attention", c.attention,
+                  "CUDA attention: auto (cuDNN for long one-document rows, the engine's own kernels elsewhere), "
+                  "own (never cuDNN) or cudnn (cuDNN for every call; fails on calls it cannot take)")
+      ->capture_default_str();
   cmd->add_option("--threads", c.threads, "CPU threads per process (default: the machine's cores / processes)");
   cmd->add_option("--dp", c.dp, "data-parallel replicas (default: processes / sp)");
   cmd->add_option("--sp", c.sp, "sequence-parallel degree: each row is split over this many processes (default 1)");

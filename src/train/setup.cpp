@@ -68,7 +68,12 @@ std::string ComputeDevice::describe() const {
 }
 
 ComputeDevice choose_device(const TrainConfig& config, const ProcessGroupInfo& process) {
-  return choose_device(config.device, config.dtype, process);
+  ComputeDevice device = choose_device(config.device, config.dtype, process);
+  device.cuda_options.attention = parse_cuda_attention(config.attention);
+  if (!device.cuda)
+    check_cuda_attention_off_gpu(device.cuda_options.attention,
+                                 config.device == "cpu" ? "--device cpu" : "no GPU is visible to --device auto");
+  return device;
 }
 
 ComputeDevice choose_device(const std::string& device_flag, const std::string& dtype_flag,
@@ -106,7 +111,7 @@ ComputeDevice choose_device(const std::string& device_flag, const std::string& d
 std::unique_ptr<Backend> make_backend(const ComputeDevice& device, int cpu_threads) {
   if (device.cuda) {
 #if SPINDLE_WITH_CUDA
-    return make_cuda_backend(device.index);
+    return make_cuda_backend(device.index, device.cuda_options);
 #else
     fail("--device cuda: this spindle was built without the CUDA backend (rebuild where nvcc is installed)");
 #endif

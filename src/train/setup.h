@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/cuda_options.h"
 #include "data/packing.h"
 #include "model/decoder.h"
 #include "model/weights.h"
@@ -19,11 +20,12 @@ namespace spindle {
 
 // Where this process computes: --device (auto: CUDA when spindle has the CUDA backend and a GPU is
 // visible), the GPU of its LOCAL_RANK, and the compute dtype (--dtype auto: F32 on the CPU, BF16
-// storage with F32 accumulation on CUDA).
+// storage with F32 accumulation on CUDA), and on CUDA the backend's options (--attention).
 struct ComputeDevice {
   bool cuda = false;
   int index = 0;
   DType dtype = DType::F32;
+  CudaBackendOptions cuda_options;
   std::string describe() const;  // "CUDA device 1, bf16" / "CPU, f32"
 };
 ComputeDevice choose_device(const TrainConfig& config, const ProcessGroupInfo& process);

@@ -2,6 +2,7 @@
 
 #include <filesystem>
 
+#include "backend/cuda/cuda_options.h"
 #include "core/error.h"
 #include "model/recompute.h"
 #include "train/schedule.h"
@@ -40,6 +41,8 @@ void TrainConfig::validate() const {
     fail("--device must be auto, cpu or cuda, got \"{}\"", device);
   if (dtype != "auto" && dtype != "f32" && dtype != "f64" && dtype != "bf16")
     fail("--dtype must be auto, f32, f64 (CPU) or bf16 (CUDA), got \"{}\"", dtype);
+  if (device == "cpu") check_cuda_attention_off_gpu(parse_cuda_attention(attention), "--device cpu");
+  else parse_cuda_attention(attention);
   if (dp < 0 || sp < 0 || ulysses < 0 || ring < 0) fail("--dp, --sp, --ulysses and --ring must be positive");
   if (!adapter.empty() && !fs::exists(fs::path(adapter) / "adapter_config.json"))
     fail("--adapter {}: no adapter_config.json there", adapter);

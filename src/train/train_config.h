@@ -46,6 +46,7 @@ struct TrainConfig {
   int64_t recompute_layers = -1;       // how many layers (the first ones) --recompute applies to; -1: all
   std::string device = "auto";        // auto | cpu | cuda (auto: CUDA when built with it and a GPU is visible)
   std::string dtype = "auto";         // auto (cpu: f32, cuda: bf16) | f32 | f64 (cpu) | bf16 (cuda)
+  std::string attention = "auto";     // auto | own | cudnn: the CUDA backend's attention (CudaAttention)
   int threads = 0;
   // Mesh (docs/parallelism.md): 0 = not given, resolved against the number of processes.
   int dp = 0, sp = 0, ulysses = 0, ring = 0;

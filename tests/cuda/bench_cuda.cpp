@@ -5,7 +5,8 @@
 // sequence of T tokens the pairs are T(T+1)/2. GEMM = 2·M·N·K. Bandwidth = bytes read + written.
 // Inputs are random (zeros run faster than real data), times are medians of CUDA-event timings
 // after warm-up. Usage: bench_cuda [--quick | --profile | --profile-packed | --attention | --packed |
-// --cudnn-knobs | --overlap | --lora]
+// --overlap | --lora]. Each attention variant compared here is a backend made with that choice
+// (make_cuda_backend's CudaBackendOptions).
 // --profile runs the engine's attention forward and backward once each at 32k causal (Hq=12, Hkv=2,
 // D=128), for a profiler (scripts/gpu/profile_attention.sh); --profile-packed the same on a 32k row
 // of 32 documents of 1k. --packed: the engine's kernels on packed 32k rows only (documents of 4k,
@@ -239,48 +240,6 @@ void bench_first_call(Backend& be, int64_t t, const char* impl) {
   rows.push_back({label, first, first - again, "ms"});
 }
 
-// cuDNN's engine knobs at 32k and 64k causal (Hq 12, Hkv 2, D 128): the heuristics' plan, then each
-// knob of the forward and backward engines moved alone through its range (at most 64 values).
-void bench_cudnn_knobs() {
-  setenv("SPINDLE_CUDA_ATTENTION", "cudnn", 1);
-  auto dnn = make_cuda_backend(0);
-  unsetenv("SPINDLE_CUDA_ATTENTION");
-  for (int64_t t : {int64_t{32768}, int64_t{65536}}) {
-    bench_attention(*dnn, 1, t, 12, 2, 128, false, "cudnn heuristics");
-    const cuda::AttentionShape sh{t, t, 12, 2, 128};
-    std::vector<cuda::CudnnKnob> both[2];
-    int64_t engines[2] = {-1, -1};
-    for (int backward : {0, 1})
-      both[backward] = cuda::attention_cudnn_knobs(sh, cuda::CudnnMask::Causal, backward, &engines[backward]);
-    for (bool backward : {false, true}) {
-      const int64_t engine = engines[backward];
-      const auto& knobs = both[backward];
-      std::printf("T=%lld %s: engine %lld, knobs (type: min..max/stride = chosen):", static_cast<long long>(t),
-                  backward ? "backward" : "forward", static_cast<long long>(engine));
-      for (const auto& k : knobs)
-        std::printf(" %d: %lld..%lld/%lld = %lld;", k.type, static_cast<long long>(k.min),
-                    static_cast<long long>(k.max), static_cast<long long>(k.stride), static_cast<long long>(k.chosen));
-      std::printf("\n");
-      std::fflush(stdout);
-      for (const auto& k : knobs) {
-        const int64_t stride = std::max<int64_t>(k.stride, 1);
-        for (int64_t v = k.min, tried = 0; v <= k.max && tried < 64; v += stride, ++tried) {
-          if (v == k.chosen) continue;
-          char label[64];
-          std::snprintf(label, sizeof label, "cudnn knob %d=%lld", k.type, static_cast<long long>(v));
-          try {
-            cuda::attention_cudnn_force_knobs({std::make_pair(k.type, v)}, backward);
-            bench_attention(*dnn, 1, t, 12, 2, 128, false, label, backward ? 2 : 1);
-          } catch (const Error& e) {
-            std::printf("%s %s: %.60s\n", backward ? "backward" : "forward", label, e.what());
-          }
-          cuda::attention_cudnn_force_knobs({}, backward);
-        }
-      }
-    }
-  }
-}
-
 // LoRA backward through B (dxa = s·dy·B, dB += s·dyᵀ·xa) at the step's shapes, rank 16: the fused
 // kernel against the two GEMMs it replaces. Rate = dy's bytes (read once by the fused kernel, twice
 // by the GEMMs) per second.
@@ -356,33 +315,25 @@ void bench_overlap(Backend& be) {
   rows.push_back({"overlap: both, grads on a second stream", both_ms, serial_ms - both_ms, "ms saved"});
 }
 
-// Bandwidth, GEMMs, then attention: the default kernels, the mma.sync fallback and the measured
-// alternatives at 32k causal; without `quick` also other shapes and the simple kernels.
+// Bandwidth, GEMMs, then attention at 32k causal: the default choice, the engine's own kernels
+// and the mma.sync fallback; without `quick` also other shapes and the simple kernels.
 void bench_suite(Backend& be, bool quick) {
   bench_bandwidth(be);
   bench_gemm(be, 8192, 8192, 8192, false, false, "gemm BF16 8192^3");
   bench_gemm(be, 32768, 8960, 1536, false, true, "gemm BF16 x[32k,1536]·W[8960,1536]^T");
   bench_gemm(be, 1536, 8960, 32768, true, false, "gemm BF16 dW = x^T·dy (K=32k)");
   bench_attention(be, 1, 32768, 12, 2, 128, false, "auto");
-  setenv("SPINDLE_CUDA_ATTENTION", "own", 1);
-  auto own = make_cuda_backend(0);
-  setenv("SPINDLE_CUDA_ATTENTION", "mma", 1);
-  auto mma = make_cuda_backend(0);
-  unsetenv("SPINDLE_CUDA_ATTENTION");
+  auto own = make_cuda_backend(0, {CudaAttention::Own});
+  auto mma = make_cuda_backend(0, {CudaAttention::Mma});
   bench_attention(*own, 1, 32768, 12, 2, 128, false, "own");
   bench_attention(*mma, 1, 32768, 12, 2, 128, false, "mma");
-  setenv("SPINDLE_CUDA_ATTN_PINGPONG", "0", 1);  // knob read per call
-  bench_attention(*own, 1, 32768, 12, 2, 128, false, "wgmma no-pingpong", 1);
-  unsetenv("SPINDLE_CUDA_ATTN_PINGPONG");
   if (quick) return;
   bench_attention(be, 1, 8192, 12, 2, 128, false, "auto");
   bench_attention(be, 1, 16384, 12, 2, 128, true, "auto");
   bench_attention(be, 8, 4096, 12, 2, 128, false, "auto");
   bench_attention(be, 1, 32768, 28, 4, 128, false, "auto");
   bench_attention(be, 1, 32768, 16, 4, 64, false, "auto");
-  setenv("SPINDLE_CUDA_ATTENTION", "simple", 1);
-  auto simple = make_cuda_backend(0);
-  unsetenv("SPINDLE_CUDA_ATTENTION");
+  auto simple = make_cuda_backend(0, {CudaAttention::Simple});
   bench_attention(*simple, 1, 4096, 12, 2, 128, false, "simple");
 }
 
@@ -394,7 +345,6 @@ int main(int argc, char** argv) {
   const bool profile_packed = argc > 1 && std::strcmp(argv[1], "--profile-packed") == 0;
   const bool packed = argc > 1 && std::strcmp(argv[1], "--packed") == 0;
   const bool attention = argc > 1 && std::strcmp(argv[1], "--attention") == 0;
-  const bool cudnn_knobs = argc > 1 && std::strcmp(argv[1], "--cudnn-knobs") == 0;
   const bool overlap = argc > 1 && std::strcmp(argv[1], "--overlap") == 0;
   const bool lora = argc > 1 && std::strcmp(argv[1], "--lora") == 0;
   if (cuda_device_count() == 0) {
@@ -409,9 +359,7 @@ int main(int argc, char** argv) {
     auto be = make_cuda_backend(0);
     if (profile || profile_packed || packed) {
       g_profile = profile || profile_packed;
-      setenv("SPINDLE_CUDA_ATTENTION", "own", 1);  // the engine's own kernels
-      auto own = make_cuda_backend(0);
-      unsetenv("SPINDLE_CUDA_ATTENTION");
+      auto own = make_cuda_backend(0, {CudaAttention::Own});  // the engine's own kernels
       if (profile) bench_attention(*own, 1, 32768, 12, 2, 128, false, "own", 3);
       if (profile_packed) bench_attention(*own, 32, 1024, 12, 2, 128, false, "own", 3);
       if (!packed) return 0;
@@ -435,17 +383,9 @@ int main(int argc, char** argv) {
     } else if (overlap) {
       bench_overlap(*be);
       bench_overlap(*be);
-    } else if (cudnn_knobs) {
-      if (!cuda::attention_cudnn_built()) {
-        std::printf("bench_cuda: built without cuDNN\n");
-        return 0;
-      }
-      bench_cudnn_knobs();
     } else if (attention) {  // 32k causal: the engine's own kernels three times, then the default
                              // (cuDNN for a plain causal row when built with it) twice
-      setenv("SPINDLE_CUDA_ATTENTION", "own", 1);
-      auto own = make_cuda_backend(0);
-      unsetenv("SPINDLE_CUDA_ATTENTION");
+      auto own = make_cuda_backend(0, {CudaAttention::Own});
       for (int i = 0; i < 3; ++i) bench_attention(*own, 1, 32768, 12, 2, 128, false, "own");
       if (!cuda::attention_cudnn_built()) std::printf("bench_cuda: built without cuDNN, auto = own\n");
       for (int i = 0; i < 2; ++i) bench_attention(*be, 1, 32768, 12, 2, 128, false, "auto");
@@ -456,9 +396,7 @@ int main(int argc, char** argv) {
       bench_attention(*own, 8, 4096, 12, 2, 128, false, "own");
       bench_attention(*own, 32, 1024, 12, 2, 128, false, "own");
       if (cuda::attention_cudnn_built()) {  // what a new shape's cuDNN plans cost (worth_a_cudnn_plan)
-        setenv("SPINDLE_CUDA_ATTENTION", "cudnn", 1);
-        auto dnn = make_cuda_backend(0);
-        unsetenv("SPINDLE_CUDA_ATTENTION");
+        auto dnn = make_cuda_backend(0, {CudaAttention::Cudnn});
         for (int64_t t : {4093, 16381, 32749, 8192}) {
           bench_first_call(*own, t, "own");
           bench_first_call(*dnn, t, "cudnn");

@@ -146,8 +146,9 @@ TEST(CudaLoraGemms, EveryLoraShapeMatchesCpu) {
 }
 
 // One training step of a model with head dim 128 on one causal document (the rows the default
-// sends to cuDNN's fused attention, here forced with SPINDLE_CUDA_ATTENTION=cudnn) equals the same step on the engine's own attention kernels
-// within BF16 tolerance: loss, gradient norm, and every trainable tensor.
+// sends to cuDNN's fused attention, here forced with CudaAttention::Cudnn) equals the same step on
+// the engine's own attention kernels within BF16 tolerance: loss, gradient norm, and every
+// trainable tensor.
 TEST(CudaModelAttention, CudnnStepMatchesOwnKernels) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   if (!cuda::attention_cudnn_built()) GTEST_SKIP() << "built without cuDNN";
@@ -168,10 +169,8 @@ TEST(CudaModelAttention, CudnnStepMatchesOwnKernels) {
   const std::vector<PackedRow> rows = pack_documents({doc}, pack);
   ASSERT_EQ(rows.size(), 1u);
 
-  auto step = [&](const char* attention) {
-    setenv("SPINDLE_CUDA_ATTENTION", attention, 1);
-    auto be = make_cuda_backend(0);
-    unsetenv("SPINDLE_CUDA_ATTENTION");
+  auto step = [&](CudaAttention attention) {
+    auto be = make_cuda_backend(0, {attention});
     ModelWeights w = ModelWeights::random(*be, c, DType::BF16, 11);
     w.train_all(*be);
     MicroBatch batch = make_micro_batch(*be, rows, DType::BF16);
@@ -187,7 +186,7 @@ TEST(CudaModelAttention, CudnnStepMatchesOwnKernels) {
     return out;
   };
   // cuDNN forced: a 384-token row would wait for recurrence before the default builds a plan.
-  const StepResult own = step("own"), dflt = step("cudnn");
+  const StepResult own = step(CudaAttention::Own), dflt = step(CudaAttention::Cudnn);
   EXPECT_NEAR(dflt.loss, own.loss, 1e-2 * own.loss);
   double n_own = 0, n_dflt = 0;
   ASSERT_EQ(dflt.grads.size(), own.grads.size());

@@ -716,9 +716,7 @@ INSTANTIATE_TEST_SUITE_P(Kernels, CudaAttention,
 // The mma.sync kernels (the fallback where the Hopper kernels do not run), forced on d 64/128.
 TEST(CudaAttentionImpls, TensorCoreFallbackMatchesCpu) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
-  setenv("SPINDLE_CUDA_ATTENTION", "mma", 1);
-  auto gpu = make_cuda_backend(0);
-  unsetenv("SPINDLE_CUDA_ATTENTION");
+  auto gpu = make_cuda_backend(0, {spindle::CudaAttention::Mma});
   auto cpu = make_cpu_backend();
   std::mt19937_64 rng(9);
   for (int d : {64, 128}) {
@@ -738,9 +736,7 @@ bool gpu_is_hopper() {
 TEST(CudaAttentionImpls, WgmmaMatchesCpuOnMultiTileRows) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
   if (!gpu_is_hopper()) GTEST_SKIP() << "the wgmma kernels need a Hopper GPU";
-  setenv("SPINDLE_CUDA_ATTENTION", "wgmma", 1);
-  auto gpu = make_cuda_backend(0);
-  unsetenv("SPINDLE_CUDA_ATTENTION");
+  auto gpu = make_cuda_backend(0, {spindle::CudaAttention::Wgmma});
   auto cpu = make_cpu_backend();
   std::mt19937_64 rng(21);
   const std::vector<AttnCase> cases = {
@@ -753,23 +749,32 @@ TEST(CudaAttentionImpls, WgmmaMatchesCpuOnMultiTileRows) {
       {"ring block below the diagonal", block(1000, 256, 0, 640), 4, 2},
       {"positions out of order", swapped_positions(300), 4, 2},
   };
-  // Default kernels, then the forward without turn-taking (kept for measurements).
-  for (const char* pingpong : {"1", "0"}) {
-    SCOPED_TRACE(std::string("SPINDLE_CUDA_ATTN_PINGPONG=") + pingpong);
-    setenv("SPINDLE_CUDA_ATTN_PINGPONG", pingpong, 1);
-    for (const AttnCase& c : cases) check_attention(*cpu, *gpu, rng, c, DType::BF16, 128);
-  }
-  unsetenv("SPINDLE_CUDA_ATTN_PINGPONG");
+  for (const AttnCase& c : cases) check_attention(*cpu, *gpu, rng, c, DType::BF16, 128);
 }
 
-// cuDNN's fused SDPA (SPINDLE_CUDA_ATTENTION=cudnn) on its two mask cases: one causal document
-// and a fully visible block (a ring block below the diagonal), GQA 12/2 and 4/4, T 300 and 1024.
+// Asking for cuDNN in a build without it fails when the backend is made (before the device starts,
+// so also on a machine without a GPU), not at the first attention call.
+TEST(CudaAttentionImpls, CudnnChoiceWithoutCudnnFailsAtStartUp) {
+  if (cuda::attention_cudnn_built()) {
+    if (cuda_device_count() == 0) GTEST_SKIP() << "built with cuDNN; making a backend needs a GPU";
+    EXPECT_NO_THROW(make_cuda_backend(0, {spindle::CudaAttention::Cudnn}));
+    return;
+  }
+  try {
+    make_cuda_backend(0, {spindle::CudaAttention::Cudnn});
+    ADD_FAILURE() << "a cuDNN choice was accepted by a build without cuDNN";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--attention cudnn: this spindle was built without cuDNN"), std::string::npos)
+        << e.what();
+  }
+}
+
+// cuDNN's fused SDPA (CudaAttention::Cudnn, --attention cudnn) on its two mask cases: one causal
+// document and a fully visible block (a ring block below the diagonal), GQA 12/2 and 4/4, T 300 and 1024.
 TEST(CudaAttentionImpls, CudnnMatchesCpu) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
   if (!cuda::attention_cudnn_built()) GTEST_SKIP() << "built without cuDNN";
-  setenv("SPINDLE_CUDA_ATTENTION", "cudnn", 1);
-  auto gpu = make_cuda_backend(0);
-  unsetenv("SPINDLE_CUDA_ATTENTION");
+  auto gpu = make_cuda_backend(0, {spindle::CudaAttention::Cudnn});
   auto cpu = make_cpu_backend();
   std::mt19937_64 rng(31);
   for (int t : {300, 1024})
@@ -785,17 +790,13 @@ TEST(CudaAttentionImpls, CudnnMatchesCpu) {
 // The default choice: a call whose mask carries the host-side fact plain_causal goes to cuDNN when
 // the shape is worth a plan — long enough (12 heads × 40k tokens²) from its first call, a shorter
 // one once it recurs (after 64 calls) — and then matches cuDNN's forward to the bit and the CPU in
-// both directions; without the fact, and under SPINDLE_CUDA_ATTENTION=own, the engine's kernels.
+// both directions; without the fact, and under CudaAttention::Own, the engine's kernels.
 TEST(CudaAttentionImpls, DefaultTakesCudnnForPlainCausalRows) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
   if (!cuda::attention_cudnn_built()) GTEST_SKIP() << "built without cuDNN";
-  unsetenv("SPINDLE_CUDA_ATTENTION");
   auto dflt = make_cuda_backend(0);
-  setenv("SPINDLE_CUDA_ATTENTION", "cudnn", 1);
-  auto dnn = make_cuda_backend(0);
-  setenv("SPINDLE_CUDA_ATTENTION", "own", 1);
-  auto own = make_cuda_backend(0);
-  unsetenv("SPINDLE_CUDA_ATTENTION");
+  auto dnn = make_cuda_backend(0, {spindle::CudaAttention::Cudnn});
+  auto own = make_cuda_backend(0, {spindle::CudaAttention::Own});
   auto cpu = make_cpu_backend();
   std::mt19937_64 rng(77);
   const int hq = 12, hkv = 2, d = 128;
@@ -850,13 +851,9 @@ TEST(CudaAttentionImpls, DefaultTakesCudnnForPlainCausalRows) {
 // and the two GPU implementations agree with each other at a size the CPU would take long for.
 TEST(CudaAttentionImpls, SimpleAndTensorCoreKernelsAgree) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
-  setenv("SPINDLE_CUDA_ATTENTION", "simple", 1);
-  auto simple = make_cuda_backend(0);
-  setenv("SPINDLE_CUDA_ATTENTION", "mma", 1);
-  auto mma = make_cuda_backend(0);
-  setenv("SPINDLE_CUDA_ATTENTION", gpu_is_hopper() ? "wgmma" : "mma", 1);
-  auto wgmma = make_cuda_backend(0);
-  unsetenv("SPINDLE_CUDA_ATTENTION");
+  auto simple = make_cuda_backend(0, {spindle::CudaAttention::Simple});
+  auto mma = make_cuda_backend(0, {spindle::CudaAttention::Mma});
+  auto wgmma = make_cuda_backend(0, {gpu_is_hopper() ? spindle::CudaAttention::Wgmma : spindle::CudaAttention::Mma});
   auto cpu = make_cpu_backend();
   std::mt19937_64 rng(5);
   check_attention(*cpu, *simple, rng, {"causal", causal(150), 4, 2}, DType::BF16, 128);

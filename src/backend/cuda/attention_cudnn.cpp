@@ -72,19 +72,13 @@ void throw_cudnn(int status, const char* call, const char* file, int line) {
 }
 void attention_forward_cudnn(cudaStream_t, const AttentionShape&, CudnnMask, const void*, const void*, const void*,
                              float, void*, float*) {
-  fail("attention_forward: SPINDLE_CUDA_ATTENTION=cudnn, but this build has no cuDNN (install cuDNN 9 and "
-       "re-run cmake, or use another SPINDLE_CUDA_ATTENTION)");
+  fail("attention_forward: cuDNN attention, but this build has no cuDNN (install cuDNN 9 and re-run cmake, "
+       "or choose --attention auto or own)");
 }
 void attention_backward_cudnn(cudaStream_t, const AttentionShape&, CudnnMask, const void*, const void*, const void*,
                               const void*, const void*, const float*, float, void*, void*, void*, bool) {
-  fail("attention_backward: SPINDLE_CUDA_ATTENTION=cudnn, but this build has no cuDNN (install cuDNN 9 and "
-       "re-run cmake, or use another SPINDLE_CUDA_ATTENTION)");
-}
-std::vector<CudnnKnob> attention_cudnn_knobs(const AttentionShape&, CudnnMask, bool, int64_t*) {
-  fail("attention_cudnn_knobs: this build has no cuDNN");
-}
-void attention_cudnn_force_knobs(const CudnnKnobValues&, bool) {
-  fail("attention_cudnn_force_knobs: this build has no cuDNN");
+  fail("attention_backward: cuDNN attention, but this build has no cuDNN (install cuDNN 9 and re-run cmake, "
+       "or choose --attention auto or own)");
 }
 
 #else  // SPINDLE_HAVE_CUDNN
@@ -146,87 +140,6 @@ enum Uid : int64_t {
   kQ = 1, kK = 2, kV = 3, kO = 4, kStats = 5, kScale = 6, kNegInf = 7, kDO = 8, kDQ = 9, kDK = 10, kDV = 11,
   kOne = 12, kSoftmaxSum = 13, kDQAccum = 14,
 };
-
-// Engine `cfg`'s global index and its knobs: range from the engine, value from the config.
-void read_knobs(cudnnBackendDescriptor_t cfg, int64_t* engine_index, std::vector<CudnnKnob>* knobs) {
-  Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
-  cudnnBackendDescriptor_t e = engine.get();
-  int64_t n = 0;
-  CUDNN_CHECK(cudnnBackendGetAttribute(cfg, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &e));
-  CUDNN_CHECK(cudnnBackendGetAttribute(e, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, engine_index));
-  constexpr int64_t kMax = 64;
-  std::vector<std::unique_ptr<Desc>> infos, choices;
-  std::vector<cudnnBackendDescriptor_t> raw_infos, raw_choices;
-  for (int64_t i = 0; i < kMax; ++i) {
-    infos.push_back(std::make_unique<Desc>(CUDNN_BACKEND_KNOB_INFO_DESCRIPTOR));
-    raw_infos.push_back(infos.back()->get());
-    choices.push_back(std::make_unique<Desc>(CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR));
-    raw_choices.push_back(choices.back()->get());
-  }
-  int64_t n_infos = 0, n_choices = 0;
-  CUDNN_CHECK(cudnnBackendGetAttribute(e, CUDNN_ATTR_ENGINE_KNOB_INFO, CUDNN_TYPE_BACKEND_DESCRIPTOR, kMax, &n_infos,
-                                       raw_infos.data()));
-  CUDNN_CHECK(cudnnBackendGetAttribute(cfg, CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, CUDNN_TYPE_BACKEND_DESCRIPTOR, kMax,
-                                       &n_choices, raw_choices.data()));
-  auto get = [&](cudnnBackendDescriptor_t d, cudnnBackendAttributeName_t a, cudnnBackendAttributeType_t type,
-                 void* out) { CUDNN_CHECK(cudnnBackendGetAttribute(d, a, type, 1, &n, out)); };
-  knobs->clear();
-  for (int64_t i = 0; i < n_infos; ++i) {
-    cudnnBackendKnobType_t type{};
-    CudnnKnob k;
-    get(raw_infos[i], CUDNN_ATTR_KNOB_INFO_TYPE, CUDNN_TYPE_KNOB_TYPE, &type);
-    k.type = static_cast<int>(type);
-    get(raw_infos[i], CUDNN_ATTR_KNOB_INFO_MINIMUM_VALUE, CUDNN_TYPE_INT64, &k.min);
-    get(raw_infos[i], CUDNN_ATTR_KNOB_INFO_MAXIMUM_VALUE, CUDNN_TYPE_INT64, &k.max);
-    get(raw_infos[i], CUDNN_ATTR_KNOB_INFO_STRIDE, CUDNN_TYPE_INT64, &k.stride);
-    knobs->push_back(k);
-  }
-  for (int64_t i = 0; i < n_choices; ++i) {
-    cudnnBackendKnobType_t type{};
-    int64_t value = 0;
-    get(raw_choices[i], CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE, CUDNN_TYPE_KNOB_TYPE, &type);
-    get(raw_choices[i], CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE, CUDNN_TYPE_INT64, &value);
-    for (auto& k : *knobs)
-      if (k.type == static_cast<int>(type)) k.chosen = value;
-  }
-}
-
-// A config of engine `engine` on `graph` with the knob values of `knobs`, `force` replacing some.
-// The descriptors it makes go to `keep` (alive until the plan is finalized).
-cudnnBackendDescriptor_t with_knobs(cudnnBackendDescriptor_t graph, int64_t engine, const std::vector<CudnnKnob>& knobs,
-                                    const CudnnKnobValues& force, std::vector<std::unique_ptr<Desc>>& keep,
-                                    const std::string& what) {
-  keep.push_back(std::make_unique<Desc>(CUDNN_BACKEND_ENGINE_DESCRIPTOR));
-  Desc& e = *keep.back();
-  e.set_desc(CUDNN_ATTR_ENGINE_OPERATION_GRAPH, graph);
-  e.set_i64(CUDNN_ATTR_ENGINE_GLOBAL_INDEX, engine);
-  e.finalize();
-  std::vector<cudnnBackendDescriptor_t> choices;
-  for (const auto& k : knobs) {
-    int64_t value = k.chosen;
-    for (auto [type, v] : force)
-      if (type == k.type) value = v;
-    if (value < 0) continue;  // the heuristics left it at the engine's default
-    keep.push_back(std::make_unique<Desc>(CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR));
-    Desc& c = *keep.back();
-    const auto type = static_cast<cudnnBackendKnobType_t>(k.type);
-    c.set(CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE, CUDNN_TYPE_KNOB_TYPE, 1, &type);
-    c.set_i64(CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE, value);
-    c.finalize();
-    choices.push_back(c.get());
-  }
-  for (auto [type, v] : force)
-    if (std::none_of(knobs.begin(), knobs.end(), [&](const CudnnKnob& k) { return k.type == type; }))
-      fail("cuDNN: the {} engine {} has no knob of type {}", what, engine, type);
-  keep.push_back(std::make_unique<Desc>(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR));
-  Desc& cfg = *keep.back();
-  cfg.set_desc(CUDNN_ATTR_ENGINECFG_ENGINE, e.get());
-  if (!choices.empty())
-    cfg.set(CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, CUDNN_TYPE_BACKEND_DESCRIPTOR, static_cast<int64_t>(choices.size()),
-            choices.data());
-  cfg.finalize();
-  return cfg.get();
-}
 
 // An op graph under construction: owns every descriptor it made.
 class GraphBuilder {
@@ -304,16 +217,12 @@ class GraphBuilder {
   }
 
   // Finalizes the op graph, asks the heuristics (mode A, then the fallback list) and returns the
-  // first execution plan that finalizes, with its workspace size, engine and knobs. Throws with
-  // every reason if none. `force`: knob values replacing the heuristics' (measurements only); a
-  // config that rejects them throws instead of falling back.
+  // first execution plan that finalizes, with its workspace size. Throws with every reason if none.
   struct Built {
     std::unique_ptr<Desc> plan;
     int64_t workspace = 0;
-    int64_t engine = -1;
-    std::vector<CudnnKnob> knobs;
   };
-  Built plan(cudnnHandle_t handle, const std::string& what, const CudnnKnobValues& force) {
+  Built plan(cudnnHandle_t handle, const std::string& what) {
     Desc graph(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
     graph.set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, static_cast<int64_t>(ops_.size()),
               ops_.data());
@@ -345,31 +254,17 @@ class GraphBuilder {
       tried += fmt::format(" heuristics mode {}: {} configs", static_cast<int>(mode), got);
       for (int64_t i = 0; i < got; ++i) {
         Built b;
-        std::vector<std::unique_ptr<Desc>> forced_descs;
-        cudnnBackendDescriptor_t cfg = raw[i];
-        try {
-          read_knobs(cfg, &b.engine, &b.knobs);
-        } catch (const Error&) {
-          if (!force.empty()) throw;  // only the measurement hooks need them: a plan does not
-        }
-        if (!force.empty()) cfg = with_knobs(g, b.engine, b.knobs, force, forced_descs, what);
         b.plan = std::make_unique<Desc>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
         b.plan->set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
-        b.plan->set_desc(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg);
+        b.plan->set_desc(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, raw[i]);
         const cudnnStatus_t st = cudnnBackendFinalize(b.plan->get());
         if (st != CUDNN_STATUS_SUCCESS) {
-          if (!force.empty())
-            fail("cuDNN: the {} plan rejects the forced knobs ({})", what, cudnnGetErrorString(st));
           tried += fmt::format(" [{}: {}]", i, cudnnGetErrorString(st));
           continue;
         }
         int64_t n = 0;
         CUDNN_CHECK(cudnnBackendGetAttribute(b.plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
                                              CUDNN_TYPE_INT64, 1, &n, &b.workspace));
-        if (!force.empty())
-          for (auto& k : b.knobs)
-            for (auto [type, value] : force)
-              if (k.type == type) k.chosen = value;
         return b;
       }
       tried += ";";
@@ -377,7 +272,7 @@ class GraphBuilder {
     char last[1024] = {0};
     cudnnGetLastErrorString(last, sizeof(last));
     fail("cuDNN has no engine for the {} graph ({}); {} (cuDNN {}: CUDNN_LOGLEVEL_DBG=3 CUDNN_LOGDEST_DBG=stderr "
-         "shows why; use another SPINDLE_CUDA_ATTENTION)",
+         "shows why)",
          what, tried, last, cudnnGetVersion());
   }
 
@@ -404,8 +299,6 @@ struct Key {
 
 struct Plan {
   std::unique_ptr<Desc> plan;
-  int64_t engine = -1;           // cuDNN's global engine index
-  std::vector<CudnnKnob> knobs;  // its knobs and the values this plan uses
   int64_t workspace = 0;      // the engine's own workspace
   int64_t softmax_sum = 0;    // backward: F32 [hq, tq] row sums Σ dout·out, after the workspace
   int64_t dq_accum = 0;       // backward: F32 [hq, tq, d] dq accumulator, after softmax_sum
@@ -417,8 +310,6 @@ constexpr int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
 Plan to_plan(GraphBuilder::Built b) {
   Plan p;
   p.plan = std::move(b.plan);
-  p.engine = b.engine;
-  p.knobs = std::move(b.knobs);
   p.workspace = b.workspace;
   return p;
 }
@@ -455,7 +346,7 @@ struct Layout {
 };
 
 // Forward (training): O = softmax(scale·Q·Kᵀ [masked]) · V, Stats = max + log Σ exp(· − max).
-Plan build_forward(cudnnHandle_t h, const Layout& L, CudnnMask mask, const CudnnKnobValues& force) {
+Plan build_forward(cudnnHandle_t h, const Layout& L, CudnnMask mask) {
   GraphBuilder g;
   const auto F = CUDNN_DATA_FLOAT, B = CUDNN_DATA_BFLOAT16;
   auto q = g.tensor(kQ, B, L.q_dims(), L.q_strides(), false);
@@ -485,11 +376,11 @@ Plan build_forward(cudnnHandle_t h, const Layout& L, CudnnMask mask, const Cudnn
   g.pointwise(CUDNN_POINTWISE_DIV, e, p, sum);
   g.matmul(p, v, o);
 
-  return to_plan(g.plan(h, fmt::format("attention forward ({})", mask_name(mask)), force));
+  return to_plan(g.plan(h, fmt::format("attention forward ({})", mask_name(mask))));
 }
 
 // Backward: the recompute-P graph of cuDNN's fused flash-attention backward.
-Plan build_backward(cudnnHandle_t h, const Layout& L, CudnnMask mask, const CudnnKnobValues& force) {
+Plan build_backward(cudnnHandle_t h, const Layout& L, CudnnMask mask) {
   GraphBuilder g;
   const auto F = CUDNN_DATA_FLOAT, B = CUDNN_DATA_BFLOAT16;
   const bool gqa = L.hq != L.hkv;
@@ -561,7 +452,7 @@ Plan build_backward(cudnnHandle_t h, const Layout& L, CudnnMask mask, const Cudn
   g.matmul(ds, k, dq_accum);
   g.pointwise(CUDNN_POINTWISE_IDENTITY, dq_accum, dq);
 
-  Plan plan = to_plan(g.plan(h, fmt::format("attention backward ({})", mask_name(mask)), force));
+  Plan plan = to_plan(g.plan(h, fmt::format("attention backward ({})", mask_name(mask))));
   plan.workspace = align256(plan.workspace);
   plan.softmax_sum = align256(L.hq * L.tq * int64_t(sizeof(float)));
   plan.dq_accum = L.hq * L.tq * L.d * int64_t(sizeof(float));
@@ -577,7 +468,6 @@ struct Cache {
   std::map<int, cudnnHandle_t> handles;  // never destroyed: the driver may be gone at exit
   std::map<Key, Plan> plans;
   std::deque<Key> built;  // plans' keys, oldest first
-  CudnnKnobValues forced[2];  // attention_cudnn_force_knobs, [backward]
 };
 Cache& cache() {
   static Cache* c = new Cache;
@@ -617,7 +507,7 @@ void run(cudaStream_t s, const AttentionShape& sh, CudnnMask mask, bool backward
       c.built.erase(oldest);
     }
     const Layout L{sh.tq, sh.tk, sh.hq, sh.hkv, sh.d};
-    Plan built = backward ? build_backward(h, L, mask, c.forced[1]) : build_forward(h, L, mask, c.forced[0]);
+    Plan built = backward ? build_backward(h, L, mask) : build_forward(h, L, mask);
     it = c.plans.emplace(key, std::move(built)).first;
     c.built.push_back(key);
   }
@@ -638,7 +528,8 @@ void run(cudaStream_t s, const AttentionShape& sh, CudnnMask mask, bool backward
 void require(const AttentionShape& sh, CudnnMask mask, const char* op) {
   std::string why;
   if (!attention_cudnn_supports(sh, DType::BF16, DType::BF16, mask, &why))
-    fail("{}: SPINDLE_CUDA_ATTENTION=cudnn cannot take this call: {} (use another SPINDLE_CUDA_ATTENTION)", op, why);
+    fail("{}: cuDNN attention cannot take this call: {} (choose --attention auto or own for this workload)", op,
+         why);
 }
 
 }  // namespace
@@ -687,27 +578,6 @@ void attention_backward_cudnn(cudaStream_t s, const AttentionShape& sh, CudnnMas
     axpy(s, 1.0, wk, dk, DType::BF16, nk);
     axpy(s, 1.0, wv, dv, DType::BF16, nk);
   }
-}
-
-std::vector<CudnnKnob> attention_cudnn_knobs(const AttentionShape& sh, CudnnMask mask, bool backward,
-                                             int64_t* engine) {
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  Cache& c = cache();
-  std::lock_guard<std::mutex> lock(c.mu);
-  auto it = c.plans.find(Key{device, sh.tq, sh.tk, sh.hq, sh.hkv, sh.d, mask, backward});
-  if (it == c.plans.end()) fail("attention_cudnn_knobs: no plan built for this shape yet (run the call first)");
-  if (engine) *engine = it->second.engine;
-  return it->second.knobs;
-}
-
-void attention_cudnn_force_knobs(const CudnnKnobValues& knobs, bool backward) {
-  Cache& c = cache();
-  std::lock_guard<std::mutex> lock(c.mu);
-  CUDA_CHECK(cudaDeviceSynchronize());  // queued work may still use the plans dropped here
-  c.plans.clear();
-  c.built.clear();
-  c.forced[backward ? 1 : 0] = knobs;
 }
 
 #endif  // SPINDLE_HAVE_CUDNN

@@ -1,7 +1,7 @@
 // Attention through cuDNN's fused flash-attention engines (cuDNN 9 backend graph API, no
 // cudnn-frontend). The CUDA backend sends it the calls whose mask the caller declares plain causal
 // when the shape is worth a plan (cuda_backend.cpp, worth_a_cudnn_plan), and every call under
-// SPINDLE_CUDA_ATTENTION=cudnn. BF16 q/k/v/out/gradients, head dim 128, GQA, and two mask cases:
+// --attention cudnn (CudaAttention::Cudnn). BF16 q/k/v/out/gradients, head dim 128, GQA, and two mask cases:
 //
 //   Causal: one document, q and k the same tokens (tq == tk), positions p0, p0+1, ... on both
 //           sides: key j visible to query i iff j <= i (cuDNN's causal mask, top-left diagonal).
@@ -20,10 +20,7 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdint>
 #include <string>
-#include <utility>
-#include <vector>
 
 #include "backend/cuda/kernels.h"
 #include "core/dtype.h"
@@ -51,20 +48,5 @@ void attention_forward_cudnn(cudaStream_t s, const AttentionShape& sh, CudnnMask
 void attention_backward_cudnn(cudaStream_t s, const AttentionShape& sh, CudnnMask mask, const void* q,
                               const void* k, const void* v, const void* out, const void* dout, const float* lse,
                               float scale, void* dq, void* dk, void* dv, bool accumulate);
-
-// Measurement hooks (bench_cuda --cudnn-knobs): the knobs of a plan's engine, and values forced
-// on the plans built afterwards.
-struct CudnnKnob {
-  int type = 0;                              // cudnnBackendKnobType_t
-  int64_t min = 0, max = 0, stride = 1;      // the engine's range
-  int64_t chosen = -1;                       // the plan's value (-1: left to the engine)
-};
-using CudnnKnobValues = std::vector<std::pair<int, int64_t>>;  // (knob type, value)
-// The knobs of the plan already built for (sh, mask, backward); *engine = cuDNN's engine index.
-std::vector<CudnnKnob> attention_cudnn_knobs(const AttentionShape& sh, CudnnMask mask, bool backward,
-                                             int64_t* engine = nullptr);
-// Drops every cached plan (after a device synchronisation); forward (or backward) plans built from
-// now on take `knobs` instead of the heuristics' values for those types ({}: the heuristics' again).
-void attention_cudnn_force_knobs(const CudnnKnobValues& knobs, bool backward);
 
 }  // namespace spindle::cuda

@@ -45,40 +45,34 @@ bool is_compute(DType t) { return t == DType::F32 || t == DType::BF16; }
 
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; }
 
-// Which attention implementation runs (SPINDLE_CUDA_ATTENTION):
-//   auto (default): cuDNN's fused SDPA where the caller says the mask is one plain causal document
-//                   (AttentionMask::plain_causal; BF16, head dim 128: the measured faster case,
-//                   docs/perf.md) and the shape is worth a plan (worth_a_cudnn_plan), the engine's
-//                   own kernels for everything else;
-//   own:            the engine's own kernels only (wgmma on Hopper, else mma.sync);
-//   simple, mma, wgmma: one of the engine's kernels, forced;
-//   cudnn:          cuDNN for every call, failing with the reason where it cannot (attention_cudnn.h);
-//                   calls without the host-side fact read the mask on the device first.
+// How the attention choice (cuda_options.h) maps onto the kernels: the implementation every call
+// runs (Auto: per call, see pick_impl), and whether plain causal rows may go to cuDNN.
 struct AttentionChoice {
   cuda::AttentionImpl impl = cuda::AttentionImpl::Auto;
   bool cudnn_for_plain_causal = true;
 };
 
-AttentionChoice attention_choice_from_env() {
-  const char* v = std::getenv("SPINDLE_CUDA_ATTENTION");
-  const std::string s(v ? v : "");
-  if (s == "auto" || s.empty()) return {cuda::AttentionImpl::Auto, cuda::attention_cudnn_built()};
-  if (s == "own") return {cuda::AttentionImpl::Auto, false};
-  if (s == "simple") return {cuda::AttentionImpl::Simple, false};
-  if (s == "mma") return {cuda::AttentionImpl::Mma, false};
-  if (s == "wgmma") return {cuda::AttentionImpl::Wgmma, false};
-  if (s == "cudnn") {
-    if (!cuda::attention_cudnn_built())
-      fail("SPINDLE_CUDA_ATTENTION=cudnn: this build has no cuDNN (cudnn.h / libcudnn not found by cmake)");
-    return {cuda::AttentionImpl::Cudnn, false};
+AttentionChoice attention_choice(CudaAttention a) {
+  switch (a) {
+    case CudaAttention::Auto: return {cuda::AttentionImpl::Auto, cuda::attention_cudnn_built()};
+    case CudaAttention::Own: return {cuda::AttentionImpl::Auto, false};
+    case CudaAttention::Simple: return {cuda::AttentionImpl::Simple, false};
+    case CudaAttention::Mma: return {cuda::AttentionImpl::Mma, false};
+    case CudaAttention::Wgmma: return {cuda::AttentionImpl::Wgmma, false};
+    case CudaAttention::Cudnn:
+      if (!cuda::attention_cudnn_built())
+        fail("--attention cudnn: this spindle was built without cuDNN (cudnn.h / libcudnn were not found when "
+             "configuring); install cuDNN 9 and rebuild, or choose --attention auto or own");
+      return {cuda::AttentionImpl::Cudnn, false};
   }
-  fail("SPINDLE_CUDA_ATTENTION={} is not one of auto, own, simple, mma, wgmma, cudnn", s);
+  fail("unknown CUDA attention choice {}", static_cast<int>(a));
 }
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int device) : ctx_(std::make_shared<Context>(device)) {
-    const AttentionChoice c = attention_choice_from_env();
+  CudaBackend(int device, const CudaBackendOptions& options) {
+    const AttentionChoice c = attention_choice(options.attention);  // before the device starts: fail fast
+    ctx_ = std::make_shared<Context>(device);
     attention_impl_ = c.impl;
     cudnn_for_plain_causal_ = c.cudnn_for_plain_causal;
   }
@@ -556,7 +550,7 @@ class CudaBackend final : public Backend {
             m.k_pos.data_as<int32_t>()};
   }
 
-  // The mask case for SPINDLE_CUDA_ATTENTION=cudnn, or an error naming why cuDNN cannot take it.
+  // The mask case for --attention cudnn, or an error naming why cuDNN cannot take it.
   cuda::CudnnMask cudnn_mask(Stream stream, const cuda::AttentionShape& sh, DType io, DType outs,
                              const AttentionMask& mask, const char* op) {
     // The caller's host-side fact spares reading the mask on the device (a stream synchronisation).
@@ -565,8 +559,8 @@ class CudaBackend final : public Backend {
                                   : cuda::attention_cudnn_classify(s(stream), sh, mask_ptrs(mask));
     std::string why;
     if (!cuda::attention_cudnn_supports(sh, io, outs, m, &why))
-      fail("{}: SPINDLE_CUDA_ATTENTION=cudnn cannot take q [{}, {}, {}] k [{}, {}, {}]: {} (unset it or pick "
-           "auto/wgmma for this workload)",
+      fail("{}: --attention cudnn cannot take q [{}, {}, {}] k [{}, {}, {}]: {} (choose --attention auto or own "
+           "for this workload)",
            op, sh.tq, sh.hq, sh.d, sh.tk, sh.hkv, sh.d, why);
     return m;
   }
@@ -621,7 +615,9 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(int device_index) { return std::make_unique<CudaBackend>(device_index); }
+std::unique_ptr<Backend> make_cuda_backend(int device_index, const CudaBackendOptions& options) {
+  return std::make_unique<CudaBackend>(device_index, options);
+}
 
 int cuda_device_count() {
   int count = 0;

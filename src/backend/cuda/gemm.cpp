@@ -1,8 +1,6 @@
 #include "backend/cuda/gemm.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <string_view>
 
 #include "backend/cuda/cuda_check.h"
 #include "core/error.h"
@@ -67,14 +65,6 @@ bool splits_k(const cublasLtMatmulAlgo_t& algo) {
 }
 
 }  // namespace
-
-bool GemmCache::tuning_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("SPINDLE_GEMM_TUNE");
-    return !(v && std::string_view(v) == "0");
-  }();
-  return enabled;
-}
 
 cublasLtMatmulAlgo_t GemmCache::fastest(cudaStream_t stream, const GemmArgs& g, const Plan& plan,
                                         const cublasLtMatmulHeuristicResult_t* results, int count) {
@@ -175,7 +165,7 @@ void GemmCache::run(cudaStream_t stream, const GemmArgs& g) {
     int found_count = 0;
     if (st == CUBLAS_STATUS_SUCCESS)
       st = cublasLtMatmulAlgoGetHeuristic(ctx_.lt(), plan->op, plan->b, plan->a, plan->c, plan->c, pref,
-                                          tuning_enabled() ? kCandidates : 1, results, &found_count);
+                                          kCandidates, results, &found_count);
     cublasLtMatmulPreferenceDestroy(pref);
     CUBLAS_CHECK(st);
     if (found_count == 0)

@@ -8,7 +8,8 @@
 // at most kTuneBytes (a prefix of C's rows), and keeps the fastest. Only algorithms without split-K
 // take part (they were bit-identical to each other in the same survey), and when the heuristic's own
 // first choice splits K it is kept: the choice by timing never changes a result. F32 keeps the
-// heuristic's choice (it is the accuracy reference). SPINDLE_GEMM_TUNE=0 turns the timing off.
+// heuristic's choice (it is the accuracy reference). There is no switch to skip the timing: it
+// never changes a result, and the heuristic's first choice alone only ever measured slower.
 #pragma once
 
 #include <cstdint>
@@ -54,7 +55,6 @@ class GemmCache {
   static constexpr int kCandidates = 8;
   static constexpr int64_t kTuneBytes = int64_t{256} << 20;
   static constexpr int kTuneRuns = 3;
-  static bool tuning_enabled();
   cublasLtMatmulAlgo_t fastest(cudaStream_t stream, const GemmArgs& g, const Plan& plan,
                                const cublasLtMatmulHeuristicResult_t* results, int count);
   Context& ctx_;
