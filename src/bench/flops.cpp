@@ -2,21 +2,15 @@
 
 #include <algorithm>
 
+#include "model/blocks/self_attention.h"
+#include "model/layer.h"
+
 namespace spindle::bench {
 
-int64_t matmul_parameters(const ModelConfig& c) {
-  const int64_t H = c.hidden_size, F = c.intermediate_size;
-  const int64_t attention = H * c.q_dim() + 2 * H * c.kv_dim() + c.q_dim() * H;
-  const int64_t mlp = 3 * H * F;
-  return c.num_layers * (attention + mlp) + c.vocab_size * H;
-}
+int64_t matmul_parameters(const ModelConfig& c) { return count_parameters(c).matmul; }
 
-int64_t lora_parameters(const ModelConfig& c, int64_t rank, int64_t targets) {
-  if (rank == 0) return 0;
-  // Average (in + out) over the 7 projections, scaled to the number targeted: exact for all 7.
-  const int64_t H = c.hidden_size, F = c.intermediate_size;
-  const int64_t in_plus_out = (H + c.q_dim()) * 2 + (H + c.kv_dim()) * 2 + (H + F) * 3;
-  return c.num_layers * rank * in_plus_out * targets / 7;
+int64_t lora_parameters(const ModelConfig& c, int64_t rank, const std::vector<std::string>& targets) {
+  return count_parameters(c).lora(rank, targets);
 }
 
 StepFlops step_flops(const ModelConfig& c, const FlopSetup& s) {
@@ -28,8 +22,10 @@ StepFlops step_flops(const ModelConfig& c, const FlopSetup& s) {
   const int64_t n = s.doc_length > 0 ? std::min(s.doc_length, s.tokens) : s.tokens;
   const double full_docs = n > 0 ? static_cast<double>(s.tokens / n) : 0.0, rest = n > 0 ? static_cast<double>(s.tokens % n) : 0.0;
   const double pairs = full_docs * static_cast<double>(n) * static_cast<double>(n + 1) / 2 + rest * (rest + 1) / 2;
+  int64_t attention_layers = 0;
+  for (int64_t l = 0; l < c.num_layers; ++l) attention_layers += c.layer_kind(l).mixer == MixerKind::SelfAttention;
   const double attention_forward =
-      static_cast<double>(c.num_layers) * 4.0 * static_cast<double>(c.num_heads * c.head_dim) * pairs;
+      static_cast<double>(attention_layers) * SelfAttention::forward_flops_per_pair(c) * pairs;
 
   StepFlops f;
   f.dense_model = 6 * (base + lora) * T;

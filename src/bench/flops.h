@@ -1,11 +1,11 @@
 // FLOP counts of one training step, for MFU (docs/perf.md states the same formulas).
 //
 //   model FLOPs = 6 · N_matmul · T                      dense: forward 2, backward 4 per weight and token
-//               + 3.5 · L · 4 · Hq · D · Σ n(n+1)/2      causal attention: QKᵀ and PV (2 FLOPs per
+//               + 3.5 · L_attn · 4 · Hq · D · Σ n(n+1)/2 causal attention: QKᵀ and PV (2 FLOPs per
 //                                                        multiply-add each) over visible pairs, summed
 //                                                        over the row's documents of n tokens (one
 //                                                        document: T(T+1)/2); backward = 2.5 × forward
-// N_matmul = every projection's weight (q, k, v, o, gate, up, down of every layer), the LM head
+// N_matmul = every projection's weight (every Linear of every layer's blocks), the LM head
 // (V·H, also when tied to the embedding) and the LoRA A/B matrices; the embedding lookup, norms
 // and biases are not matrix products. This is the usual model-FLOPs convention: recomputation is
 // not counted, and with LoRA the frozen weights' gradients (which are never computed) are counted
@@ -19,6 +19,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "model/config.h"
 #include "model/recompute.h"
@@ -36,14 +38,14 @@ struct FlopSetup {
   int64_t tokens = 0;        // T
   int64_t doc_length = 0;    // documents of this many tokens (the last one shorter); 0: one document
   int64_t lora_rank = 0;     // 0: full fine-tuning
-  int64_t lora_targets = 7;  // projections per layer carrying LoRA
+  std::vector<std::string> lora_targets;  // PEFT names of the projections carrying LoRA; empty: all
   RecomputeMode recompute = RecomputeMode::None;
   int64_t recomputed_layers = -1;  // how many layers `recompute` applies to (-1: all)
 };
 
 // Parameters in matrix products per token (N_matmul above), base weights and LoRA separately.
 int64_t matmul_parameters(const ModelConfig& config);
-int64_t lora_parameters(const ModelConfig& config, int64_t rank, int64_t targets);
+int64_t lora_parameters(const ModelConfig& config, int64_t rank, const std::vector<std::string>& targets = {});
 
 StepFlops step_flops(const ModelConfig& config, const FlopSetup& setup);
 

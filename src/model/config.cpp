@@ -6,6 +6,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "model/family.h"
+#include "model/layer.h"
 
 namespace spindle {
 namespace {
@@ -79,10 +81,10 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& source) {
   if (!j.is_object()) fail("{}: expected a JSON object", source);
   ModelConfig c;
   if (!j.contains("model_type") || !j["model_type"].is_string())
-    fail("{}: missing \"model_type\"; spindle supports llama, qwen2 and qwen3", source);
+    fail("{}: missing \"model_type\"; spindle supports {}", source, supported_model_types());
   c.model_type = j["model_type"];
-  if (c.model_type != "llama" && c.model_type != "qwen2" && c.model_type != "qwen3")
-    fail("{}: model_type \"{}\" is not supported; spindle supports llama, qwen2 and qwen3", source, c.model_type);
+  const ModelFamily& family = model_family(c.model_type, source);
+  c.weight_prefix = family.weight_prefix;
   c.vocab_size = require_int(j, "vocab_size", source);
   c.hidden_size = require_int(j, "hidden_size", source);
   c.intermediate_size = require_int(j, "intermediate_size", source);
@@ -104,10 +106,6 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& source) {
                                   : 0;
   c.rms_norm_eps = number_or(j, "rms_norm_eps", 1e-6, source);
   c.tie_word_embeddings = bool_or(j, "tie_word_embeddings", false, source);  // the default of all three config classes
-  const bool attention_bias = bool_or(j, "attention_bias", false, source);
-  c.qkv_bias = c.model_type == "qwen2" ? true : attention_bias;
-  c.o_bias = c.model_type == "qwen2" ? false : attention_bias;
-  c.qk_norm = c.model_type == "qwen3";
   if (j.contains("hidden_act") && j["hidden_act"] != "silu")
     fail("{}: hidden_act {} is not supported; spindle implements SwiGLU with silu", source, j["hidden_act"].dump());
   if (bool_or(j, "mlp_bias", false, source)) fail("{}: mlp_bias = true is not supported", source);
@@ -116,6 +114,9 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& source) {
   if (j.contains("pretraining_tp") && j["pretraining_tp"].is_number_integer() && j["pretraining_tp"].get<int>() != 1)
     fail("{}: pretraining_tp {} is not supported (set it to 1)", source, j["pretraining_tp"].get<int>());
   c.rope = parse_rope(j, source);
+  family.read_config(j, c, source);
+  SPINDLE_CHECK(static_cast<int64_t>(c.layer_kinds.size()) == c.num_layers, "{}: family {} gave {} layer kinds for {} layers",
+                source, c.model_type, c.layer_kinds.size(), c.num_layers);
   return c;
 }
 
@@ -133,14 +134,15 @@ ModelConfig ModelConfig::from_file(const std::string& path) {
   return from_json(j, p.string());
 }
 
-int64_t ModelConfig::parameter_count() const {
-  const int64_t h = hidden_size;
-  int64_t per_layer = 2 * h + h * q_dim() + 2 * h * kv_dim() + q_dim() * h + 3 * h * intermediate_size;
-  if (qkv_bias) per_layer += q_dim() + 2 * kv_dim();
-  if (o_bias) per_layer += h;
-  if (qk_norm) per_layer += 2 * head_dim;
-  return vocab_size * h * (tie_word_embeddings ? 1 : 2) + h + num_layers * per_layer;
+LayerKind ModelConfig::layer_kind(int64_t layer) const {
+  SPINDLE_CHECK(layer >= 0 && layer < num_layers, "layer {} of a {}-layer model", layer, num_layers);
+  if (layer_kinds.empty()) return LayerKind{};
+  SPINDLE_CHECK(static_cast<int64_t>(layer_kinds.size()) == num_layers, "{} layer kinds for {} layers",
+                layer_kinds.size(), num_layers);
+  return layer_kinds[static_cast<size_t>(layer)];
 }
+
+int64_t ModelConfig::parameter_count() const { return count_parameters(*this).total; }
 
 std::vector<float> rope_inverse_frequencies(const ModelConfig& config) {
   const RopeConfig& rope = config.rope;

@@ -1,4 +1,5 @@
-// The model architecture, read from a Hugging Face config.json (llama, qwen2, qwen3).
+// The model architecture, read from a Hugging Face config.json. The fields common to every family
+// are read here; each family (model/family.h) reads its own and gives each layer its kinds.
 #pragma once
 
 #include <cstdint>
@@ -6,6 +7,8 @@
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
+
+#include "model/layer_kind.h"
 
 namespace spindle {
 
@@ -18,7 +21,8 @@ struct RopeConfig {
 };
 
 struct ModelConfig {
-  std::string model_type;  // llama | qwen2 | qwen3
+  std::string model_type;  // a row of model/family.cpp
+  std::string weight_prefix = "model.";  // the family's checkpoint prefix of the decoder's tensors
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -33,10 +37,13 @@ struct ModelConfig {
   bool o_bias = false;    // llama/qwen3 when attention_bias
   bool qk_norm = false;   // qwen3: RMSNorm over head_dim on q and k before RoPE
   RopeConfig rope;
+  std::vector<LayerKind> layer_kinds;  // [num_layers], set by the family; empty: every layer dense
+                                       // attention + SwiGLU (configs built in code)
 
+  LayerKind layer_kind(int64_t layer) const;
   int64_t q_dim() const { return num_heads * head_dim; }
   int64_t kv_dim() const { return num_kv_heads * head_dim; }
-  int64_t parameter_count() const;
+  int64_t parameter_count() const;  // every parameter, tied embeddings once (model/layer.h counts them)
 
   // Parses and validates; `source` names the file in error messages.
   static ModelConfig from_json(const nlohmann::json& j, const std::string& source);

@@ -1,6 +1,7 @@
-// The decoder's explicit forward and backward (no autograd): embedding, N × (RMSNorm, attention
-// with RoPE, RMSNorm, SwiGLU MLP) with residuals, final RMSNorm, and the fused LM-head loss over the
-// supervised positions only. Every buffer is named with its shape in LayerActivations.
+// The decoder's explicit forward and backward (no autograd): embedding, the layers (model/layer.h:
+// norm, mixer, norm, feed-forward, with residuals), final RMSNorm, and the fused LM-head loss over
+// the supervised positions only. Every buffer is named with its shape in the activation records
+// (model/block.h, model/layer.h).
 #pragma once
 
 #include <cstdint>
@@ -8,38 +9,13 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "model/attention_strategy.h"
 #include "model/batch.h"
+#include "model/layer.h"
 #include "model/recompute.h"
 #include "model/weights.h"
 
 namespace spindle {
-
-// How attention sees the sequence. The local strategy attends over the micro-batch it holds;
-// sequence-parallel strategies (Ulysses, ring) exchange heads or key blocks between ranks.
-// backward must depend on its arguments only, never on state left by a forward call: the decoder
-// calls forward for every layer before any backward, calls it again for a recomputed layer, and
-// not again for a layer that keeps its attention output (DecoderOptions::keep_attention), so the
-// forward call before a layer's backward may be another layer's or another micro-batch's.
-class AttentionStrategy {
- public:
-  virtual ~AttentionStrategy() = default;
-  // q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D], lse [Hq, T]
-  virtual void forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-                       const Tensor& v, double scale, Tensor& out, Tensor& lse) = 0;
-  // dq, dk, dv overwritten.
-  virtual void backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-                        const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& lse, double scale,
-                        Tensor& dq, Tensor& dk, Tensor& dv) = 0;
-};
-
-class LocalAttention final : public AttentionStrategy {
- public:
-  void forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-               const Tensor& v, double scale, Tensor& out, Tensor& lse) override;
-  void backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-                const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& lse, double scale, Tensor& dq,
-                Tensor& dk, Tensor& dv) override;
-};
 
 // The groups of parameters the decoder uses together, in the order it uses them:
 //  - Embedding: embed (the token table).
@@ -83,11 +59,12 @@ struct DecoderOptions {
   // Layers whose activations are recomputed in backward instead of kept (checkpointing): only the
   // layer input is stored. Empty means keep everything.
   std::vector<bool> recompute;
-  // Recomputed layers also keep their attention output and LSE from the forward pass, so their
-  // recompute rebuilds norms, projections, RoPE'd q/k/v and the MLP but does not run the attention
-  // forward again (the O(T²) part); the attention backward then reads the recomputed q, k, v with
-  // the kept out and lse. Costs T·Hq·D activation-dtype + Hq·T stat-dtype elements per recomputed
-  // layer (LayerActivations::attn, lse). Ignored for layers that are not recomputed.
+  // Recomputed layers also keep their mixer's core output from the forward pass (attention: the
+  // output and LSE), so their recompute rebuilds norms, projections, RoPE'd q/k/v and the MLP but
+  // does not run the attention forward again (the O(T²) part); the attention backward then reads
+  // the recomputed q, k, v with the kept out and lse. Costs T·Hq·D activation-dtype + Hq·T
+  // stat-dtype elements per recomputed attention layer (SelfAttentionActivations::attn, lse).
+  // Ignored for layers that are not recomputed.
   bool keep_attention = false;
   // Upper bound of the logits chunk of the fused LM-head loss. 256 MiB is 883 rows of Qwen2.5's
   // 151936-word vocabulary in bf16: the chunk's two GEMMs ran at 620 TFLOP/s with 64 MiB (220
@@ -99,29 +76,6 @@ struct DecoderOptions {
 // (-1: all of them); the others keep every activation, trading memory for the recompute's time
 // (--recompute-layers). Other fields at their defaults.
 DecoderOptions recompute_options(RecomputeMode mode, int64_t num_layers, int64_t recompute_layers = -1);
-
-// Saved activations of one layer (T tokens, H hidden, Hq/Hkv heads of D, F MLP width, r LoRA rank).
-// What a step holds per layer between forward and backward (b = bytes of the activation dtype,
-// s = bytes of the stat dtype: 4, or 8 for F64 models):
-//   kept layer:                   every tensor below but act, which backward recomputes from gate
-//                                 and up (one elementwise pass for T·F·b less per layer);
-//   recomputed layer:             x_in only, T·H·b; the rest lives in one scratch set shared by
-//                                 all recomputed layers, refilled in backward;
-//   recomputed, keep_attention:   x_in, attn and lse, T·H·b + T·Hq·D·b + Hq·T·s.
-// A layer's tensors are allocated in forward just before the layer runs and released in backward
-// once the layer below no longer needs them.
-struct LayerActivations {
-  Tensor x_in;                // [T, H]   layer input (the residual stream), always kept
-  Tensor xn1, rstd1;          // [T, H], [T]      input RMSNorm
-  Tensor q_raw, k_raw;        // [T, Hq, D], [T, Hkv, D] projections before q/k norm (qwen3 only)
-  Tensor q_rstd, k_rstd;      // [T·Hq], [T·Hkv]  (qwen3 only)
-  Tensor q, k, v;             // [T, Hq, D], [T, Hkv, D], [T, Hkv, D] attention inputs (normed, rotated)
-  Tensor attn, lse;           // [T, Hq, D], [Hq, T]
-  Tensor x_mid;               // [T, H]   x_in + o_proj(attn)
-  Tensor xn2, rstd2;          // [T, H], [T]      post-attention RMSNorm
-  Tensor gate, up, act;       // [T, F] each; act = silu(gate)·up (only in the recompute scratch set)
-  Tensor lora_xa[7];          // [T, r] x·Aᵀ of each LoRA projection (q k v o gate up down)
-};
 
 class Decoder {
  public:
@@ -144,19 +98,13 @@ class Decoder {
 
  private:
   Tensor forward(const MicroBatch& batch, bool keep, std::vector<LayerActivations>& acts);
-  // With run_attention = false, a.attn and a.lse already hold this layer's attention output (kept
-  // from the forward pass) and the attention strategy is not called.
-  void forward_layer(int64_t layer, const MicroBatch& batch, LayerActivations& a, Tensor& x_out,
-                     bool run_attention = true);
-  void backward_layer(int64_t layer, const MicroBatch& batch, const LayerActivations& a, Tensor& d_res,
-                      bool need_input_grad);
-  // x_in always; attn and lse when `attention`; every other tensor when `intermediates`. Tensors
-  // already allocated for `tokens` are kept.
-  void allocate(LayerActivations& a, int64_t tokens, bool intermediates, bool attention);
+  LayerContext context(const MicroBatch& batch) {
+    return {backend_, stream_, batch, weights_.config, weights_.dtype, *attention_, inv_freq_};
+  }
   // The tensors a recomputed layer runs in: the shared scratch set (allocated on first use) with
-  // the layer's kept x_in, and its kept attn and lse when kept_attention.
-  LayerActivations scratch_view(LayerActivations& scratch, const LayerActivations& layer, int64_t tokens,
-                                bool kept_attention);
+  // the layer's kept x_in, and its kept mixer core when kept_core.
+  LayerActivations scratch_view(LayerActivations& scratch, const LayerActivations& layer, int64_t layer_index,
+                                int64_t tokens, bool kept_core);
   // The hook calls of one step without any compute: a rank with no token keeps the collectives
   // of its peers' hooks matched.
   void hooks_without_tokens(bool backward);

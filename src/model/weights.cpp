@@ -1,5 +1,6 @@
 #include "model/weights.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -14,11 +15,11 @@
 namespace spindle {
 
 namespace {
-const char* const kLoraTargets[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
 
-std::string module_path(int64_t layer, const std::string& module) {
-  const bool attention = module == "q_proj" || module == "k_proj" || module == "v_proj" || module == "o_proj";
-  return fmt::format("model.layers.{}.{}.{}", layer, attention ? "self_attn" : "mlp", module);
+std::string join(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& n : names) out += (out.empty() ? "" : " ") + n;
+  return out;
 }
 
 void fill_host(Backend& backend, Tensor& t, const std::vector<double>& values) {
@@ -35,16 +36,16 @@ void fill_host(Backend& backend, Tensor& t, const std::vector<double>& values) {
 }
 }  // namespace
 
-Linear* LayerWeights::by_name(const std::string& module) {
-  if (module == "q_proj") return &q;
-  if (module == "k_proj") return &k;
-  if (module == "v_proj") return &v;
-  if (module == "o_proj") return &o;
-  if (module == "gate_proj") return &gate;
-  if (module == "up_proj") return &up;
-  if (module == "down_proj") return &down;
-  return nullptr;
-}
+// Creates the parameters blocks ask for, in the model dtype on the backend.
+class ModelWeights::Allocator final : public ParameterSink {
+ public:
+  Allocator(ModelWeights& weights, Backend& backend) : weights_(weights), backend_(backend) {}
+  Parameter& add(const std::string& name, Shape shape) override { return weights_.add(backend_, name, shape); }
+
+ private:
+  ModelWeights& weights_;
+  Backend& backend_;
+};
 
 double LoraConfig::scaling() const {
   return rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / static_cast<double>(rank);
@@ -66,31 +67,32 @@ Parameter* ModelWeights::find(const std::string& name) {
 void ModelWeights::wire(Backend& backend) {
   const ModelConfig& c = config;
   const int64_t h = c.hidden_size;
-  embed = &add(backend, "model.embed_tokens.weight", Shape{c.vocab_size, h});
-  layers.resize(c.num_layers);
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    LayerWeights& L = layers[l];
-    const std::string pre = fmt::format("model.layers.{}.", l);
-    L.input_norm = &add(backend, pre + "input_layernorm.weight", Shape{h});
-    auto linear = [&](Linear& lin, const std::string& module, int64_t out, int64_t in, bool bias) {
-      lin.weight = &add(backend, module_path(l, module) + ".weight", Shape{out, in});
-      if (bias) lin.bias = &add(backend, module_path(l, module) + ".bias", Shape{out});
-    };
-    linear(L.q, "q_proj", c.q_dim(), h, c.qkv_bias);
-    linear(L.k, "k_proj", c.kv_dim(), h, c.qkv_bias);
-    linear(L.v, "v_proj", c.kv_dim(), h, c.qkv_bias);
-    linear(L.o, "o_proj", h, c.q_dim(), c.o_bias);
-    if (c.qk_norm) {
-      L.q_norm = &add(backend, pre + "self_attn.q_norm.weight", Shape{c.head_dim});
-      L.k_norm = &add(backend, pre + "self_attn.k_norm.weight", Shape{c.head_dim});
-    }
-    L.post_norm = &add(backend, pre + "post_attention_layernorm.weight", Shape{h});
-    linear(L.gate, "gate_proj", c.intermediate_size, h, false);
-    linear(L.up, "up_proj", c.intermediate_size, h, false);
-    linear(L.down, "down_proj", h, c.intermediate_size, false);
-  }
-  final_norm = &add(backend, "model.norm.weight", Shape{h});
+  Allocator sink(*this, backend);
+  embed = &add(backend, c.weight_prefix + "embed_tokens.weight", Shape{c.vocab_size, h});
+  layers.reserve(static_cast<size_t>(c.num_layers));
+  for (int64_t l = 0; l < c.num_layers; ++l) layers.emplace_back(sink, c, l);
+  final_norm = &add(backend, c.weight_prefix + "norm.weight", Shape{h});
   lm_head = c.tie_word_embeddings ? embed : &add(backend, "lm_head.weight", Shape{c.vocab_size, h});
+}
+
+std::vector<Linear*> ModelWeights::linears() {
+  std::vector<Linear*> out;
+  for (DecoderLayer& layer : layers)
+    for (Linear* lin : layer.linears()) out.push_back(lin);
+  return out;
+}
+
+std::vector<const Linear*> ModelWeights::linears() const {
+  std::vector<const Linear*> out;
+  for (Linear* lin : const_cast<ModelWeights*>(this)->linears()) out.push_back(lin);
+  return out;
+}
+
+std::vector<std::string> ModelWeights::projection_names() const {
+  std::vector<std::string> names;
+  for (const Linear* lin : linears())
+    if (std::find(names.begin(), names.end(), lin->module) == names.end()) names.push_back(lin->module);
+  return names;
 }
 
 ModelWeights ModelWeights::load(Backend& backend, const ModelConfig& config, const io::Checkpoint& checkpoint,
@@ -149,16 +151,18 @@ void ModelWeights::add_lora(Backend& backend, const LoraConfig& lora_config, uin
   if (lora.rank) fail("this model already has LoRA adapters");
   if (lora_config.rank <= 0) fail("LoRA rank must be positive, got {}", lora_config.rank);
   if (lora_config.targets.empty()) fail("LoRA needs at least one target module");
+  const std::vector<std::string> projections = projection_names();
+  for (const std::string& target : lora_config.targets)
+    if (std::find(projections.begin(), projections.end(), target) == projections.end())
+      fail("LoRA target \"{}\" is not a projection of this {} model; choose from {}", target, config.model_type,
+           join(projections));
   lora = lora_config;
   std::mt19937_64 rng(seed);
-  for (int64_t l = 0; l < config.num_layers; ++l)
+  for (DecoderLayer& layer : layers)
     for (const std::string& target : lora.targets) {
-      Linear* lin = layers[l].by_name(target);
-      if (!lin)
-        fail("LoRA target \"{}\" is not a projection of this model; choose from q_proj k_proj v_proj o_proj "
-             "gate_proj up_proj down_proj",
-             target);
-      const std::string base = module_path(l, target);
+      Linear* lin = layer.linear(target);
+      if (!lin) continue;  // a projection of other layers' kind (PEFT adapts the layers that have it)
+      const std::string& base = lin->prefix;
       Parameter& a = add(backend, "base_model.model." + base + ".lora_A.weight", Shape{lora.rank, lin->in_features()});
       Parameter& b = add(backend, "base_model.model." + base + ".lora_B.weight", Shape{lin->out_features(), lora.rank});
       // PEFT's default: A ~ Kaiming-uniform with a = sqrt(5), i.e. U(±1/sqrt(in)); B = 0 so training starts at the base model.
@@ -171,6 +175,7 @@ void ModelWeights::add_lora(Backend& backend, const LoraConfig& lora_config, uin
       lin->lora_a = &a;
       lin->lora_b = &b;
       lin->lora_scaling = lora.scaling();
+      lin->rank = lora.rank;
       make_trainable(backend, a);
       make_trainable(backend, b);
     }
@@ -206,8 +211,9 @@ void ModelWeights::load_peft_adapter(Backend& backend, const std::string& dir) {
   lc.alpha = j.value("lora_alpha", 8.0);
   lc.rslora = j.value("use_rslora", false);
   const auto& targets = j.value("target_modules", nlohmann::json());
+  const std::vector<std::string> projections = projection_names();
   if (targets.is_string() && targets == "all-linear") {
-    lc.targets.assign(std::begin(kLoraTargets), std::end(kLoraTargets));
+    lc.targets = projections;
   } else if (targets.is_array()) {
     for (const auto& t : targets) lc.targets.push_back(t.get<std::string>());
   } else {
@@ -215,11 +221,12 @@ void ModelWeights::load_peft_adapter(Backend& backend, const std::string& dir) {
   }
   // Keep the canonical projection order so parameters come out in a stable order.
   std::vector<std::string> ordered;
-  for (const char* t : kLoraTargets)
+  for (const std::string& t : projections)
     if (std::find(lc.targets.begin(), lc.targets.end(), t) != lc.targets.end()) ordered.push_back(t);
   for (const std::string& t : lc.targets)
-    if (std::find(std::begin(kLoraTargets), std::end(kLoraTargets), t) == std::end(kLoraTargets))
-      fail("{}: LoRA target \"{}\" is not supported; spindle adapts q/k/v/o/gate/up/down_proj", src, t);
+    if (std::find(projections.begin(), projections.end(), t) == projections.end())
+      fail("{}: LoRA target \"{}\" is not supported (not a projection of this {} model); spindle adapts {}", src, t,
+           config.model_type, join(projections));
   lc.targets = ordered;
 
   add_lora(backend, lc, 0);

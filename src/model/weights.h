@@ -1,4 +1,5 @@
-// The model's parameters, named as Hugging Face names them, and the LoRA adapters attached to them.
+// The model's parameters, named as Hugging Face names them, the layers (blocks bound to them) and
+// the LoRA adapters attached to their projections.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,8 @@
 
 #include "backend/backend.h"
 #include "model/config.h"
+#include "model/layer.h"
+#include "model/linear.h"
 
 namespace spindle {
 
@@ -16,40 +19,11 @@ namespace io {
 class Checkpoint;
 }
 
-struct Parameter {
-  std::string name;  // the Hugging Face / PEFT tensor name
-  Tensor value;      // model dtype
-  Tensor grad;       // same shape and dtype; allocated only when trainable
-  bool trainable = false;
-};
-
-// W·x (+ b) (+ scaling·B·A·x): one projection with its optional bias and LoRA pair.
-struct Linear {
-  Parameter* weight = nullptr;  // [out, in]
-  Parameter* bias = nullptr;    // [out]
-  Parameter* lora_a = nullptr;  // [r, in]
-  Parameter* lora_b = nullptr;  // [out, r]
-  double lora_scaling = 0.0;
-  int64_t out_features() const { return weight->value.dim(0); }
-  int64_t in_features() const { return weight->value.dim(1); }
-  int64_t lora_rank() const { return lora_a ? lora_a->value.dim(0) : 0; }
-};
-
-struct LayerWeights {
-  Parameter* input_norm = nullptr;  // [H]
-  Parameter* post_norm = nullptr;   // [H]
-  Parameter* q_norm = nullptr;      // [D] (qwen3)
-  Parameter* k_norm = nullptr;      // [D] (qwen3)
-  Linear q, k, v, o, gate, up, down;
-  // The projections LoRA may target, by their PEFT module names.
-  Linear* by_name(const std::string& module);
-};
-
 struct LoraConfig {
   int64_t rank = 0;
   double alpha = 0;
   bool rslora = false;
-  std::vector<std::string> targets;  // q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+  std::vector<std::string> targets;  // PEFT module names of projections (q_proj … down_proj)
   double scaling() const;            // alpha / r, or alpha / sqrt(r) with rsLoRA
 };
 
@@ -60,7 +34,7 @@ class ModelWeights {
   Parameter* embed = nullptr;       // [V, H]
   Parameter* final_norm = nullptr;  // [H]
   Parameter* lm_head = nullptr;     // [V, H]; == embed when tied
-  std::vector<LayerWeights> layers;
+  std::vector<DecoderLayer> layers;
   LoraConfig lora;                  // rank 0 when no adapter
 
   // Loads every tensor of the model from a checkpoint, converting to `dtype`.
@@ -75,6 +49,13 @@ class ModelWeights {
   void load_peft_adapter(Backend& backend, const std::string& dir);
   void add_lora(Backend& backend, const LoraConfig& lora, uint64_t seed);
 
+  // The PEFT module names of the model's projections, in layer order: what LoRA may target
+  // ("all-linear" means all of them).
+  std::vector<std::string> projection_names() const;
+  // Every projection of every layer, in layer order.
+  std::vector<Linear*> linears();
+  std::vector<const Linear*> linears() const;
+
   // Full fine-tuning: every base parameter trainable.
   void train_all(Backend& backend);
   void zero_grads(Backend& backend);
@@ -84,6 +65,7 @@ class ModelWeights {
   Parameter* find(const std::string& name);
 
  private:
+  class Allocator;
   Parameter& add(Backend& backend, const std::string& name, Shape shape);
   void wire(Backend& backend);
   void make_trainable(Backend& backend, Parameter& p);

@@ -57,12 +57,8 @@ Fsdp::Fsdp(Backend& backend, ModelWeights& weights, comm::Communicator& group, F
     fail("FSDP: a model pointer does not name one of its parameters");
   };
   place(0, weights_.embed);
-  for (size_t l = 0; l < layers; ++l) {
-    LayerWeights& w = weights_.layers[l];
-    for (const Parameter* p : {w.input_norm, w.post_norm, w.q_norm, w.k_norm}) place(1 + l, p);
-    for (Linear* lin : {&w.q, &w.k, &w.v, &w.o, &w.gate, &w.up, &w.down})
-      for (const Parameter* p : {lin->weight, lin->bias, lin->lora_a, lin->lora_b}) place(1 + l, p);
-  }
+  for (size_t l = 0; l < layers; ++l)
+    for (const Parameter* p : weights_.layers[l].parameters()) place(1 + l, p);
   place(head_bucket, weights_.final_norm);
   place(head_bucket, weights_.lm_head);
   for (size_t i = 0; i < entries_.size(); ++i)

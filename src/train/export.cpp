@@ -281,9 +281,8 @@ void save_hf_model(Backend& backend, const ModelWeights& weights, const fs::path
 
   std::unordered_map<const Parameter*, const Linear*> adapted;  // base weight -> its projection
   if (options.merge_lora)
-    for (const LayerWeights& layer : weights.layers)
-      for (const Linear* linear : {&layer.q, &layer.k, &layer.v, &layer.o, &layer.gate, &layer.up, &layer.down})
-        if (linear->lora_a) adapted[linear->weight] = linear;
+    for (const Linear* linear : weights.linears())
+      if (linear->lora_a) adapted[linear->weight] = linear;
 
   // Tensors in the model dtype go straight from the backend to the file; anything converted or
   // merged is staged on the host in the export dtype (the whole model, once).

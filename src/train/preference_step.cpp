@@ -11,8 +11,7 @@ namespace {
 // Every Linear of the model, in layer and projection order (the order LoraDisabled saves).
 template <typename F>
 void for_each_linear(ModelWeights& weights, F&& f) {
-  for (LayerWeights& layer : weights.layers)
-    for (Linear* lin : {&layer.q, &layer.k, &layer.v, &layer.o, &layer.gate, &layer.up, &layer.down}) f(*lin);
+  for (Linear* lin : weights.linears()) f(*lin);
 }
 
 // Host doubles ← stat-dtype tensor (F32 or F64).

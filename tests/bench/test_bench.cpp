@@ -94,7 +94,7 @@ TEST(Bench, FlopFormulasCountTheAllocatedParameters) {
     }
     const int64_t head = config.vocab_size * config.hidden_size;
     EXPECT_EQ(matmul_parameters(config), projections + head) << path;
-    EXPECT_EQ(lora_parameters(config, 4, 7), adapters) << path;
+    EXPECT_EQ(lora_parameters(config, 4), adapters) << path;
 
     FlopSetup setup;
     setup.tokens = 100;

@@ -268,7 +268,7 @@ TEST(PreferenceStep, ReferenceSourcesAgree) {
       ASSERT_NEAR(g_cached[t][i], g_disabled[t][i], 1e-12);
     }
   // The adapter-disabled pass left the adapters on.
-  for (const LayerWeights& layer : w.layers) EXPECT_EQ(layer.q.lora_scaling, 2.0);
+  for (DecoderLayer& layer : w.layers) EXPECT_EQ(layer.linear("q_proj")->lora_scaling, 2.0);
 }
 
 TEST(PreferenceStep, LoraDisabledRestoresScalingsOnException) {
@@ -277,11 +277,11 @@ TEST(PreferenceStep, LoraDisabledRestoresScalingsOnException) {
   add_adapters(*be, w, false);
   try {
     LoraDisabled off(w);
-    EXPECT_EQ(w.layers[1].down.lora_scaling, 0.0);
+    EXPECT_EQ(w.layers[1].linear("down_proj")->lora_scaling, 0.0);
     throw Error("interrupted");
   } catch (const Error&) {
   }
-  EXPECT_EQ(w.layers[1].down.lora_scaling, 2.0);
+  EXPECT_EQ(w.layers[1].linear("down_proj")->lora_scaling, 2.0);
   ModelWeights full = base_model(*be, DType::F64);
   try {
     LoraDisabled off(full);

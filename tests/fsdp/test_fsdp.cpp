@@ -381,14 +381,7 @@ TEST(Fsdp, WindowsSeeTheirValuesWithPrefetchInAnyOrder) {
     for (const Parameter& p : weights.parameters()) initial[p.name] = to_host(be, p.value);
     Fsdp fsdp(be, weights, *world);
     const std::vector<Parameter*> embed_params{weights.embed};
-    auto layer_params = [&](int64_t l) {
-      LayerWeights& w = weights.layers[l];
-      std::vector<Parameter*> ps{w.input_norm, w.post_norm};
-      for (Linear* lin : {&w.q, &w.k, &w.v, &w.o, &w.gate, &w.up, &w.down})
-        for (Parameter* p : {lin->weight, lin->lora_a, lin->lora_b})
-          if (p) ps.push_back(p);
-      return ps;
-    };
+    auto layer_params = [&](int64_t l) { return weights.layers[l].parameters(); };
     const std::vector<Parameter*> head_params{weights.final_norm, weights.lm_head, weights.embed};
     int windows = 0;
     // Opens the window, checks every parameter of the unit (and that no other layer's is

@@ -155,7 +155,7 @@ TEST(PeftAdapterExport, LoadPeftAdapterReadsBackEveryTensorAndTheConfig) {
   EXPECT_FALSE(reloaded.lora.rslora);
   EXPECT_EQ(reloaded.lora.targets, (std::vector<std::string>{"q_proj", "v_proj", "down_proj"}));
   expect_same_parameters(*be, trained, reloaded);
-  EXPECT_EQ(reloaded.layers[1].down.lora_scaling, 2.0);
+  EXPECT_EQ(reloaded.layers[1].linear("down_proj")->lora_scaling, 2.0);
 }
 
 TEST(PeftAdapterExport, FileHoldsExactlyPeftNamesInF32WithPtMetadata) {
@@ -403,8 +403,7 @@ TEST(HfModelExport, MergedExportEqualsBasePlusScaledBA) {
 
   const double scaling = 8.0 / std::sqrt(4.0);  // rsLoRA
   int merged = 0;
-  for (const LayerWeights& layer : w.layers)
-    for (const Linear* lin : {&layer.q, &layer.k, &layer.v, &layer.o, &layer.gate, &layer.up, &layer.down}) {
+  for (const Linear* lin : w.linears()) {
       std::vector<double> want = to_host(*be, lin->weight->value);
       if (lin->lora_a) {
         const std::vector<double> a = to_host(*be, lin->lora_a->value), b = to_host(*be, lin->lora_b->value);

@@ -1,0 +1,122 @@
+// The interfaces of a decoder layer's blocks (a mixer, a feed-forward) and their activation
+// records. Every block owns its weights (Parameters in ModelWeights, bound at construction), does
+// its explicit forward and backward on the backend, and lists its parameters and projections, so
+// FSDP, LoRA, export and FLOP counts iterate over blocks instead of naming tensors.
+//
+// Sizes below: T tokens, H hidden, Hq/Hkv heads of D, F MLP width, r LoRA rank. All tensors are
+// in the model dtype but rstd/lse, which are in the stat dtype (F32, or F64 for F64 models).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "model/attention_strategy.h"
+#include "model/batch.h"
+#include "model/config.h"
+#include "model/linear.h"
+
+namespace spindle {
+
+// What a block's forward and backward run with besides its own weights and record.
+struct LayerContext {
+  Backend& backend;
+  Stream stream;
+  const MicroBatch& batch;
+  const ModelConfig& config;
+  DType dtype;                     // activations
+  AttentionStrategy& attention;    // softmax attention over the (possibly sharded) sequence
+  const Tensor& rope_inv_freq;     // F32 [D/2]
+  int64_t tokens() const { return batch.num_tokens; }
+};
+
+// Where blocks get their parameters: ModelWeights allocates them; counting sinks only record the
+// shapes (model/layer.h: count_parameters).
+class ParameterSink {
+ public:
+  virtual ~ParameterSink() = default;
+  // A parameter that is not a projection weight (norms, gates' vectors): named as in HF.
+  virtual Parameter& add(const std::string& name, Shape shape) = 0;
+  // A projection: its weight (and bias) through add, then recorded as a projection.
+  Linear add_linear(const LinearSpec& spec);
+
+ protected:
+  virtual void on_linear(const LinearSpec&) {}
+};
+
+// Softmax attention (blocks/self_attention.h).
+struct SelfAttentionActivations {
+  Tensor q_raw, k_raw;    // [T, Hq, D], [T, Hkv, D] projections before q/k norm (qk_norm only)
+  Tensor q_rstd, k_rstd;  // [T·Hq], [T·Hkv]  (qk_norm only)
+  Tensor q, k, v;         // [T, Hq, D], [T, Hkv, D], [T, Hkv, D] attention inputs (normed, rotated)
+  Tensor attn, lse;       // [T, Hq, D], [Hq, T]  the core: kept by keep-attention recompute
+  LinearActivations q_proj, k_proj, v_proj, o_proj;
+};
+
+// One member per mixer kind; a layer uses the one of its kind.
+struct MixerActivations {
+  SelfAttentionActivations attention;
+};
+
+// SwiGLU MLP (blocks/swiglu_mlp.h).
+struct SwigluActivations {
+  Tensor gate, up;  // [T, F] each
+  Tensor act;       // [T, F] silu(gate)·up: only in the recompute scratch set; a kept layer
+                    // recomputes it in backward (one elementwise pass for T·F less per layer)
+  LinearActivations gate_proj, up_proj, down_proj;
+};
+
+struct FeedForwardActivations {
+  SwigluActivations swiglu;
+};
+
+// Which tensors an allocate call provides (a kept layer: all; a recomputed layer's record: the
+// kept core only; the recompute scratch set: everything but the kept core when it is kept).
+struct ActivationNeeds {
+  bool intermediates = false;  // everything backward reads but the core
+  bool core = false;           // the mixer's expensive output (attention: attn, lse)
+  bool product = false;        // the feed-forward's inner product kept (scratch set only)
+};
+
+class Mixer {
+ public:
+  virtual ~Mixer() = default;
+  virtual MixerKind kind() const = 0;
+  // Tensors already allocated for `tokens` are kept.
+  virtual void allocate(Backend& backend, DType dtype, int64_t tokens, ActivationNeeds needs,
+                        MixerActivations& a) const = 0;
+  // out [T, H] = mixer(xn [T, H]); with run_core false the core (a kept attention output) is
+  // already in `a` and is not computed again.
+  virtual void forward(const LayerContext& ctx, const Tensor& xn, MixerActivations& a, Tensor& out,
+                       bool run_core) const = 0;
+  // dxn [T, H] = ∂L/∂xn (overwritten) from dout = ∂L/∂out; parameter gradients accumulate.
+  virtual void backward(const LayerContext& ctx, const Tensor& xn, const MixerActivations& a, const Tensor& dout,
+                        Tensor& dxn) const = 0;
+  // A recompute view uses a layer's kept core instead of the scratch set's.
+  virtual void use_kept_core(MixerActivations& view, const MixerActivations& kept) const = 0;
+  // Every parameter, in creation order (LoRA pairs included once attached).
+  virtual std::vector<Parameter*> parameters() const = 0;
+  virtual std::vector<Linear*> linears() = 0;
+};
+
+class FeedForward {
+ public:
+  virtual ~FeedForward() = default;
+  virtual FeedForwardKind kind() const = 0;
+  virtual void allocate(Backend& backend, DType dtype, int64_t tokens, ActivationNeeds needs,
+                        FeedForwardActivations& a) const = 0;
+  // out [T, H] = ffn(xn [T, H])
+  virtual void forward(const LayerContext& ctx, const Tensor& xn, FeedForwardActivations& a, Tensor& out) const = 0;
+  // dxn [T, H] overwritten from dout; parameter gradients accumulate.
+  virtual void backward(const LayerContext& ctx, const Tensor& xn, const FeedForwardActivations& a,
+                        const Tensor& dout, Tensor& dxn) const = 0;
+  virtual std::vector<Parameter*> parameters() const = 0;
+  virtual std::vector<Linear*> linears() = 0;
+};
+
+// Appends the non-null parameters of `linear` to `out`.
+void append_parameters(std::vector<Parameter*>& out, const Linear& linear);
+
+}  // namespace spindle

@@ -1,0 +1,130 @@
+#include "model/blocks/self_attention.h"
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace spindle {
+
+SelfAttention::SelfAttention(ParameterSink& sink, const ModelConfig& c, const std::string& layer_prefix)
+    : heads_(c.num_heads), kv_heads_(c.num_kv_heads), head_dim_(c.head_dim), norm_eps_(c.rms_norm_eps) {
+  const std::string pre = layer_prefix + "self_attn.";
+  const int64_t h = c.hidden_size;
+  q_ = sink.add_linear({"q_proj", pre + "q_proj", c.q_dim(), h, c.qkv_bias});
+  k_ = sink.add_linear({"k_proj", pre + "k_proj", c.kv_dim(), h, c.qkv_bias});
+  v_ = sink.add_linear({"v_proj", pre + "v_proj", c.kv_dim(), h, c.qkv_bias});
+  o_ = sink.add_linear({"o_proj", pre + "o_proj", h, c.q_dim(), c.o_bias});
+  if (c.qk_norm) {
+    q_norm_ = &sink.add(pre + "q_norm.weight", Shape{c.head_dim});
+    k_norm_ = &sink.add(pre + "k_norm.weight", Shape{c.head_dim});
+  }
+}
+
+double SelfAttention::forward_flops_per_pair(const ModelConfig& c) {
+  return 4.0 * static_cast<double>(c.num_heads * c.head_dim);
+}
+
+std::vector<Parameter*> SelfAttention::parameters() const {
+  std::vector<Parameter*> out;
+  for (const Linear* lin : {&q_, &k_, &v_, &o_}) append_parameters(out, *lin);
+  if (q_norm_) out.push_back(q_norm_);
+  if (k_norm_) out.push_back(k_norm_);
+  return out;
+}
+
+void SelfAttention::allocate(Backend& be, DType dt, int64_t t, ActivationNeeds needs, MixerActivations& m) const {
+  SelfAttentionActivations& a = m.attention;
+  const DType st = stat_dtype(dt);
+  if (needs.core && (!a.attn.defined() || a.attn.dim(0) != t)) {
+    a.attn = be.empty(Shape{t, heads_, head_dim_}, dt);
+    a.lse = be.empty(Shape{heads_, t}, st);
+  }
+  if (!needs.intermediates) return;
+  if (a.q.defined() && a.q.dim(0) == t) return;
+  if (q_norm_) {
+    a.q_raw = be.empty(Shape{t, heads_, head_dim_}, dt);
+    a.k_raw = be.empty(Shape{t, kv_heads_, head_dim_}, dt);
+    a.q_rstd = be.empty(Shape{t * heads_}, st);
+    a.k_rstd = be.empty(Shape{t * kv_heads_}, st);
+  }
+  a.q = be.empty(Shape{t, heads_, head_dim_}, dt);
+  a.k = be.empty(Shape{t, kv_heads_, head_dim_}, dt);
+  a.v = be.empty(Shape{t, kv_heads_, head_dim_}, dt);
+  q_.allocate(be, a.q_proj, t, dt);
+  k_.allocate(be, a.k_proj, t, dt);
+  v_.allocate(be, a.v_proj, t, dt);
+  o_.allocate(be, a.o_proj, t, dt);
+}
+
+void SelfAttention::use_kept_core(MixerActivations& view, const MixerActivations& kept) const {
+  view.attention.attn = kept.attention.attn;
+  view.attention.lse = kept.attention.lse;
+}
+
+// out = o(attention(rope(q(xn)), rope(k(xn)), v(xn)))
+void SelfAttention::forward(const LayerContext& ctx, const Tensor& xn, MixerActivations& m, Tensor& out,
+                            bool run_core) const {
+  SelfAttentionActivations& a = m.attention;
+  Backend& be = ctx.backend;
+  const Stream st = ctx.stream;
+  const int64_t t = ctx.tokens(), q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
+  Tensor flat_q = a.q.reshape(Shape{t, q_dim}), flat_k = a.k.reshape(Shape{t, kv_dim}),
+         flat_v = a.v.reshape(Shape{t, kv_dim});
+  if (q_norm_) {
+    Tensor raw_q = a.q_raw.reshape(Shape{t, q_dim}), raw_k = a.k_raw.reshape(Shape{t, kv_dim});
+    q_.forward(be, st, xn, raw_q, a.q_proj);
+    k_.forward(be, st, xn, raw_k, a.k_proj);
+    Tensor qr = a.q_raw.reshape(Shape{t * heads_, head_dim_}), qn = a.q.reshape(qr.shape());
+    Tensor kr = a.k_raw.reshape(Shape{t * kv_heads_, head_dim_}), kn = a.k.reshape(kr.shape());
+    be.rmsnorm_forward(st, qr, q_norm_->value, norm_eps_, qn, a.q_rstd);
+    be.rmsnorm_forward(st, kr, k_norm_->value, norm_eps_, kn, a.k_rstd);
+  } else {
+    q_.forward(be, st, xn, flat_q, a.q_proj);
+    k_.forward(be, st, xn, flat_k, a.k_proj);
+  }
+  v_.forward(be, st, xn, flat_v, a.v_proj);
+  be.rope(st, a.q, ctx.batch.positions, ctx.rope_inv_freq, 1.0, +1);
+  be.rope(st, a.k, ctx.batch.positions, ctx.rope_inv_freq, 1.0, +1);
+  if (run_core) {
+    ctx.attention.forward(be, st, ctx.batch, a.q, a.k, a.v, 1.0 / std::sqrt(static_cast<double>(head_dim_)), a.attn,
+                          a.lse);
+  } else {
+    // Kept from the forward pass, which computed it from the same q, k, v as this recompute.
+    SPINDLE_CHECK(a.attn.defined() && a.attn.shape() == a.q.shape() && a.lse.defined() && a.lse.dim(1) == t,
+                  "{}: no kept attention output for {} tokens", o_.prefix, t);
+  }
+  o_.forward(be, st, a.attn.reshape(Shape{t, q_dim}), out, a.o_proj);
+}
+
+void SelfAttention::backward(const LayerContext& ctx, const Tensor& xn, const MixerActivations& m,
+                             const Tensor& dout, Tensor& dxn) const {
+  const SelfAttentionActivations& a = m.attention;
+  Backend& be = ctx.backend;
+  const Stream st = ctx.stream;
+  const DType dt = ctx.dtype;
+  const int64_t t = ctx.tokens(), q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
+  Tensor d_attn = be.empty(Shape{t, heads_, head_dim_}, dt);
+  Tensor d_attn_flat = d_attn.reshape(Shape{t, q_dim});
+  o_.backward(be, st, a.attn.reshape(Shape{t, q_dim}), dout, a.o_proj, &d_attn_flat, false);
+  Tensor dq = be.empty(a.q.shape(), dt), dk = be.empty(a.k.shape(), dt), dv = be.empty(a.v.shape(), dt);
+  ctx.attention.backward(be, st, ctx.batch, a.q, a.k, a.v, a.attn, d_attn, a.lse,
+                         1.0 / std::sqrt(static_cast<double>(head_dim_)), dq, dk, dv);
+  be.rope(st, dq, ctx.batch.positions, ctx.rope_inv_freq, 1.0, -1);
+  be.rope(st, dk, ctx.batch.positions, ctx.rope_inv_freq, 1.0, -1);
+  if (q_norm_) {
+    Tensor dq_raw = be.empty(a.q.shape(), dt), dk_raw = be.empty(a.k.shape(), dt);
+    const Shape qs{t * heads_, head_dim_}, ks{t * kv_heads_, head_dim_};
+    Tensor dq_raw_rows = dq_raw.reshape(qs), dk_raw_rows = dk_raw.reshape(ks);
+    be.rmsnorm_backward(st, a.q_raw.reshape(qs), q_norm_->value, a.q_rstd, dq.reshape(qs), dq_raw_rows,
+                        trainable_grad(*q_norm_), false);
+    be.rmsnorm_backward(st, a.k_raw.reshape(ks), k_norm_->value, a.k_rstd, dk.reshape(ks), dk_raw_rows,
+                        trainable_grad(*k_norm_), false);
+    dq = dq_raw;
+    dk = dk_raw;
+  }
+  q_.backward(be, st, xn, dq.reshape(Shape{t, q_dim}), a.q_proj, &dxn, false);
+  k_.backward(be, st, xn, dk.reshape(Shape{t, kv_dim}), a.k_proj, &dxn, true);
+  v_.backward(be, st, xn, dv.reshape(Shape{t, kv_dim}), a.v_proj, &dxn, true);
+}
+
+}  // namespace spindle

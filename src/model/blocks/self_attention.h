@@ -1,0 +1,38 @@
+// Softmax self-attention: q/k/v projections, optional per-head RMSNorm on q and k (qwen3), RoPE,
+// attention through the layer's AttentionStrategy (local, Ulysses or ring), output projection.
+#pragma once
+
+#include <string>
+
+#include "model/block.h"
+
+namespace spindle {
+
+class SelfAttention final : public Mixer {
+ public:
+  // Parameters "<prefix>self_attn.{q,k,v,o}_proj.{weight,bias}" and "<prefix>self_attn.{q,k}_norm.weight".
+  SelfAttention(ParameterSink& sink, const ModelConfig& config, const std::string& layer_prefix);
+
+  MixerKind kind() const override { return MixerKind::SelfAttention; }
+  void allocate(Backend& backend, DType dtype, int64_t tokens, ActivationNeeds needs,
+                MixerActivations& a) const override;
+  void forward(const LayerContext& ctx, const Tensor& xn, MixerActivations& a, Tensor& out,
+               bool run_core) const override;
+  void backward(const LayerContext& ctx, const Tensor& xn, const MixerActivations& a, const Tensor& dout,
+                Tensor& dxn) const override;
+  void use_kept_core(MixerActivations& view, const MixerActivations& kept) const override;
+  std::vector<Parameter*> parameters() const override;
+  std::vector<Linear*> linears() override { return {&q_, &k_, &v_, &o_}; }
+
+  // Multiply-adds of QKᵀ and PV per visible (query, key) pair, times 2: the forward's FLOPs per pair.
+  static double forward_flops_per_pair(const ModelConfig& config);
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  double norm_eps_;
+  Linear q_, k_, v_, o_;
+  Parameter* q_norm_ = nullptr;  // [D] (qk_norm)
+  Parameter* k_norm_ = nullptr;  // [D] (qk_norm)
+};
+
+}  // namespace spindle

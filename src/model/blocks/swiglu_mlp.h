@@ -1,0 +1,29 @@
+// The dense SwiGLU MLP: out = down(silu(gate(xn)) · up(xn)).
+#pragma once
+
+#include <string>
+
+#include "model/block.h"
+
+namespace spindle {
+
+class SwigluMlp final : public FeedForward {
+ public:
+  // Parameters "<prefix>mlp.{gate,up,down}_proj.weight", intermediate width `width`.
+  SwigluMlp(ParameterSink& sink, const ModelConfig& config, const std::string& layer_prefix, int64_t width);
+
+  FeedForwardKind kind() const override { return FeedForwardKind::SwiGLU; }
+  void allocate(Backend& backend, DType dtype, int64_t tokens, ActivationNeeds needs,
+                FeedForwardActivations& a) const override;
+  void forward(const LayerContext& ctx, const Tensor& xn, FeedForwardActivations& a, Tensor& out) const override;
+  void backward(const LayerContext& ctx, const Tensor& xn, const FeedForwardActivations& a, const Tensor& dout,
+                Tensor& dxn) const override;
+  std::vector<Parameter*> parameters() const override;
+  std::vector<Linear*> linears() override { return {&gate_, &up_, &down_}; }
+
+ private:
+  int64_t width_;
+  Linear gate_, up_, down_;
+};
+
+}  // namespace spindle

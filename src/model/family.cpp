@@ -1,0 +1,36 @@
+#include "model/family.h"
+
+#include <iterator>
+
+#include "core/error.h"
+#include "model/families/dense.h"
+
+namespace spindle {
+
+namespace {
+
+const ModelFamily kFamilies[] = {
+    {"llama", "model.", read_llama_config},
+    {"qwen2", "model.", read_qwen2_config},
+    {"qwen3", "model.", read_qwen3_config},
+};
+
+}  // namespace
+
+std::string supported_model_types() {
+  std::string out;
+  const size_t n = std::size(kFamilies);
+  for (size_t i = 0; i < n; ++i) {
+    if (i) out += i + 1 == n ? " and " : ", ";
+    out += kFamilies[i].model_type;
+  }
+  return out;
+}
+
+const ModelFamily& model_family(const std::string& model_type, const std::string& source) {
+  for (const ModelFamily& f : kFamilies)
+    if (f.model_type == model_type) return f;
+  fail("{}: model_type \"{}\" is not supported; spindle supports {}", source, model_type, supported_model_types());
+}
+
+}  // namespace spindle

@@ -1,0 +1,31 @@
+// The model families spindle trains, one row per Hugging Face `model_type`. A row reads the config
+// fields its family adds or interprets in its own way and gives each layer its kinds (mixer,
+// feed-forward); the blocks themselves live in model/blocks/. Adding a family is a row here (its
+// reader in model/families/) and, when it brings new layer kinds, new block files.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace spindle {
+
+struct ModelConfig;
+
+struct ModelFamily {
+  std::string_view model_type;
+  // Where the decoder's tensors live in the checkpoint: "model." gives model.embed_tokens.weight,
+  // model.layers.N.…, model.norm.weight (the LM head is lm_head.weight in every family).
+  std::string_view weight_prefix;
+  // Fills what the common reader (ModelConfig::from_json) leaves to the family: biases, norms,
+  // per-layer kinds (ModelConfig::layer_kinds). `source` names the file in errors.
+  void (*read_config)(const nlohmann::json& j, ModelConfig& config, const std::string& source);
+};
+
+// The row of `model_type`; an error naming the supported types when there is none.
+const ModelFamily& model_family(const std::string& model_type, const std::string& source);
+// "llama, qwen2 and qwen3": for messages.
+std::string supported_model_types();
+
+}  // namespace spindle

@@ -1,0 +1,181 @@
+#include "model/layer.h"
+
+#include <algorithm>
+#include <deque>
+
+#include "core/error.h"
+#include "model/blocks/self_attention.h"
+#include "model/blocks/swiglu_mlp.h"
+#include "model/family.h"
+
+namespace spindle {
+
+namespace {
+
+std::unique_ptr<Mixer> make_mixer(MixerKind kind, ParameterSink& sink, const ModelConfig& c,
+                                  const std::string& prefix) {
+  switch (kind) {
+    case MixerKind::SelfAttention: return std::make_unique<SelfAttention>(sink, c, prefix);
+  }
+  fail("unknown mixer kind");
+}
+
+std::unique_ptr<FeedForward> make_feed_forward(FeedForwardKind kind, ParameterSink& sink, const ModelConfig& c,
+                                               const std::string& prefix) {
+  switch (kind) {
+    case FeedForwardKind::SwiGLU: return std::make_unique<SwigluMlp>(sink, c, prefix, c.intermediate_size);
+  }
+  fail("unknown feed-forward kind");
+}
+
+}  // namespace
+
+Linear ParameterSink::add_linear(const LinearSpec& spec) {
+  Linear lin;
+  lin.module = spec.module;
+  lin.prefix = spec.prefix;
+  lin.out = spec.out;
+  lin.in = spec.in;
+  lin.weight = &add(spec.prefix + ".weight", Shape{spec.out, spec.in});
+  if (spec.bias) lin.bias = &add(spec.prefix + ".bias", Shape{spec.out});
+  on_linear(spec);
+  return lin;
+}
+
+void append_parameters(std::vector<Parameter*>& out, const Linear& linear) {
+  for (Parameter* p : linear.parameters()) out.push_back(p);
+}
+
+const char* mixer_kind_name(MixerKind kind) {
+  switch (kind) {
+    case MixerKind::SelfAttention: return "attention";
+  }
+  return "?";
+}
+
+const char* feed_forward_kind_name(FeedForwardKind kind) {
+  switch (kind) {
+    case FeedForwardKind::SwiGLU: return "swiglu";
+  }
+  return "?";
+}
+
+std::string layer_prefix(const ModelConfig& c, int64_t layer) {
+  return fmt::format("{}layers.{}.", c.weight_prefix, layer);
+}
+
+DecoderLayer::DecoderLayer(ParameterSink& sink, const ModelConfig& c, int64_t layer)
+    : index_(layer), hidden_(c.hidden_size), norm_eps_(c.rms_norm_eps) {
+  const LayerKind kind = c.layer_kind(layer);
+  const std::string pre = layer_prefix(c, layer);
+  input_norm_ = &sink.add(pre + "input_layernorm.weight", Shape{c.hidden_size});
+  mixer_ = make_mixer(kind.mixer, sink, c, pre);
+  post_norm_ = &sink.add(pre + "post_attention_layernorm.weight", Shape{c.hidden_size});
+  feed_forward_ = make_feed_forward(kind.feed_forward, sink, c, pre);
+}
+
+std::vector<Parameter*> DecoderLayer::parameters() const {
+  std::vector<Parameter*> out{input_norm_};
+  for (Parameter* p : mixer_->parameters()) out.push_back(p);
+  out.push_back(post_norm_);
+  for (Parameter* p : feed_forward_->parameters()) out.push_back(p);
+  return out;
+}
+
+std::vector<Linear*> DecoderLayer::linears() {
+  std::vector<Linear*> out = mixer_->linears();
+  for (Linear* lin : feed_forward_->linears()) out.push_back(lin);
+  return out;
+}
+
+Linear* DecoderLayer::linear(const std::string& module) {
+  for (Linear* lin : linears())
+    if (lin->module == module) return lin;
+  return nullptr;
+}
+
+void DecoderLayer::allocate(Backend& be, DType dt, int64_t t, ActivationNeeds needs, LayerActivations& a) const {
+  const int64_t h = hidden_;
+  if (!a.x_in.defined() || a.x_in.dim(0) != t) a.x_in = be.empty(Shape{t, h}, dt);
+  mixer_->allocate(be, dt, t, {needs.intermediates, needs.core, false}, a.mixer);
+  if (!needs.intermediates) return;
+  if (!(a.xn1.defined() && a.xn1.dim(0) == t)) {
+    const DType st = stat_dtype(dt);
+    a.xn1 = be.empty(Shape{t, h}, dt);
+    a.rstd1 = be.empty(Shape{t}, st);
+    a.x_mid = be.empty(Shape{t, h}, dt);
+    a.xn2 = be.empty(Shape{t, h}, dt);
+    a.rstd2 = be.empty(Shape{t}, st);
+  }
+  feed_forward_->allocate(be, dt, t, {true, false, needs.product}, a.feed_forward);
+}
+
+void DecoderLayer::forward(const LayerContext& ctx, LayerActivations& a, Tensor& x_out, bool run_core) const {
+  Backend& be = ctx.backend;
+  const Stream st = ctx.stream;
+  be.rmsnorm_forward(st, a.x_in, input_norm_->value, norm_eps_, a.xn1, a.rstd1);
+  mixer_->forward(ctx, a.xn1, a.mixer, a.x_mid, run_core);
+  be.axpy(st, 1.0, a.x_in, a.x_mid);
+  be.rmsnorm_forward(st, a.x_mid, post_norm_->value, norm_eps_, a.xn2, a.rstd2);
+  feed_forward_->forward(ctx, a.xn2, a.feed_forward, x_out);
+  be.axpy(st, 1.0, a.x_mid, x_out);
+}
+
+void DecoderLayer::backward(const LayerContext& ctx, const LayerActivations& a, Tensor& d_res,
+                            bool need_input_grad) const {
+  Backend& be = ctx.backend;
+  const Stream st = ctx.stream;
+  const Shape hidden{ctx.tokens(), a.x_in.dim(1)};
+  Tensor d_xn2 = be.empty(hidden, ctx.dtype);
+  feed_forward_->backward(ctx, a.xn2, a.feed_forward, d_res, d_xn2);
+  be.rmsnorm_backward(st, a.x_mid, post_norm_->value, a.rstd2, d_xn2, d_res, trainable_grad(*post_norm_), true);
+  Tensor d_xn1 = be.empty(hidden, ctx.dtype);
+  mixer_->backward(ctx, a.xn1, a.mixer, d_res, d_xn1);
+  if (need_input_grad || input_norm_->trainable)
+    be.rmsnorm_backward(st, a.x_in, input_norm_->value, a.rstd1, d_xn1, d_res, trainable_grad(*input_norm_), true);
+}
+
+namespace {
+
+// Records shapes and projections; allocates nothing.
+class CountingSink final : public ParameterSink {
+ public:
+  Parameter& add(const std::string& name, Shape shape) override {
+    total += shape.numel();
+    Parameter& p = params_.emplace_back();
+    p.name = name;
+    return p;
+  }
+  int64_t total = 0;
+  std::vector<LinearSpec> linears;
+
+ protected:
+  void on_linear(const LinearSpec& spec) override { linears.push_back(spec); }
+
+ private:
+  std::deque<Parameter> params_;
+};
+
+}  // namespace
+
+int64_t ParameterCounts::lora(int64_t rank, const std::vector<std::string>& targets) const {
+  int64_t n = 0;
+  for (const LinearSpec& lin : linears)
+    if (targets.empty() || std::find(targets.begin(), targets.end(), lin.module) != targets.end())
+      n += rank * (lin.in + lin.out);
+  return n;
+}
+
+ParameterCounts count_parameters(const ModelConfig& c) {
+  CountingSink sink;
+  for (int64_t l = 0; l < c.num_layers; ++l) DecoderLayer layer(sink, c, l);
+  ParameterCounts counts;
+  const int64_t head = c.vocab_size * c.hidden_size;
+  counts.total = sink.total + head * (c.tie_word_embeddings ? 1 : 2) + c.hidden_size;  // + final norm
+  counts.matmul = head;
+  for (const LinearSpec& lin : sink.linears) counts.matmul += lin.out * lin.in;
+  counts.linears = std::move(sink.linears);
+  return counts;
+}
+
+}  // namespace spindle

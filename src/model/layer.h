@@ -1,0 +1,81 @@
+// A decoder layer: x_mid = x_in + mixer(norm₁(x_in)), x_out = x_mid + feed_forward(norm₂(x_mid)).
+// The mixer and feed-forward are blocks (model/block.h) of the kinds the family's config gives
+// this layer (ModelConfig::layer_kinds).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/block.h"
+
+namespace spindle {
+
+// Saved activations of one layer (sizes as in model/block.h). What a step holds per layer between
+// forward and backward:
+//   kept layer:                   every tensor (the SwiGLU product excepted: recomputed in backward);
+//   recomputed layer:             x_in only; the rest lives in one scratch set shared by all
+//                                 recomputed layers, refilled in backward;
+//   recomputed, keep_attention:   x_in and the mixer's core (attention: attn and lse).
+// A layer's tensors are allocated in forward just before the layer runs and released in backward
+// once the layer below no longer needs them.
+struct LayerActivations {
+  Tensor x_in;          // [T, H]   layer input (the residual stream), always kept
+  Tensor xn1, rstd1;    // [T, H], [T]   input RMSNorm
+  Tensor x_mid;         // [T, H]   x_in + mixer(xn1)
+  Tensor xn2, rstd2;    // [T, H], [T]   post-mixer RMSNorm
+  MixerActivations mixer;
+  FeedForwardActivations feed_forward;
+};
+
+class DecoderLayer {
+ public:
+  // Creates the layer's parameters through `sink`, in checkpoint order: input norm, mixer,
+  // post norm, feed-forward.
+  DecoderLayer(ParameterSink& sink, const ModelConfig& config, int64_t layer);
+
+  int64_t index() const { return index_; }
+  LayerKind kind() const { return {mixer_->kind(), feed_forward_->kind()}; }
+  Mixer& mixer() { return *mixer_; }
+  FeedForward& feed_forward() { return *feed_forward_; }
+
+  // x_in always; the rest per `needs` (core: the mixer's kept output). Tensors already allocated
+  // for `tokens` are kept.
+  void allocate(Backend& backend, DType dtype, int64_t tokens, ActivationNeeds needs, LayerActivations& a) const;
+  void forward(const LayerContext& ctx, LayerActivations& a, Tensor& x_out, bool run_core) const;
+  // d_res holds ∂L/∂x_out on entry and ∂L/∂x_in on exit (the residual path carries it through);
+  // without need_input_grad the input norm's backward is skipped unless its weight trains.
+  void backward(const LayerContext& ctx, const LayerActivations& a, Tensor& d_res, bool need_input_grad) const;
+
+  // Every parameter of the layer, in creation order (LoRA pairs included once attached).
+  std::vector<Parameter*> parameters() const;
+  // Every projection, mixer first, in creation order; by PEFT module name (null when absent).
+  std::vector<Linear*> linears();
+  Linear* linear(const std::string& module);
+
+ private:
+  int64_t index_;
+  int64_t hidden_;
+  double norm_eps_;
+  Parameter* input_norm_;  // [H]
+  Parameter* post_norm_;   // [H]
+  std::unique_ptr<Mixer> mixer_;
+  std::unique_ptr<FeedForward> feed_forward_;
+};
+
+// The HF tensor prefix of layer `layer`: "model.layers.3." (the family's weight prefix).
+std::string layer_prefix(const ModelConfig& config, int64_t layer);
+
+// Parameter counts from the config alone (nothing allocated), from the same constructors that
+// create the parameters, so counts follow every family and block.
+struct ParameterCounts {
+  int64_t total = 0;                // every parameter, tied embeddings once
+  int64_t matmul = 0;               // weights of matrix products per token: projections + LM head
+  std::vector<LinearSpec> linears;  // every projection of every layer, in order
+  // LoRA parameters of rank r on the projections named in `targets` (empty: all).
+  int64_t lora(int64_t rank, const std::vector<std::string>& targets) const;
+};
+ParameterCounts count_parameters(const ModelConfig& config);
+
+}  // namespace spindle

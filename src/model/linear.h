@@ -1,0 +1,75 @@
+// One projection y = x·Wᵀ (+ b) (+ s·(x·Aᵀ)·Bᵀ): the frozen or trainable base weight, its optional
+// bias and the LoRA pair attached to it. Every matrix product of a layer goes through a Linear, so
+// LoRA targeting, FSDP, export and FLOP counts see the same list of projections, and a base weight
+// stored in another format (dense today; quantised next) changes this file, not the model code.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+
+namespace spindle {
+
+struct Parameter {
+  std::string name;  // the Hugging Face / PEFT tensor name
+  Tensor value;      // model dtype
+  Tensor grad;       // same shape and dtype; allocated only when trainable
+  bool trainable = false;
+};
+
+// How a base weight is stored. Dense: Parameter::value is the [out, in] matrix in the model dtype.
+// The formats that will follow (NF4 bytes + absmax) keep their storage here and hand compute a
+// dense matrix through Linear::dense_weight.
+enum class WeightFormat { Dense };
+
+// What a module declares about one of its projections before anything is allocated.
+struct LinearSpec {
+  std::string module;  // PEFT module name: "q_proj"
+  std::string prefix;  // HF tensor prefix: "model.layers.3.self_attn.q_proj" (+ ".weight", ".bias")
+  int64_t out = 0, in = 0;
+  bool bias = false;
+};
+
+// The saved state of one projection between forward and backward: its input is shared with
+// sibling projections (q, k and v read the same normed x) and kept by the module; what the Linear
+// alone needs is the LoRA intermediate.
+struct LinearActivations {
+  Tensor xa;  // [T, r] x·Aᵀ, only with LoRA
+};
+
+struct Linear {
+  std::string module;  // PEFT module name
+  std::string prefix;  // HF tensor prefix
+  WeightFormat format = WeightFormat::Dense;
+  Parameter* weight = nullptr;  // [out, in]
+  Parameter* bias = nullptr;    // [out]
+  Parameter* lora_a = nullptr;  // [r, in]
+  Parameter* lora_b = nullptr;  // [out, r]
+  double lora_scaling = 0.0;
+  // Kept beside the parameters: under FSDP their values exist only while the layer runs.
+  int64_t out = 0, in = 0, rank = 0;  // rank: of the LoRA pair, 0 without one
+  int64_t out_features() const { return out; }
+  int64_t in_features() const { return in; }
+  int64_t lora_rank() const { return rank; }
+
+  // The base weight as a dense [out, in] matrix in the model dtype, for the GEMMs.
+  const Tensor& dense_weight() const;
+  // weight, bias, lora_a, lora_b: those that exist, in that order.
+  std::vector<Parameter*> parameters() const;
+
+  // Allocates what forward saves for `tokens` rows (nothing without LoRA).
+  void allocate(Backend& backend, LinearActivations& a, int64_t tokens, DType dtype) const;
+  // y [T, out] = x [T, in]·Wᵀ (+ b) (+ s·(x·Aᵀ)·Bᵀ); a.xa filled for backward.
+  void forward(Backend& backend, Stream stream, const Tensor& x, Tensor& y, LinearActivations& a) const;
+  // Parameter gradients accumulate when trainable; dx = dy·W (+ LoRA term), or += when
+  // accumulate_dx; no input gradient when dx is null.
+  void backward(Backend& backend, Stream stream, const Tensor& x, const Tensor& dy, const LinearActivations& a,
+                Tensor* dx, bool accumulate_dx) const;
+};
+
+// Where a parameter's gradient goes: its grad when trainable, nowhere (null) when frozen.
+inline Tensor* trainable_grad(Parameter& p) { return p.trainable ? &p.grad : nullptr; }
+
+}  // namespace spindle
