@@ -17,6 +17,7 @@
 #include <memory>
 #include <string>
 
+#include "core/error.h"
 #include "core/tensor.h"
 
 namespace spindle {
@@ -178,6 +179,96 @@ class Backend {
   virtual void gather_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) = 0;
   // dst[idx[n], :] += src[n, :].
   virtual void scatter_add_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) = 0;
+
+  // ---- gated attention and gated DeltaNet (qwen3_5; model/blocks/gated_deltanet.h) -------------
+  // Only the CPU backend has these ops yet (models with these layers are refused on the others);
+  // the defaults throw. Sizes: T tokens, Hk key heads of dk, Hv value heads of dv (a multiple of
+  // Hk: value head h reads key head h / (Hv/Hk)), C channels.
+  //
+  // dst[r, dst_col + j] = src[r, src_col + j] for j < width; src [R, Cs], dst [R, Cd] of one dtype:
+  // splits fused projections (q_proj's per-head query and gate, in_proj_qkv's q, k and v) and puts
+  // their gradients back together.
+  virtual void copy_columns(Stream stream, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
+                            int64_t width) {
+    fail("copy_columns is not implemented on the {} backend", name());
+  }
+  // rope() on the first rotary_dim of each head's D dims (partial RoPE): pairs (i, i + rotary_dim/2),
+  // inv_freq F32 [rotary_dim/2]; dims rotary_dim … D−1 pass through.
+  virtual void rope_partial(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq,
+                            int64_t rotary_dim, int sign) {
+    if (rotary_dim == x.dim(2)) return rope(stream, x, positions, inv_freq, 1.0, sign);
+    fail("partial RoPE is not implemented on the {} backend", name());
+  }
+  // out = x·σ(gate), elementwise (gated attention's output gate); the backward overwrites
+  // dx = dout·σ(gate) and dgate = dout·x·σ(gate)·(1 − σ(gate)).
+  virtual void sigmoid_gate_forward(Stream stream, const Tensor& x, const Tensor& gate, Tensor& out) {
+    fail("sigmoid_gate_forward is not implemented on the {} backend", name());
+  }
+  virtual void sigmoid_gate_backward(Stream stream, const Tensor& x, const Tensor& gate, const Tensor& dout,
+                                     Tensor& dx, Tensor& dgate) {
+    fail("sigmoid_gate_backward is not implemented on the {} backend", name());
+  }
+  // Depthwise causal conv1d with SiLU over packed documents: y[t, c] = silu(Σ_j w[c, j]·x[t−K+1+j, c])
+  // where a tap before the start of t's document reads zero (the window restarts at every document:
+  // runs of equal doc_ids I32 [T]). x, y [T, C]; w [C, 1, K] as the checkpoint stores it.
+  virtual void causal_conv1d_silu_forward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& doc_ids,
+                                          Tensor& y) {
+    fail("causal_conv1d_silu_forward is not implemented on the {} backend", name());
+  }
+  // dx [T, C] overwritten, *dw += (null: frozen); the pre-activation is recomputed from x and w.
+  virtual void causal_conv1d_silu_backward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& doc_ids,
+                                           const Tensor& dy, Tensor& dx, Tensor* dw) {
+    fail("causal_conv1d_silu_backward is not implemented on the {} backend", name());
+  }
+  // Per row of the last dim: y = x·rstd, rstd = (Σ x² + eps)^-½ saved (stat dtype, one per row);
+  // the backward overwrites dx = rstd·(dy − y·(y·dy)).
+  virtual void l2norm_forward(Stream stream, const Tensor& x, double eps, Tensor& y, Tensor& rstd) {
+    fail("l2norm_forward is not implemented on the {} backend", name());
+  }
+  virtual void l2norm_backward(Stream stream, const Tensor& y, const Tensor& rstd, const Tensor& dy, Tensor& dx) {
+    fail("l2norm_backward is not implemented on the {} backend", name());
+  }
+  // The gates of a gated DeltaNet: g [T, Hv] (stat dtype, log decay ≤ 0) = −exp(A_log)·softplus(a +
+  // dt_bias) and beta [T, Hv] = σ(b); a, b [T, Hv], A_log and dt_bias [Hv]. The backward overwrites
+  // da and db and adds into *dA_log and *ddt_bias (null: frozen).
+  virtual void gated_delta_gates_forward(Stream stream, const Tensor& a, const Tensor& b, const Tensor& a_log,
+                                         const Tensor& dt_bias, Tensor& g, Tensor& beta) {
+    fail("gated_delta_gates_forward is not implemented on the {} backend", name());
+  }
+  virtual void gated_delta_gates_backward(Stream stream, const Tensor& a, const Tensor& beta, const Tensor& a_log,
+                                          const Tensor& dt_bias, const Tensor& g, const Tensor& dg,
+                                          const Tensor& dbeta, Tensor& da, Tensor& db, Tensor* da_log,
+                                          Tensor* ddt_bias) {
+    fail("gated_delta_gates_backward is not implemented on the {} backend", name());
+  }
+  // The gated delta rule over packed documents, per value head h with its key head h / (Hv/Hk) and a
+  // state S [dk, dv] that starts at zero in every document (runs of equal doc_ids I32 [T]):
+  //   S_t = exp(g_t)·(I − β_t·k_t·k_tᵀ)·S_{t−1} + β_t·k_t·v_tᵀ,   out_t = S_tᵀ·(scale·q_t)
+  // q, k [T, Hk, dk]; v, out [T, Hv, dv]; g [T, Hv] stat dtype; beta [T, Hv]. Computed in chunks of
+  // chunk_size tokens (a triangular solve inside a chunk, the state carried across chunks at the
+  // stat precision or better); the result does not depend on the chunk size beyond rounding.
+  virtual void gated_delta_rule_forward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const Tensor& g, const Tensor& beta, const Tensor& doc_ids, double scale,
+                                        int64_t chunk_size, Tensor& out) {
+    fail("gated_delta_rule_forward is not implemented on the {} backend", name());
+  }
+  // dq, dk, dv, dg, dbeta overwritten from dout; the chunk states are recomputed from the inputs.
+  virtual void gated_delta_rule_backward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const Tensor& g, const Tensor& beta, const Tensor& doc_ids, double scale,
+                                         int64_t chunk_size, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                                         Tensor& dg, Tensor& dbeta) {
+    fail("gated_delta_rule_backward is not implemented on the {} backend", name());
+  }
+  // Gated RMSNorm: y[R, C] = x·rstd·w[C]·silu(z), rstd[R] = (mean x² + eps)^-½ saved (stat dtype);
+  // the backward overwrites dx and dz and adds into *dw (null: frozen).
+  virtual void gated_rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& z, const Tensor& w, double eps,
+                                     Tensor& y, Tensor& rstd) {
+    fail("gated_rmsnorm_forward is not implemented on the {} backend", name());
+  }
+  virtual void gated_rmsnorm_backward(Stream stream, const Tensor& x, const Tensor& z, const Tensor& w,
+                                      const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& dz, Tensor* dw) {
+    fail("gated_rmsnorm_backward is not implemented on the {} backend", name());
+  }
 
   // ---- loss ------------------------------------------------------------------------------------
   // Cross-entropy on a chunk of logits [N, V] (weights: stat dtype, F32 or F64), in place: logits become

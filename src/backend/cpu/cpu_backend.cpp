@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/gated_delta_ops.h"
 #include "core/error.h"
 
 namespace spindle {
@@ -617,6 +618,63 @@ class CpuBackend final : public Backend {
         for (int64_t e = 0; e < row_elems; ++e) d[ip[r] * row_elems + e] += s[r * row_elems + e];
       }
     });
+  }
+
+  // ---- gated attention and gated DeltaNet: backend/cpu/gated_delta_ops.cpp ----------------------
+  void copy_columns(Stream, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t width) override {
+    cpu::copy_columns(src, src_col, dst, dst_col, width);
+  }
+  void rope_partial(Stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq, int64_t rotary_dim,
+                    int sign) override {
+    cpu::rope_partial(x, positions, inv_freq, rotary_dim, sign);
+  }
+  void sigmoid_gate_forward(Stream, const Tensor& x, const Tensor& gate, Tensor& out) override {
+    cpu::sigmoid_gate_forward(x, gate, out);
+  }
+  void sigmoid_gate_backward(Stream, const Tensor& x, const Tensor& gate, const Tensor& dout, Tensor& dx,
+                             Tensor& dgate) override {
+    cpu::sigmoid_gate_backward(x, gate, dout, dx, dgate);
+  }
+  void causal_conv1d_silu_forward(Stream, const Tensor& x, const Tensor& w, const Tensor& doc_ids, Tensor& y) override {
+    cpu::causal_conv1d_silu_forward(x, w, doc_ids, y);
+  }
+  void causal_conv1d_silu_backward(Stream, const Tensor& x, const Tensor& w, const Tensor& doc_ids, const Tensor& dy,
+                                   Tensor& dx, Tensor* dw) override {
+    cpu::causal_conv1d_silu_backward(x, w, doc_ids, dy, dx, dw);
+  }
+  void l2norm_forward(Stream, const Tensor& x, double eps, Tensor& y, Tensor& rstd) override {
+    cpu::l2norm_forward(x, eps, y, rstd);
+  }
+  void l2norm_backward(Stream, const Tensor& y, const Tensor& rstd, const Tensor& dy, Tensor& dx) override {
+    cpu::l2norm_backward(y, rstd, dy, dx);
+  }
+  void gated_delta_gates_forward(Stream, const Tensor& a, const Tensor& b, const Tensor& a_log, const Tensor& dt_bias,
+                                 Tensor& g, Tensor& beta) override {
+    cpu::gated_delta_gates_forward(a, b, a_log, dt_bias, g, beta);
+  }
+  void gated_delta_gates_backward(Stream, const Tensor& a, const Tensor& beta, const Tensor& a_log,
+                                  const Tensor& dt_bias, const Tensor& g, const Tensor& dg, const Tensor& dbeta,
+                                  Tensor& da, Tensor& db, Tensor* da_log, Tensor* ddt_bias) override {
+    cpu::gated_delta_gates_backward(a, beta, a_log, dt_bias, g, dg, dbeta, da, db, da_log, ddt_bias);
+  }
+  void gated_delta_rule_forward(Stream, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                const Tensor& beta, const Tensor& doc_ids, double scale, int64_t chunk_size,
+                                Tensor& out) override {
+    cpu::gated_delta_rule_forward(q, k, v, g, beta, doc_ids, scale, chunk_size, out);
+  }
+  void gated_delta_rule_backward(Stream, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                 const Tensor& beta, const Tensor& doc_ids, double scale, int64_t chunk_size,
+                                 const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dg,
+                                 Tensor& dbeta) override {
+    cpu::gated_delta_rule_backward(q, k, v, g, beta, doc_ids, scale, chunk_size, dout, dq, dk, dv, dg, dbeta);
+  }
+  void gated_rmsnorm_forward(Stream, const Tensor& x, const Tensor& z, const Tensor& w, double eps, Tensor& y,
+                             Tensor& rstd) override {
+    cpu::gated_rmsnorm_forward(x, z, w, eps, y, rstd);
+  }
+  void gated_rmsnorm_backward(Stream, const Tensor& x, const Tensor& z, const Tensor& w, const Tensor& rstd,
+                              const Tensor& dy, Tensor& dx, Tensor& dz, Tensor* dw) override {
+    cpu::gated_rmsnorm_backward(x, z, w, rstd, dy, dx, dz, dw);
   }
 
   void cross_entropy(Stream, Tensor& logits, const Tensor& targets, const Tensor& weights, double loss_scale,
