@@ -52,6 +52,9 @@ struct MemoryStats {
   int64_t device_total_bytes = 0;
 };
 
+// The two 4-bit codes of bitsandbytes' weight format (docs/qlora.md): NormalFloat4 and FP4.
+enum class Quant4Type : uint8_t { NF4, FP4 };
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -268,6 +271,25 @@ class Backend {
   virtual void gated_rmsnorm_backward(Stream stream, const Tensor& x, const Tensor& z, const Tensor& w,
                                       const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& dz, Tensor* dw) {
     fail("gated_rmsnorm_backward is not implemented on the {} backend", name());
+  }
+
+  // ---- 4-bit weights (bitsandbytes' NF4/FP4 layout, docs/qlora.md) ------------------------------
+  // w [n] (any shape of n elements, compute dtype) = table[code of element j] · absmax[j / blocksize],
+  // the product in F32 as bitsandbytes' fast-math kernel forms it (denormal inputs and results
+  // flushed to zero), then rounded to w's dtype. packed U8 [(n+1)/2]: element 2k in the high nibble of
+  // byte k, 2k+1 in the low one; absmax F32 [ceil(n/blocksize)]; blocksize 32 … 4096, a power of two.
+  virtual void dequantize_4bit(Stream stream, const Tensor& packed, const Tensor& absmax, int64_t blocksize,
+                               Quant4Type type, Tensor& w) {
+    (void)stream, (void)packed, (void)absmax, (void)blocksize, (void)type, (void)w;
+    fail("dequantize_4bit is not implemented on the {} backend", name());
+  }
+  // Double-quantised absmax: absmax[k] (F32 [K]) = f32(f32(code_map[codes[k]] · absmax2[k / blocksize2]) +
+  // offset), two roundings as bitsandbytes forms them. codes U8 [K], code_map F32 [256], absmax2 F32
+  // [ceil(K/blocksize2)].
+  virtual void dequantize_absmax(Stream stream, const Tensor& codes, const Tensor& code_map, const Tensor& absmax2,
+                                 int64_t blocksize2, double offset, Tensor& absmax) {
+    (void)stream, (void)codes, (void)code_map, (void)absmax2, (void)blocksize2, (void)offset, (void)absmax;
+    fail("dequantize_absmax is not implemented on the {} backend", name());
   }
 
   // ---- loss ------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/quant4_ops.h"
 #include "backend/cpu/gated_delta_ops.h"
 #include "core/error.h"
 
@@ -711,6 +712,16 @@ class CpuBackend final : public Backend {
       }
     });
     write_stat(loss_sum, 0, read_stat(loss_sum, 0) + total * loss_scale);
+  }
+
+  // ---- 4-bit weights: backend/cpu/quant4_ops.cpp ---------------------------------------------------
+  void dequantize_4bit(Stream, const Tensor& packed, const Tensor& absmax, int64_t blocksize, Quant4Type type,
+                       Tensor& w) override {
+    cpu::dequantize_4bit(packed, absmax, blocksize, type, w);
+  }
+  void dequantize_absmax(Stream, const Tensor& codes, const Tensor& code_map, const Tensor& absmax2,
+                         int64_t blocksize2, double offset, Tensor& absmax) override {
+    cpu::dequantize_absmax(codes, code_map, absmax2, blocksize2, offset, absmax);
   }
 
   void adamw_step(Stream, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& hp) override {
