@@ -51,13 +51,32 @@ struct SelfAttentionActivations {
   Tensor q_raw, k_raw;    // [T, Hq, D], [T, Hkv, D] projections before q/k norm (qk_norm only)
   Tensor q_rstd, k_rstd;  // [T·Hq], [T·Hkv]  (qk_norm only)
   Tensor q, k, v;         // [T, Hq, D], [T, Hkv, D], [T, Hkv, D] attention inputs (normed, rotated)
+  Tensor gate;            // [T, Hq, D] the output gate's pre-activation, from q_proj (attn_output_gate only)
   Tensor attn, lse;       // [T, Hq, D], [Hq, T]  the core: kept by keep-attention recompute
   LinearActivations q_proj, k_proj, v_proj, o_proj;
+};
+
+// Gated DeltaNet (blocks/gated_deltanet.h): Hk key heads of dk, Hv value heads of dv, C = 2·Hk·dk +
+// Hv·dv conv channels.
+struct GatedDeltaNetActivations {
+  Tensor qkv;             // [T, C] in_proj_qkv's output, the conv's input
+  Tensor q, k;            // [T, Hk, dk] the conv's q and k, L2-normed: the delta rule's inputs
+  Tensor q_rstd, k_rstd;  // [T·Hk] stat dtype
+  Tensor v;               // [T, Hv, dv] the conv's v
+  Tensor a, b;            // [T, Hv] in_proj_a, in_proj_b outputs
+  Tensor g;               // [T, Hv] stat dtype: log decay
+  Tensor beta;            // [T, Hv]
+  Tensor z;               // [T, Hv·dv] in_proj_z's output, the norm's gate
+  Tensor core;            // [T, Hv, dv] the delta rule's output: kept by keep-attention recompute
+  Tensor norm_rstd;       // [T·Hv] stat dtype
+  Tensor normed;          // [T, Hv·dv] the gated norm's output, out_proj's input
+  LinearActivations in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj;
 };
 
 // One member per mixer kind; a layer uses the one of its kind.
 struct MixerActivations {
   SelfAttentionActivations attention;
+  GatedDeltaNetActivations gated_deltanet;
 };
 
 // SwiGLU MLP (blocks/swiglu_mlp.h).
@@ -76,7 +95,7 @@ struct FeedForwardActivations {
 // kept core only; the recompute scratch set: everything but the kept core when it is kept).
 struct ActivationNeeds {
   bool intermediates = false;  // everything backward reads but the core
-  bool core = false;           // the mixer's expensive output (attention: attn, lse)
+  bool core = false;           // the mixer's expensive output (attention: attn, lse; DeltaNet: core)
   bool product = false;        // the feed-forward's inner product kept (scratch set only)
 };
 

@@ -53,6 +53,8 @@ RopeConfig parse_rope(const json& j, const std::string& source) {
   std::string type = "default";
   if (params.contains("rope_type") && params["rope_type"].is_string()) type = params["rope_type"];
   else if (params.contains("type") && params["type"].is_string()) type = params["type"];
+  // Multimodal RoPE over text alone: every section sees the token's one position, so it is 1-D RoPE.
+  if (type == "mrope") type = "default";
   if (type != "default" && type != "linear" && type != "llama3")
     fail("{}: RoPE scaling \"{}\" is not supported; spindle supports default, linear and llama3", source, type);
   rope.type = type;
@@ -72,19 +74,28 @@ RopeConfig parse_rope(const json& j, const std::string& source) {
            source);
   }
   if (!(rope.theta > 0)) fail("{}: rope_theta must be positive", source);
+  rope.partial_rotary_factor = number_or(params, "partial_rotary_factor", number_or(j, "partial_rotary_factor", 1.0, source), source);
+  if (!(rope.partial_rotary_factor > 0 && rope.partial_rotary_factor <= 1))
+    fail("{}: partial_rotary_factor {} must be in (0, 1]", source, rope.partial_rotary_factor);
   return rope;
 }
 
 }  // namespace
 
-ModelConfig ModelConfig::from_json(const json& j, const std::string& source) {
-  if (!j.is_object()) fail("{}: expected a JSON object", source);
+ModelConfig ModelConfig::from_json(const json& file, const std::string& source) {
+  if (!file.is_object()) fail("{}: expected a JSON object", source);
   ModelConfig c;
-  if (!j.contains("model_type") || !j["model_type"].is_string())
+  if (!file.contains("model_type") || !file["model_type"].is_string())
     fail("{}: missing \"model_type\"; spindle supports {}", source, supported_model_types());
-  c.model_type = j["model_type"];
+  c.model_type = file["model_type"];
   const ModelFamily& family = model_family(c.model_type, source);
   c.weight_prefix = family.weight_prefix;
+  // The decoder's fields: the whole file, or the section a multimodal checkpoint nests them in.
+  const std::string section(family.config_section);
+  if (!section.empty() && !(file.contains(section) && file[section].is_object()))
+    fail("{}: model_type \"{}\" keeps the text model's settings under \"{}\", which is missing", source,
+         c.model_type, section);
+  const json& j = section.empty() ? file : file[section];
   c.vocab_size = require_int(j, "vocab_size", source);
   c.hidden_size = require_int(j, "hidden_size", source);
   c.intermediate_size = require_int(j, "intermediate_size", source);
@@ -105,7 +116,9 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& source) {
                                   ? j["max_position_embeddings"].get<int64_t>()
                                   : 0;
   c.rms_norm_eps = number_or(j, "rms_norm_eps", 1e-6, source);
-  c.tie_word_embeddings = bool_or(j, "tie_word_embeddings", false, source);  // the default of all three config classes
+  // The default of every config class; a multimodal checkpoint's top-level value rules (transformers ties
+  // through the outer model's config).
+  c.tie_word_embeddings = bool_or(file, "tie_word_embeddings", bool_or(j, "tie_word_embeddings", false, source), source);
   if (j.contains("hidden_act") && j["hidden_act"] != "silu")
     fail("{}: hidden_act {} is not supported; spindle implements SwiGLU with silu", source, j["hidden_act"].dump());
   if (bool_or(j, "mlp_bias", false, source)) fail("{}: mlp_bias = true is not supported", source);
@@ -115,6 +128,9 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& source) {
     fail("{}: pretraining_tp {} is not supported (set it to 1)", source, j["pretraining_tp"].get<int>());
   c.rope = parse_rope(j, source);
   family.read_config(j, c, source);
+  if (c.rotary_dim() < 2 || c.rotary_dim() % 2)
+    fail("{}: RoPE would rotate {} of the {} head dims (partial_rotary_factor {}); it needs an even number", source,
+         c.rotary_dim(), c.head_dim, c.rope.partial_rotary_factor);
   SPINDLE_CHECK(static_cast<int64_t>(c.layer_kinds.size()) == c.num_layers, "{}: family {} gave {} layer kinds for {} layers",
                 source, c.model_type, c.layer_kinds.size(), c.num_layers);
   return c;
@@ -146,7 +162,7 @@ int64_t ModelConfig::parameter_count() const { return count_parameters(*this).to
 
 std::vector<float> rope_inverse_frequencies(const ModelConfig& config) {
   const RopeConfig& rope = config.rope;
-  const int64_t dim = config.head_dim;
+  const int64_t dim = config.rotary_dim();  // transformers: int(head_dim · partial_rotary_factor)
   std::vector<float> inv(dim / 2);
   const float base = static_cast<float>(rope.theta);
   for (int64_t i = 0; i < dim / 2; ++i) {

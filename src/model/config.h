@@ -18,6 +18,17 @@ struct RopeConfig {
   double factor = 1.0;                               // linear, llama3
   double low_freq_factor = 1.0, high_freq_factor = 4.0;  // llama3
   int64_t original_max_position_embeddings = 8192;   // llama3
+  double partial_rotary_factor = 1.0;  // qwen3_5: RoPE on the first head_dim·factor dims of each head
+};
+
+// Gated DeltaNet layers (qwen3_5's "linear_attention" layers): what a GatedDeltaNet mixer reads.
+struct LinearAttentionConfig {
+  int64_t num_key_heads = 0;    // Hk (linear_num_key_heads)
+  int64_t num_value_heads = 0;  // Hv (linear_num_value_heads), a multiple of Hk
+  int64_t key_head_dim = 0;     // dk (linear_key_head_dim)
+  int64_t value_head_dim = 0;   // dv (linear_value_head_dim)
+  int64_t conv_kernel = 4;      // K (linear_conv_kernel_dim)
+  int64_t chunk_size = 64;      // tokens per chunk of the delta rule (not in config.json)
 };
 
 struct ModelConfig {
@@ -36,6 +47,11 @@ struct ModelConfig {
   bool qkv_bias = false;  // qwen2 always; llama/qwen3 when attention_bias
   bool o_bias = false;    // llama/qwen3 when attention_bias
   bool qk_norm = false;   // qwen3: RMSNorm over head_dim on q and k before RoPE
+  // qwen3_5: every RMSNorm but gated DeltaNet's multiplies by (1 + w), its weight stored zero-centred.
+  bool zero_centered_norm = false;
+  // qwen3_5: q_proj holds per head D query rows then D gate rows; σ(gate) scales the attention output.
+  bool attn_output_gate = false;
+  LinearAttentionConfig linear_attention;
   RopeConfig rope;
   std::vector<LayerKind> layer_kinds;  // [num_layers], set by the family; empty: every layer dense
                                        // attention + SwiGLU (configs built in code)
@@ -43,6 +59,7 @@ struct ModelConfig {
   LayerKind layer_kind(int64_t layer) const;
   int64_t q_dim() const { return num_heads * head_dim; }
   int64_t kv_dim() const { return num_kv_heads * head_dim; }
+  int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim) * rope.partial_rotary_factor); }
   int64_t parameter_count() const;  // every parameter, tied embeddings once (model/layer.h counts them)
 
   // Parses and validates; `source` names the file in error messages.
@@ -50,7 +67,7 @@ struct ModelConfig {
   static ModelConfig from_file(const std::string& path);  // a config.json or a folder holding one
 };
 
-// RoPE inverse frequencies [head_dim/2] with the configured scaling, computed in fp32 as
+// RoPE inverse frequencies [rotary_dim/2] with the configured scaling, computed in fp32 as
 // transformers does, so angles match it bit for bit.
 std::vector<float> rope_inverse_frequencies(const ModelConfig& config);
 

@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "loss/lm_head_loss.h"
+#include "model/norm.h"
 
 namespace spindle {
 
@@ -140,7 +141,8 @@ void Decoder::logits(const MicroBatch& batch, const Tensor& rows, Tensor& out) {
   Tensor rstd = backend_.empty(Shape{n}, stat_dtype(weights_.dtype));
   backend_.gather_rows(stream_, x_final, rows, h);
   before_forward(ParameterUnit::head());
-  backend_.rmsnorm_forward(stream_, h, weights_.final_norm->value, c.rms_norm_eps, hn, rstd);
+  backend_.rmsnorm_forward(stream_, h, rmsnorm_multiplier(backend_, stream_, weights_.final_norm->value, c.zero_centered_norm),
+                           c.rms_norm_eps, hn, rstd);
   backend_.gemm(stream_, hn, false, weights_.lm_head->value, true, out, 1.0, 0.0);
   after_forward(ParameterUnit::head());
 }
@@ -198,7 +200,8 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   else before_forward(head);
   if (n) {
     be.gather_rows(st, x_final, batch.selected, h);
-    be.rmsnorm_forward(st, h, weights_.final_norm->value, c.rms_norm_eps, hn, rstd);
+    be.rmsnorm_forward(st, h, rmsnorm_multiplier(be, st, weights_.final_norm->value, c.zero_centered_norm), c.rms_norm_eps,
+                       hn, rstd);
   }
   Tensor dhn;
   if (backward) dhn = be.empty(Shape{n, c.hidden_size}, dt);
@@ -223,7 +226,8 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   Tensor d_res = be.zeros(Shape{t, c.hidden_size}, dt);
   if (n) {
     Tensor dh = be.empty(h.shape(), dt);
-    be.rmsnorm_backward(st, h, weights_.final_norm->value, rstd, dhn, dh, trainable_grad(*weights_.final_norm), false);
+    be.rmsnorm_backward(st, h, rmsnorm_multiplier(be, st, weights_.final_norm->value, c.zero_centered_norm), rstd, dhn,
+                        dh, trainable_grad(*weights_.final_norm), false);
     be.scatter_add_rows(st, dh, batch.selected, d_res);
   }
   after_backward(head);

@@ -4,15 +4,24 @@
 
 #include "core/error.h"
 #include "model/families/dense.h"
+#include "model/families/qwen3_5.h"
 
 namespace spindle {
 
 namespace {
 
+constexpr std::string_view kQwen35CpuOnly =
+    "its gated DeltaNet and gated attention layers have no CUDA kernels yet (partial RoPE, the output gate, the "
+    "causal conv and the chunked delta rule)";
+
 const ModelFamily kFamilies[] = {
     {"llama", "model.", read_llama_config},
     {"qwen2", "model.", read_qwen2_config},
     {"qwen3", "model.", read_qwen3_config},
+    // Qwen3.5 (gated DeltaNet + gated attention): the multimodal checkpoint's text tower, and the
+    // text-only Qwen3_5ForCausalLM folder.
+    {"qwen3_5", "model.language_model.", read_qwen3_5_config, "text_config", {"model.visual.", "mtp."}, kQwen35CpuOnly},
+    {"qwen3_5_text", "model.", read_qwen3_5_config, {}, {"model.visual.", "mtp."}, kQwen35CpuOnly},
 };
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -21,6 +22,15 @@ struct ModelFamily {
   // Fills what the common reader (ModelConfig::from_json) leaves to the family: biases, norms,
   // per-layer kinds (ModelConfig::layer_kinds). `source` names the file in errors.
   void (*read_config)(const nlohmann::json& j, ModelConfig& config, const std::string& source);
+  // Where config.json holds the decoder's fields: the top level (empty), or the key a multimodal
+  // checkpoint nests them under ("text_config"); tie_word_embeddings is read at the top first.
+  std::string_view config_section = {};
+  // Checkpoint tensors outside the decoder (a vision tower, multi-token-prediction heads): training
+  // never loads them and a saved full model carries them over unchanged (train/export.cpp).
+  std::vector<std::string_view> carried_prefixes = {};
+  // Why only the CPU backend runs this family for now (empty: every backend does); loading it on
+  // another backend is refused with this reason.
+  std::string_view cpu_only_reason = {};
 };
 
 // The row of `model_type`; an error naming the supported types when there is none.

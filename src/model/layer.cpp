@@ -4,9 +4,11 @@
 #include <deque>
 
 #include "core/error.h"
+#include "model/blocks/gated_deltanet.h"
 #include "model/blocks/self_attention.h"
 #include "model/blocks/swiglu_mlp.h"
 #include "model/family.h"
+#include "model/norm.h"
 
 namespace spindle {
 
@@ -16,6 +18,7 @@ std::unique_ptr<Mixer> make_mixer(MixerKind kind, ParameterSink& sink, const Mod
                                   const std::string& prefix) {
   switch (kind) {
     case MixerKind::SelfAttention: return std::make_unique<SelfAttention>(sink, c, prefix);
+    case MixerKind::GatedDeltaNet: return std::make_unique<GatedDeltaNet>(sink, c, prefix);
   }
   fail("unknown mixer kind");
 }
@@ -49,6 +52,7 @@ void append_parameters(std::vector<Parameter*>& out, const Linear& linear) {
 const char* mixer_kind_name(MixerKind kind) {
   switch (kind) {
     case MixerKind::SelfAttention: return "attention";
+    case MixerKind::GatedDeltaNet: return "gated deltanet";
   }
   return "?";
 }
@@ -65,7 +69,7 @@ std::string layer_prefix(const ModelConfig& c, int64_t layer) {
 }
 
 DecoderLayer::DecoderLayer(ParameterSink& sink, const ModelConfig& c, int64_t layer)
-    : index_(layer), hidden_(c.hidden_size), norm_eps_(c.rms_norm_eps) {
+    : index_(layer), hidden_(c.hidden_size), norm_eps_(c.rms_norm_eps), zero_centered_norm_(c.zero_centered_norm) {
   const LayerKind kind = c.layer_kind(layer);
   const std::string pre = layer_prefix(c, layer);
   input_norm_ = &sink.add(pre + "input_layernorm.weight", Shape{c.hidden_size});
@@ -113,10 +117,12 @@ void DecoderLayer::allocate(Backend& be, DType dt, int64_t t, ActivationNeeds ne
 void DecoderLayer::forward(const LayerContext& ctx, LayerActivations& a, Tensor& x_out, bool run_core) const {
   Backend& be = ctx.backend;
   const Stream st = ctx.stream;
-  be.rmsnorm_forward(st, a.x_in, input_norm_->value, norm_eps_, a.xn1, a.rstd1);
+  be.rmsnorm_forward(st, a.x_in, rmsnorm_multiplier(be, st, input_norm_->value, zero_centered_norm_), norm_eps_, a.xn1,
+                     a.rstd1);
   mixer_->forward(ctx, a.xn1, a.mixer, a.x_mid, run_core);
   be.axpy(st, 1.0, a.x_in, a.x_mid);
-  be.rmsnorm_forward(st, a.x_mid, post_norm_->value, norm_eps_, a.xn2, a.rstd2);
+  be.rmsnorm_forward(st, a.x_mid, rmsnorm_multiplier(be, st, post_norm_->value, zero_centered_norm_), norm_eps_, a.xn2,
+                     a.rstd2);
   feed_forward_->forward(ctx, a.xn2, a.feed_forward, x_out);
   be.axpy(st, 1.0, a.x_mid, x_out);
 }
@@ -128,11 +134,13 @@ void DecoderLayer::backward(const LayerContext& ctx, const LayerActivations& a, 
   const Shape hidden{ctx.tokens(), a.x_in.dim(1)};
   Tensor d_xn2 = be.empty(hidden, ctx.dtype);
   feed_forward_->backward(ctx, a.xn2, a.feed_forward, d_res, d_xn2);
-  be.rmsnorm_backward(st, a.x_mid, post_norm_->value, a.rstd2, d_xn2, d_res, trainable_grad(*post_norm_), true);
+  be.rmsnorm_backward(st, a.x_mid, rmsnorm_multiplier(be, st, post_norm_->value, zero_centered_norm_), a.rstd2, d_xn2,
+                      d_res, trainable_grad(*post_norm_), true);
   Tensor d_xn1 = be.empty(hidden, ctx.dtype);
   mixer_->backward(ctx, a.xn1, a.mixer, d_res, d_xn1);
   if (need_input_grad || input_norm_->trainable)
-    be.rmsnorm_backward(st, a.x_in, input_norm_->value, a.rstd1, d_xn1, d_res, trainable_grad(*input_norm_), true);
+    be.rmsnorm_backward(st, a.x_in, rmsnorm_multiplier(be, st, input_norm_->value, zero_centered_norm_), a.rstd1,
+                        d_xn1, d_res, trainable_grad(*input_norm_), true);
 }
 
 namespace {

@@ -58,6 +58,7 @@ class DecoderLayer {
   int64_t index_;
   int64_t hidden_;
   double norm_eps_;
+  bool zero_centered_norm_;  // qwen3_5: the norms multiply by 1 + w (model/norm.h)
   Parameter* input_norm_;  // [H]
   Parameter* post_norm_;   // [H]
   std::unique_ptr<Mixer> mixer_;

@@ -7,6 +7,7 @@ namespace spindle {
 // What mixes information across positions.
 enum class MixerKind {
   SelfAttention,  // softmax attention with RoPE (model/blocks/self_attention.h)
+  GatedDeltaNet,  // linear attention by the gated delta rule (model/blocks/gated_deltanet.h)
 };
 
 // What transforms each position on its own.

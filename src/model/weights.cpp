@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "io/checkpoint.h"
 #include "io/load_tensor.h"
+#include "model/family.h"
 
 namespace spindle {
 
@@ -67,6 +68,9 @@ Parameter* ModelWeights::find(const std::string& name) {
 void ModelWeights::wire(Backend& backend) {
   const ModelConfig& c = config;
   const int64_t h = c.hidden_size;
+  if (backend.device().kind != DeviceKind::CPU && !c.model_type.empty())
+    if (const ModelFamily& family = model_family(c.model_type, c.model_type); !family.cpu_only_reason.empty())
+      fail("model_type {} runs on the CPU backend for now: {}; use --device cpu", c.model_type, family.cpu_only_reason);
   Allocator sink(*this, backend);
   embed = &add(backend, c.weight_prefix + "embed_tokens.weight", Shape{c.vocab_size, h});
   layers.reserve(static_cast<size_t>(c.num_layers));

@@ -24,10 +24,25 @@ nlohmann::json TinyModel::config_json() const {
                       {"tie_word_embeddings", tie_word_embeddings}};
   // transformers picks the model class by this name; a preset of another family names its own in `extra`.
   static const std::map<std::string, std::string> kArchitectures = {
-      {"llama", "LlamaForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"}, {"qwen3", "Qwen3ForCausalLM"}};
+      {"llama", "LlamaForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"}, {"qwen3", "Qwen3ForCausalLM"},
+      {"qwen3_5_text", "Qwen3_5ForCausalLM"}};
   if (auto it = kArchitectures.find(model_type); it != kArchitectures.end()) j["architectures"] = {it->second};
   j.update(extra);
   return j;
+}
+
+TinyModel tiny_qwen3_5() {
+  TinyModel m;
+  m.model_type = "qwen3_5_text";
+  m.num_layers = 3;
+  m.extra = {{"layer_types", {"linear_attention", "full_attention", "linear_attention"}},
+             {"linear_num_key_heads", 2},
+             {"linear_num_value_heads", 4},
+             {"linear_key_head_dim", 8},
+             {"linear_value_head_dim", 8},
+             {"linear_conv_kernel_dim", 4},
+             {"partial_rotary_factor", 0.5}};
+  return m;
 }
 
 ModelConfig TinyModel::config() const { return ModelConfig::from_json(config_json(), "tiny " + model_type + " model"); }

@@ -42,6 +42,11 @@ struct TinyModel {
   ModelConfig config() const;
 };
 
+// qwen3_5 (text-only Qwen3_5ForCausalLM, model_type qwen3_5_text): 3 layers, gated DeltaNet, gated
+// attention, gated DeltaNet; DeltaNet 2 key heads and 4 value heads of 8 (two value heads per key
+// head), conv kernel 4; attention 4 query heads over 2 KV heads of 8, RoPE on the first 4 dims.
+TinyModel tiny_qwen3_5();
+
 // Random weights (ModelWeights::random, deterministic in `seed`) with every tensor but the norms
 // multiplied by `scale`: tests scale the 0.02 initialisation up so that attention is far from
 // uniform and every path carries a visible gradient.

@@ -3,14 +3,22 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "model/norm.h"
 
 namespace spindle {
 
 SelfAttention::SelfAttention(ParameterSink& sink, const ModelConfig& c, const std::string& layer_prefix)
-    : heads_(c.num_heads), kv_heads_(c.num_kv_heads), head_dim_(c.head_dim), norm_eps_(c.rms_norm_eps) {
+    : heads_(c.num_heads),
+      kv_heads_(c.num_kv_heads),
+      head_dim_(c.head_dim),
+      rotary_dim_(c.rotary_dim()),
+      norm_eps_(c.rms_norm_eps),
+      zero_centered_norm_(c.zero_centered_norm),
+      output_gate_(c.attn_output_gate) {
   const std::string pre = layer_prefix + "self_attn.";
   const int64_t h = c.hidden_size;
-  q_ = sink.add_linear({"q_proj", pre + "q_proj", c.q_dim(), h, c.qkv_bias});
+  // With the output gate, q_proj's rows are per head D query rows then D gate rows.
+  q_ = sink.add_linear({"q_proj", pre + "q_proj", c.q_dim() * (output_gate_ ? 2 : 1), h, c.qkv_bias});
   k_ = sink.add_linear({"k_proj", pre + "k_proj", c.kv_dim(), h, c.qkv_bias});
   v_ = sink.add_linear({"v_proj", pre + "v_proj", c.kv_dim(), h, c.qkv_bias});
   o_ = sink.add_linear({"o_proj", pre + "o_proj", h, c.q_dim(), c.o_bias});
@@ -41,6 +49,7 @@ void SelfAttention::allocate(Backend& be, DType dt, int64_t t, ActivationNeeds n
   }
   if (!needs.intermediates) return;
   if (a.q.defined() && a.q.dim(0) == t) return;
+  if (output_gate_) a.gate = be.empty(Shape{t, heads_, head_dim_}, dt);
   if (q_norm_) {
     a.q_raw = be.empty(Shape{t, heads_, head_dim_}, dt);
     a.k_raw = be.empty(Shape{t, kv_heads_, head_dim_}, dt);
@@ -68,23 +77,35 @@ void SelfAttention::forward(const LayerContext& ctx, const Tensor& xn, MixerActi
   Backend& be = ctx.backend;
   const Stream st = ctx.stream;
   const int64_t t = ctx.tokens(), q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
-  Tensor flat_q = a.q.reshape(Shape{t, q_dim}), flat_k = a.k.reshape(Shape{t, kv_dim}),
-         flat_v = a.v.reshape(Shape{t, kv_dim});
+  Tensor flat_k = a.k.reshape(Shape{t, kv_dim}), flat_v = a.v.reshape(Shape{t, kv_dim});
+  Tensor& q_out = q_norm_ ? a.q_raw : a.q;  // [T, Hq, D] the query before q/k norm and RoPE
+  if (output_gate_) {
+    // [T·Hq, 2D] per head: query then gate, split apart.
+    Tensor fused = be.empty(Shape{t * heads_, 2 * head_dim_}, xn.dtype());
+    Tensor fused_flat = fused.reshape(Shape{t, 2 * q_dim});
+    q_.forward(be, st, xn, fused_flat, a.q_proj);
+    Tensor query_rows = q_out.reshape(Shape{t * heads_, head_dim_}), gate_rows = a.gate.reshape(query_rows.shape());
+    be.copy_columns(st, fused, 0, query_rows, 0, head_dim_);
+    be.copy_columns(st, fused, head_dim_, gate_rows, 0, head_dim_);
+  } else {
+    Tensor q_flat = q_out.reshape(Shape{t, q_dim});
+    q_.forward(be, st, xn, q_flat, a.q_proj);
+  }
   if (q_norm_) {
-    Tensor raw_q = a.q_raw.reshape(Shape{t, q_dim}), raw_k = a.k_raw.reshape(Shape{t, kv_dim});
-    q_.forward(be, st, xn, raw_q, a.q_proj);
+    Tensor raw_k = a.k_raw.reshape(Shape{t, kv_dim});
     k_.forward(be, st, xn, raw_k, a.k_proj);
     Tensor qr = a.q_raw.reshape(Shape{t * heads_, head_dim_}), qn = a.q.reshape(qr.shape());
     Tensor kr = a.k_raw.reshape(Shape{t * kv_heads_, head_dim_}), kn = a.k.reshape(kr.shape());
-    be.rmsnorm_forward(st, qr, q_norm_->value, norm_eps_, qn, a.q_rstd);
-    be.rmsnorm_forward(st, kr, k_norm_->value, norm_eps_, kn, a.k_rstd);
+    be.rmsnorm_forward(st, qr, rmsnorm_multiplier(be, st, q_norm_->value, zero_centered_norm_), norm_eps_, qn,
+                       a.q_rstd);
+    be.rmsnorm_forward(st, kr, rmsnorm_multiplier(be, st, k_norm_->value, zero_centered_norm_), norm_eps_, kn,
+                       a.k_rstd);
   } else {
-    q_.forward(be, st, xn, flat_q, a.q_proj);
     k_.forward(be, st, xn, flat_k, a.k_proj);
   }
   v_.forward(be, st, xn, flat_v, a.v_proj);
-  be.rope(st, a.q, ctx.batch.positions, ctx.rope_inv_freq, 1.0, +1);
-  be.rope(st, a.k, ctx.batch.positions, ctx.rope_inv_freq, 1.0, +1);
+  rotate(ctx, a.q, +1);
+  rotate(ctx, a.k, +1);
   if (run_core) {
     ctx.attention.forward(be, st, ctx.batch, a.q, a.k, a.v, 1.0 / std::sqrt(static_cast<double>(head_dim_)), a.attn,
                           a.lse);
@@ -93,7 +114,19 @@ void SelfAttention::forward(const LayerContext& ctx, const Tensor& xn, MixerActi
     SPINDLE_CHECK(a.attn.defined() && a.attn.shape() == a.q.shape() && a.lse.defined() && a.lse.dim(1) == t,
                   "{}: no kept attention output for {} tokens", o_.prefix, t);
   }
-  o_.forward(be, st, a.attn.reshape(Shape{t, q_dim}), out, a.o_proj);
+  o_.forward(be, st, output_projection_input(ctx, a).reshape(Shape{t, q_dim}), out, a.o_proj);
+}
+
+void SelfAttention::rotate(const LayerContext& ctx, Tensor& x, int sign) const {
+  if (rotary_dim_ == head_dim_) ctx.backend.rope(ctx.stream, x, ctx.batch.positions, ctx.rope_inv_freq, 1.0, sign);
+  else ctx.backend.rope_partial(ctx.stream, x, ctx.batch.positions, ctx.rope_inv_freq, rotary_dim_, sign);
+}
+
+Tensor SelfAttention::output_projection_input(const LayerContext& ctx, const SelfAttentionActivations& a) const {
+  if (!output_gate_) return a.attn;
+  Tensor gated = ctx.backend.empty(a.attn.shape(), a.attn.dtype());  // [T, Hq, D]
+  ctx.backend.sigmoid_gate_forward(ctx.stream, a.attn, a.gate, gated);
+  return gated;
 }
 
 void SelfAttention::backward(const LayerContext& ctx, const Tensor& xn, const MixerActivations& m,
@@ -104,25 +137,42 @@ void SelfAttention::backward(const LayerContext& ctx, const Tensor& xn, const Mi
   const DType dt = ctx.dtype;
   const int64_t t = ctx.tokens(), q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
   Tensor d_attn = be.empty(Shape{t, heads_, head_dim_}, dt);
-  Tensor d_attn_flat = d_attn.reshape(Shape{t, q_dim});
-  o_.backward(be, st, a.attn.reshape(Shape{t, q_dim}), dout, a.o_proj, &d_attn_flat, false);
+  Tensor d_gate;  // [T, Hq, D] (output gate only)
+  if (output_gate_) {
+    // o_proj read attn·σ(gate), made again here (a kept layer does not keep it).
+    Tensor d_gated = be.empty(d_attn.shape(), dt), d_gated_flat = d_gated.reshape(Shape{t, q_dim});
+    o_.backward(be, st, output_projection_input(ctx, a).reshape(Shape{t, q_dim}), dout, a.o_proj, &d_gated_flat, false);
+    d_gate = be.empty(d_attn.shape(), dt);
+    be.sigmoid_gate_backward(st, a.attn, a.gate, d_gated, d_attn, d_gate);
+  } else {
+    Tensor d_attn_flat = d_attn.reshape(Shape{t, q_dim});
+    o_.backward(be, st, a.attn.reshape(Shape{t, q_dim}), dout, a.o_proj, &d_attn_flat, false);
+  }
   Tensor dq = be.empty(a.q.shape(), dt), dk = be.empty(a.k.shape(), dt), dv = be.empty(a.v.shape(), dt);
   ctx.attention.backward(be, st, ctx.batch, a.q, a.k, a.v, a.attn, d_attn, a.lse,
                          1.0 / std::sqrt(static_cast<double>(head_dim_)), dq, dk, dv);
-  be.rope(st, dq, ctx.batch.positions, ctx.rope_inv_freq, 1.0, -1);
-  be.rope(st, dk, ctx.batch.positions, ctx.rope_inv_freq, 1.0, -1);
+  rotate(ctx, dq, -1);
+  rotate(ctx, dk, -1);
   if (q_norm_) {
     Tensor dq_raw = be.empty(a.q.shape(), dt), dk_raw = be.empty(a.k.shape(), dt);
     const Shape qs{t * heads_, head_dim_}, ks{t * kv_heads_, head_dim_};
     Tensor dq_raw_rows = dq_raw.reshape(qs), dk_raw_rows = dk_raw.reshape(ks);
-    be.rmsnorm_backward(st, a.q_raw.reshape(qs), q_norm_->value, a.q_rstd, dq.reshape(qs), dq_raw_rows,
-                        trainable_grad(*q_norm_), false);
-    be.rmsnorm_backward(st, a.k_raw.reshape(ks), k_norm_->value, a.k_rstd, dk.reshape(ks), dk_raw_rows,
-                        trainable_grad(*k_norm_), false);
+    be.rmsnorm_backward(st, a.q_raw.reshape(qs), rmsnorm_multiplier(be, st, q_norm_->value, zero_centered_norm_),
+                        a.q_rstd, dq.reshape(qs), dq_raw_rows, trainable_grad(*q_norm_), false);
+    be.rmsnorm_backward(st, a.k_raw.reshape(ks), rmsnorm_multiplier(be, st, k_norm_->value, zero_centered_norm_),
+                        a.k_rstd, dk.reshape(ks), dk_raw_rows, trainable_grad(*k_norm_), false);
     dq = dq_raw;
     dk = dk_raw;
   }
-  q_.backward(be, st, xn, dq.reshape(Shape{t, q_dim}), a.q_proj, &dxn, false);
+  if (output_gate_) {
+    // The fused [T·Hq, 2D] gradient of q_proj: per head the query's, then the gate's.
+    Tensor fused = be.empty(Shape{t * heads_, 2 * head_dim_}, dt);
+    be.copy_columns(st, dq.reshape(Shape{t * heads_, head_dim_}), 0, fused, 0, head_dim_);
+    be.copy_columns(st, d_gate.reshape(Shape{t * heads_, head_dim_}), 0, fused, head_dim_, head_dim_);
+    q_.backward(be, st, xn, fused.reshape(Shape{t, 2 * q_dim}), a.q_proj, &dxn, false);
+  } else {
+    q_.backward(be, st, xn, dq.reshape(Shape{t, q_dim}), a.q_proj, &dxn, false);
+  }
   k_.backward(be, st, xn, dk.reshape(Shape{t, kv_dim}), a.k_proj, &dxn, true);
   v_.backward(be, st, xn, dv.reshape(Shape{t, kv_dim}), a.v_proj, &dxn, true);
 }

@@ -1,5 +1,7 @@
-// Softmax self-attention: q/k/v projections, optional per-head RMSNorm on q and k (qwen3), RoPE,
-// attention through the layer's AttentionStrategy (local, Ulysses or ring), output projection.
+// Softmax self-attention: q/k/v projections, optional per-head RMSNorm on q and k (qwen3; with
+// 1 + w in qwen3_5), RoPE (on the first rotary_dim dims of each head: partial in qwen3_5), attention
+// through the layer's AttentionStrategy (local, Ulysses or ring), optionally gated per element by
+// σ(gate) with the gate from q_proj (qwen3_5), output projection.
 #pragma once
 
 #include <string>
@@ -28,8 +30,15 @@ class SelfAttention final : public Mixer {
   static double forward_flops_per_pair(const ModelConfig& config);
 
  private:
-  int64_t heads_, kv_heads_, head_dim_;
+  // RoPE on x [T, heads, D] (sign −1: the inverse, i.e. the backward).
+  void rotate(const LayerContext& ctx, Tensor& x, int sign) const;
+  // o_proj's input [T, Hq, D]: the attention output, times σ(gate) with the output gate.
+  Tensor output_projection_input(const LayerContext& ctx, const SelfAttentionActivations& a) const;
+
+  int64_t heads_, kv_heads_, head_dim_, rotary_dim_;
   double norm_eps_;
+  bool zero_centered_norm_;  // q/k norms multiply by 1 + w
+  bool output_gate_;         // q_proj also gives each head's output gate
   Linear q_, k_, v_, o_;
   Parameter* q_norm_ = nullptr;  // [D] (qk_norm)
   Parameter* k_norm_ = nullptr;  // [D] (qk_norm)

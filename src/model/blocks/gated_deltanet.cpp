@@ -1,0 +1,159 @@
+#include "model/blocks/gated_deltanet.h"
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace spindle {
+
+namespace {
+
+// transformers' l2norm: x·rsqrt(Σx² + 1e-6), for the delta rule's q and k.
+constexpr double kL2NormEps = 1e-6;
+
+}  // namespace
+
+GatedDeltaNet::GatedDeltaNet(ParameterSink& sink, const ModelConfig& c, const std::string& layer_prefix)
+    : key_heads_(c.linear_attention.num_key_heads),
+      value_heads_(c.linear_attention.num_value_heads),
+      key_dim_(c.linear_attention.key_head_dim),
+      value_dim_(c.linear_attention.value_head_dim),
+      chunk_size_(c.linear_attention.chunk_size),
+      norm_eps_(c.rms_norm_eps) {
+  SPINDLE_CHECK(key_heads_ > 0 && value_heads_ % key_heads_ == 0 && key_dim_ > 0 && value_dim_ > 0,
+                "gated DeltaNet with {} key heads of {} and {} value heads of {}", key_heads_, key_dim_, value_heads_,
+                value_dim_);
+  const std::string pre = layer_prefix + "linear_attn.";
+  const int64_t h = c.hidden_size, key = key_heads_ * key_dim_, value = value_heads_ * value_dim_;
+  const int64_t channels = 2 * key + value;
+  qkv_ = sink.add_linear({"in_proj_qkv", pre + "in_proj_qkv", channels, h, false});
+  z_ = sink.add_linear({"in_proj_z", pre + "in_proj_z", value, h, false});
+  b_ = sink.add_linear({"in_proj_b", pre + "in_proj_b", value_heads_, h, false});
+  a_ = sink.add_linear({"in_proj_a", pre + "in_proj_a", value_heads_, h, false});
+  conv_ = &sink.add(pre + "conv1d.weight", Shape{channels, 1, c.linear_attention.conv_kernel});
+  dt_bias_ = &sink.add(pre + "dt_bias", Shape{value_heads_});
+  a_log_ = &sink.add(pre + "A_log", Shape{value_heads_});
+  norm_ = &sink.add(pre + "norm.weight", Shape{value_dim_});
+  out_ = sink.add_linear({"out_proj", pre + "out_proj", h, value, false});
+}
+
+std::vector<Parameter*> GatedDeltaNet::parameters() const {
+  std::vector<Parameter*> out;
+  for (const Linear* lin : {&qkv_, &z_, &b_, &a_}) append_parameters(out, *lin);
+  for (Parameter* p : {conv_, dt_bias_, a_log_, norm_}) out.push_back(p);
+  append_parameters(out, out_);
+  return out;
+}
+
+void GatedDeltaNet::allocate(Backend& be, DType dt, int64_t t, ActivationNeeds needs, MixerActivations& m) const {
+  GatedDeltaNetActivations& a = m.gated_deltanet;
+  const DType st = stat_dtype(dt);
+  if (needs.core && (!a.core.defined() || a.core.dim(0) != t)) a.core = be.empty(Shape{t, value_heads_, value_dim_}, dt);
+  if (!needs.intermediates) return;
+  if (a.qkv.defined() && a.qkv.dim(0) == t) return;
+  const int64_t key = key_heads_ * key_dim_, value = value_heads_ * value_dim_;
+  a.qkv = be.empty(Shape{t, 2 * key + value}, dt);
+  a.q = be.empty(Shape{t, key_heads_, key_dim_}, dt);
+  a.k = be.empty(Shape{t, key_heads_, key_dim_}, dt);
+  a.q_rstd = be.empty(Shape{t * key_heads_}, st);
+  a.k_rstd = be.empty(Shape{t * key_heads_}, st);
+  a.v = be.empty(Shape{t, value_heads_, value_dim_}, dt);
+  a.a = be.empty(Shape{t, value_heads_}, dt);
+  a.b = be.empty(Shape{t, value_heads_}, dt);
+  a.g = be.empty(Shape{t, value_heads_}, st);
+  a.beta = be.empty(Shape{t, value_heads_}, dt);
+  a.z = be.empty(Shape{t, value}, dt);
+  a.norm_rstd = be.empty(Shape{t * value_heads_}, st);
+  a.normed = be.empty(Shape{t, value}, dt);
+  qkv_.allocate(be, a.in_proj_qkv, t, dt);
+  z_.allocate(be, a.in_proj_z, t, dt);
+  b_.allocate(be, a.in_proj_b, t, dt);
+  a_.allocate(be, a.in_proj_a, t, dt);
+  out_.allocate(be, a.out_proj, t, dt);
+}
+
+void GatedDeltaNet::use_kept_core(MixerActivations& view, const MixerActivations& kept) const {
+  view.gated_deltanet.core = kept.gated_deltanet.core;
+}
+
+void GatedDeltaNet::forward(const LayerContext& ctx, const Tensor& xn, MixerActivations& m, Tensor& out,
+                            bool run_core) const {
+  GatedDeltaNetActivations& a = m.gated_deltanet;
+  Backend& be = ctx.backend;
+  const Stream st = ctx.stream;
+  const int64_t t = ctx.tokens(), key = key_heads_ * key_dim_, value = value_heads_ * value_dim_;
+  qkv_.forward(be, st, xn, a.qkv, a.in_proj_qkv);
+  z_.forward(be, st, xn, a.z, a.in_proj_z);
+  b_.forward(be, st, xn, a.b, a.in_proj_b);
+  a_.forward(be, st, xn, a.a, a.in_proj_a);
+
+  // Conv over every channel, then split: q and k are normalised, v goes to the delta rule as is.
+  Tensor mixed = be.empty(a.qkv.shape(), ctx.dtype);  // [T, C]
+  be.causal_conv1d_silu_forward(st, a.qkv, conv_->value, ctx.batch.doc_ids, mixed);
+  Tensor q_raw = be.empty(Shape{t, key}, ctx.dtype), k_raw = be.empty(Shape{t, key}, ctx.dtype);
+  Tensor v_flat = a.v.reshape(Shape{t, value});
+  be.copy_columns(st, mixed, 0, q_raw, 0, key);
+  be.copy_columns(st, mixed, key, k_raw, 0, key);
+  be.copy_columns(st, mixed, 2 * key, v_flat, 0, value);
+  be.l2norm_forward(st, q_raw.reshape(a.q.shape()), kL2NormEps, a.q, a.q_rstd);
+  be.l2norm_forward(st, k_raw.reshape(a.k.shape()), kL2NormEps, a.k, a.k_rstd);
+  be.gated_delta_gates_forward(st, a.a, a.b, a_log_->value, dt_bias_->value, a.g, a.beta);
+
+  if (run_core) {
+    be.gated_delta_rule_forward(st, a.q, a.k, a.v, a.g, a.beta, ctx.batch.doc_ids,
+                                1.0 / std::sqrt(static_cast<double>(key_dim_)), chunk_size_, a.core);
+  } else {
+    // Kept from the forward pass, which computed it from the same inputs as this recompute.
+    SPINDLE_CHECK(a.core.defined() && a.core.dim(0) == t, "{}: no kept delta-rule output for {} tokens", out_.prefix,
+                  t);
+  }
+  const Shape head_rows{t * value_heads_, value_dim_};
+  Tensor normed_rows = a.normed.reshape(head_rows);
+  be.gated_rmsnorm_forward(st, a.core.reshape(head_rows), a.z.reshape(head_rows), norm_->value, norm_eps_, normed_rows,
+                           a.norm_rstd);
+  out_.forward(be, st, a.normed, out, a.out_proj);
+}
+
+void GatedDeltaNet::backward(const LayerContext& ctx, const Tensor& xn, const MixerActivations& m, const Tensor& dout,
+                             Tensor& dxn) const {
+  const GatedDeltaNetActivations& a = m.gated_deltanet;
+  Backend& be = ctx.backend;
+  const Stream st = ctx.stream;
+  const DType dt = ctx.dtype;
+  const int64_t t = ctx.tokens(), key = key_heads_ * key_dim_, value = value_heads_ * value_dim_;
+  const Shape head_rows{t * value_heads_, value_dim_};
+
+  Tensor d_normed = be.empty(Shape{t, value}, dt);
+  out_.backward(be, st, a.normed, dout, a.out_proj, &d_normed, false);
+  Tensor d_core = be.empty(a.core.shape(), dt), dz = be.empty(Shape{t, value}, dt);
+  Tensor d_core_rows = d_core.reshape(head_rows), dz_rows = dz.reshape(head_rows);
+  be.gated_rmsnorm_backward(st, a.core.reshape(head_rows), a.z.reshape(head_rows), norm_->value, a.norm_rstd,
+                            d_normed.reshape(head_rows), d_core_rows, dz_rows, trainable_grad(*norm_));
+
+  Tensor dq = be.empty(a.q.shape(), dt), dk = be.empty(a.k.shape(), dt), dv = be.empty(a.v.shape(), dt);
+  Tensor dg = be.empty(a.g.shape(), a.g.dtype()), dbeta = be.empty(a.beta.shape(), dt);
+  be.gated_delta_rule_backward(st, a.q, a.k, a.v, a.g, a.beta, ctx.batch.doc_ids,
+                               1.0 / std::sqrt(static_cast<double>(key_dim_)), chunk_size_, d_core, dq, dk, dv, dg,
+                               dbeta);
+  Tensor da = be.empty(a.a.shape(), dt), db = be.empty(a.b.shape(), dt);
+  be.gated_delta_gates_backward(st, a.a, a.beta, a_log_->value, dt_bias_->value, a.g, dg, dbeta, da, db,
+                                trainable_grad(*a_log_), trainable_grad(*dt_bias_));
+
+  // Back through the L2 norms and the split into the conv's output gradient [T, C].
+  Tensor d_mixed = be.empty(a.qkv.shape(), dt);
+  Tensor dq_raw = be.empty(a.q.shape(), dt), dk_raw = be.empty(a.k.shape(), dt);
+  be.l2norm_backward(st, a.q, a.q_rstd, dq, dq_raw);
+  be.l2norm_backward(st, a.k, a.k_rstd, dk, dk_raw);
+  be.copy_columns(st, dq_raw.reshape(Shape{t, key}), 0, d_mixed, 0, key);
+  be.copy_columns(st, dk_raw.reshape(Shape{t, key}), 0, d_mixed, key, key);
+  be.copy_columns(st, dv.reshape(Shape{t, value}), 0, d_mixed, 2 * key, value);
+  Tensor d_qkv = be.empty(a.qkv.shape(), dt);
+  be.causal_conv1d_silu_backward(st, a.qkv, conv_->value, ctx.batch.doc_ids, d_mixed, d_qkv, trainable_grad(*conv_));
+
+  qkv_.backward(be, st, xn, d_qkv, a.in_proj_qkv, &dxn, false);
+  z_.backward(be, st, xn, dz, a.in_proj_z, &dxn, true);
+  b_.backward(be, st, xn, db, a.in_proj_b, &dxn, true);
+  a_.backward(be, st, xn, da, a.in_proj_a, &dxn, true);
+}
+
+}  // namespace spindle

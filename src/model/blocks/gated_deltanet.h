@@ -1,0 +1,51 @@
+// Gated DeltaNet, the linear-attention mixer of qwen3_5's "linear_attention" layers (transformers'
+// Qwen3_5GatedDeltaNet): per token
+//   q, k, v = split(silu(causal_conv1d(in_proj_qkv(xn))))      conv window restarting per document
+//   q, k    = l2norm(q), l2norm(k)                              per key head
+//   g       = −exp(A_log)·softplus(in_proj_a(xn) + dt_bias)      stat dtype, per value head
+//   β       = σ(in_proj_b(xn))
+//   core    = gated delta rule(q, k, v, g, β)                   state restarting per document
+//   out     = out_proj(gated_rmsnorm(core, in_proj_z(xn)))      plain weight, times silu(z)
+// Value head h reads key head h / (Hv/Hk). The casts follow transformers: projections, conv, q/k/v,
+// β and the output in the activation dtype; g and the delta rule's state at the stat precision.
+// The mixer's kept core (keep-attention recompute) is the delta rule's output.
+#pragma once
+
+#include <string>
+
+#include "model/block.h"
+
+namespace spindle {
+
+class GatedDeltaNet final : public Mixer {
+ public:
+  // Parameters "<prefix>linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj}.weight",
+  // "<prefix>linear_attn.{conv1d.weight,dt_bias,A_log,norm.weight}".
+  GatedDeltaNet(ParameterSink& sink, const ModelConfig& config, const std::string& layer_prefix);
+
+  MixerKind kind() const override { return MixerKind::GatedDeltaNet; }
+  void allocate(Backend& backend, DType dtype, int64_t tokens, ActivationNeeds needs,
+                MixerActivations& a) const override;
+  void forward(const LayerContext& ctx, const Tensor& xn, MixerActivations& a, Tensor& out,
+               bool run_core) const override;
+  void backward(const LayerContext& ctx, const Tensor& xn, const MixerActivations& a, const Tensor& dout,
+                Tensor& dxn) const override;
+  void use_kept_core(MixerActivations& view, const MixerActivations& kept) const override;
+  std::vector<Parameter*> parameters() const override;
+  std::vector<Linear*> linears() override { return {&qkv_, &z_, &b_, &a_, &out_}; }
+
+ private:
+  int64_t key_heads_, value_heads_, key_dim_, value_dim_, chunk_size_;
+  double norm_eps_;
+  Linear qkv_;  // [2·Hk·dk + Hv·dv, H]: q, k, v, each head-major
+  Linear z_;    // [Hv·dv, H] the output norm's gate
+  Linear b_;    // [Hv, H] β before σ
+  Linear a_;    // [Hv, H] the decay's input
+  Parameter* conv_ = nullptr;     // [2·Hk·dk + Hv·dv, 1, K] depthwise causal conv
+  Parameter* dt_bias_ = nullptr;  // [Hv]
+  Parameter* a_log_ = nullptr;    // [Hv]
+  Parameter* norm_ = nullptr;     // [dv] gated RMSNorm weight (plain w, not 1 + w)
+  Linear out_;                    // [H, Hv·dv]
+};
+
+}  // namespace spindle

@@ -1,0 +1,75 @@
+#include "model/families/qwen3_5.h"
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "model/config.h"
+
+namespace spindle {
+
+namespace {
+
+// A positive integer field, or transformers' default when config.json leaves it out.
+int64_t positive_int_or(const nlohmann::json& j, const char* key, int64_t fallback, const std::string& source) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  if (!j[key].is_number_integer() || j[key].get<int64_t>() <= 0)
+    fail("{}: \"{}\" must be a positive integer, got {}", source, key, j[key].dump());
+  return j[key].get<int64_t>();
+}
+
+bool has_partial_rotary_factor(const nlohmann::json& j) {
+  for (const char* key : {"rope_parameters", "rope_scaling"})
+    if (j.contains(key) && j[key].is_object() && j[key].contains("partial_rotary_factor")) return true;
+  return j.contains("partial_rotary_factor") && !j["partial_rotary_factor"].is_null();
+}
+
+std::vector<LayerKind> layer_kinds(const nlohmann::json& j, int64_t layers, const std::string& source) {
+  std::vector<LayerKind> kinds;
+  auto kind = [](bool linear) {
+    return LayerKind{linear ? MixerKind::GatedDeltaNet : MixerKind::SelfAttention, FeedForwardKind::SwiGLU};
+  };
+  if (j.contains("layer_types") && !j["layer_types"].is_null()) {
+    const nlohmann::json& types = j["layer_types"];
+    if (!types.is_array() || static_cast<int64_t>(types.size()) != layers)
+      fail("{}: \"layer_types\" must list one type per layer ({}), got {}", source, layers, types.dump());
+    for (const auto& t : types) {
+      if (t == "linear_attention") kinds.push_back(kind(true));
+      else if (t == "full_attention") kinds.push_back(kind(false));
+      else fail("{}: layer type {} is not supported; spindle knows linear_attention and full_attention", source, t.dump());
+    }
+    return kinds;
+  }
+  // transformers' default: every interval-th layer is full attention, the others gated DeltaNet.
+  const int64_t interval = positive_int_or(j, "full_attention_interval", 4, source);
+  for (int64_t l = 0; l < layers; ++l) kinds.push_back(kind((l + 1) % interval != 0));
+  return kinds;
+}
+
+}  // namespace
+
+void read_qwen3_5_config(const nlohmann::json& j, ModelConfig& c, const std::string& source) {
+  bool bias = false;
+  if (j.contains("attention_bias") && !j["attention_bias"].is_null()) {
+    if (!j["attention_bias"].is_boolean())
+      fail("{}: \"attention_bias\" must be true or false, got {}", source, j["attention_bias"].dump());
+    bias = j["attention_bias"].get<bool>();
+  }
+  c.qkv_bias = c.o_bias = bias;
+  c.qk_norm = true;
+  c.zero_centered_norm = true;
+  c.attn_output_gate = true;  // transformers applies the gate whatever attn_output_gate says
+  if (!has_partial_rotary_factor(j)) c.rope.partial_rotary_factor = 0.25;
+
+  LinearAttentionConfig& la = c.linear_attention;
+  la.num_key_heads = positive_int_or(j, "linear_num_key_heads", 16, source);
+  la.num_value_heads = positive_int_or(j, "linear_num_value_heads", 32, source);
+  la.key_head_dim = positive_int_or(j, "linear_key_head_dim", 128, source);
+  la.value_head_dim = positive_int_or(j, "linear_value_head_dim", 128, source);
+  la.conv_kernel = positive_int_or(j, "linear_conv_kernel_dim", 4, source);
+  if (la.num_value_heads % la.num_key_heads)
+    fail("{}: linear_num_value_heads {} is not a multiple of linear_num_key_heads {}", source, la.num_value_heads,
+         la.num_key_heads);
+  c.layer_kinds = layer_kinds(j, c.num_layers, source);
+}
+
+}  // namespace spindle
