@@ -42,9 +42,9 @@ struct AttentionMask {
 // Memory held by a backend's process, for progress lines, metrics and `spindle bench`.
 // CUDA: the stream-ordered pool tensors come from (shared by every backend on that device in this
 // process, NCCL scratch too), plus the whole device as the driver sees it. CPU: the process's
-// resident set (the host has no separate tensor pool), device fields 0.
+// bytes in live tensors (allocated) and the resident set (reserved), device fields 0.
 struct MemoryStats {
-  int64_t allocated_bytes = 0;       // in live tensors now (CPU: resident set size)
+  int64_t allocated_bytes = 0;       // in live tensors now
   int64_t peak_allocated_bytes = 0;  // high-water mark since start or reset_peak_memory()
   int64_t reserved_bytes = 0;        // held by the allocator, cached free blocks included
   int64_t peak_reserved_bytes = 0;

@@ -53,30 +53,6 @@ void validate(const BenchOptions& o) {
     fail("--doc-length {}: a document needs at least 2 tokens (0: one document per step)", o.doc_length);
 }
 
-// A row of random tokens: one causal document, or documents of doc_length tokens (the last one
-// shorter) as packing lays them out, positions restarting at each. Every position but a
-// document's last predicts the next token.
-PackedRow synthetic_row(int64_t length, int64_t doc_length, int64_t vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab - 1));
-  const int64_t n = doc_length > 0 ? doc_length : length;
-  PackedRow row;
-  row.input_ids.resize(length);
-  for (auto& id : row.input_ids) id = token(rng);
-  row.positions.resize(length);
-  row.doc_ids.resize(length);
-  row.targets.resize(length);
-  row.weights.assign(length, 1.0f);
-  for (int64_t i = 0; i < length; ++i) {
-    row.positions[i] = static_cast<int32_t>(i % n);
-    row.doc_ids[i] = static_cast<int32_t>(i / n);
-    const bool last = i + 1 == length || (i + 1) % n == 0;
-    row.targets[i] = last ? kIgnoreIndex : row.input_ids[i + 1];
-    if (last) row.weights[i] = 0.0f;
-  }
-  return row;
-}
-
 float read_scalar(Backend& backend, const Tensor& t) {
   if (t.dtype() == DType::F64) {
     double v;
@@ -231,6 +207,27 @@ double idle_ms(const BenchResult& r) {
 std::string gib(int64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1 << 30)); }
 
 }  // namespace
+
+PackedRow synthetic_row(int64_t length, int64_t doc_length, int64_t vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab - 1));
+  const int64_t n = doc_length > 0 ? doc_length : length;
+  PackedRow row;
+  row.input_ids.resize(length);
+  for (auto& id : row.input_ids) id = token(rng);
+  row.positions.resize(length);
+  row.doc_ids.resize(length);
+  row.targets.resize(length);
+  row.weights.assign(length, 1.0f);
+  for (int64_t i = 0; i < length; ++i) {
+    row.positions[i] = static_cast<int32_t>(i % n);
+    row.doc_ids[i] = static_cast<int32_t>(i / n);
+    const bool last = i + 1 == length || (i + 1) % n == 0;
+    row.targets[i] = last ? kIgnoreIndex : row.input_ids[i + 1];
+    if (last) row.weights[i] = 0.0f;
+  }
+  return row;
+}
 
 BenchReport run_bench(const BenchOptions& options, const std::function<void(const BenchReport&)>& on_result) {
   validate(options);

@@ -12,6 +12,7 @@
 
 #include "backend/backend.h"
 #include "bench/timed_backend.h"
+#include "data/packing.h"
 #include "model/config.h"
 
 namespace spindle::bench {
@@ -67,6 +68,11 @@ struct BenchReport {
   int64_t parameters = 0, trainable_parameters = 0;
   std::vector<BenchResult> results;
 };
+
+// A row of random tokens: one causal document, or documents of doc_length tokens (the last one
+// shorter) as packing lays them out, positions restarting at each. Every position but a
+// document's last predicts the next token. `spindle plan` plans the same rows.
+PackedRow synthetic_row(int64_t length, int64_t doc_length, int64_t vocab, uint64_t seed);
 
 // Runs the whole sweep. Errors in the setup throw; a length that runs out of memory is recorded
 // in its result and ends the sweep (longer ones would not fit either).

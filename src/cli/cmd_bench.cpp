@@ -22,37 +22,9 @@ struct BenchArgs {
   std::string json_file;
 };
 
-// "32768", "32k", "32k,64k,128k" (k = 1024).
-std::vector<int64_t> parse_lengths(const std::string& text) {
-  std::vector<int64_t> lengths;
-  size_t start = 0;
-  while (start <= text.size()) {
-    const size_t comma = text.find(',', start);
-    std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    int64_t multiplier = 1;
-    if (!item.empty() && (item.back() == 'k' || item.back() == 'K')) {
-      multiplier = 1024;
-      item.pop_back();
-    }
-    size_t used = 0;
-    int64_t value = 0;
-    try {
-      value = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (item.empty() || used != item.size() || value <= 0)
-      fail("--seq '{}': expected positive lengths separated by commas, e.g. 32768 or 32k,64k", text);
-    lengths.push_back(value * multiplier);
-    if (comma == std::string::npos) break;
-    start = comma + 1;
-  }
-  return lengths;
-}
-
 int run_bench_command(BenchArgs& args) {
   const ProcessGroupInfo group = process_group_from_environment();
-  args.options.seq_lengths = parse_lengths(args.seq);
+  args.options.seq_lengths = parse_sequence_lengths(args.seq);
   if (args.options.device_index < 0) args.options.device_index = group.local_rank;
   // Each finished length is reported at once (stderr, and the JSON file rewritten), so a sweep
   // stopped by a time limit keeps what it measured.
@@ -84,6 +56,33 @@ int run_bench_command(BenchArgs& args) {
 }
 
 }  // namespace
+
+std::vector<int64_t> parse_sequence_lengths(const std::string& text) {
+  std::vector<int64_t> lengths;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = text.find(',', start);
+    std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    int64_t multiplier = 1;
+    if (!item.empty() && (item.back() == 'k' || item.back() == 'K')) {
+      multiplier = 1024;
+      item.pop_back();
+    }
+    size_t used = 0;
+    int64_t value = 0;
+    try {
+      value = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (item.empty() || used != item.size() || value <= 0)
+      fail("--seq '{}': expected positive lengths separated by commas, e.g. 32768 or 32k,64k", text);
+    lengths.push_back(value * multiplier);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return lengths;
+}
 
 void add_bench_command(CLI::App& app, CommandList& commands) {
   auto args = std::make_shared<BenchArgs>();

@@ -29,6 +29,10 @@ void add_sft_command(CLI::App& app, CommandList& commands);
 void add_dpo_command(CLI::App& app, CommandList& commands);
 void add_check_command(CLI::App& app, CommandList& commands);
 void add_bench_command(CLI::App& app, CommandList& commands);
+void add_plan_command(CLI::App& app, CommandList& commands);
+
+// --seq of bench and plan: "32768", "32k", "32k,64k,128k" (k = 1024).
+std::vector<int64_t> parse_sequence_lengths(const std::string& text);
 
 // The options of `spindle sft` (also taken by `check`), bound to a TrainConfig.
 void add_train_options(CLI::App* cmd, TrainConfig& config);

@@ -109,6 +109,14 @@ ModelWeights ModelWeights::load(Backend& backend, const ModelConfig& config, con
   return w;
 }
 
+ModelWeights ModelWeights::uninitialized(Backend& backend, const ModelConfig& config, DType dtype) {
+  ModelWeights w;
+  w.config = config;
+  w.dtype = dtype;
+  w.wire(backend);
+  return w;
+}
+
 ModelWeights ModelWeights::random(Backend& backend, const ModelConfig& config, DType dtype, uint64_t seed) {
   ModelWeights w;
   w.config = config;

@@ -42,6 +42,8 @@ class ModelWeights {
   // Random weights (uniform with standard deviation 0.02; norms 1), deterministic in `seed`, for
   // tests and benchmarks on synthetic models.
   static ModelWeights random(Backend& backend, const ModelConfig& config, DType dtype, uint64_t seed);
+  // Parameters allocated but never written: for `spindle plan`, whose backend holds no memory.
+  static ModelWeights uninitialized(Backend& backend, const ModelConfig& config, DType dtype);
 
   // LoRA: a PEFT adapter folder (adapter_config.json + adapter_model.safetensors), or new
   // adapters initialised as PEFT does (A Kaiming-uniform, B zero). Adapters become the only

@@ -172,12 +172,19 @@ Mesh::Mesh(const MeshConfig& config, comm::Communicator& world) : config_(config
     fail("the mesh --dp {} × --sp {} needs {} processes but the job has {}", config.dp, config.sp,
          config.world_size(), world.size());
   coordinates_ = coordinates_of(config, world.rank());
-  const auto& m = coordinates_;
   // Every rank makes the same four splits in the same order (each is collective over world).
-  dp_ = world.split(sp_rank(), m.dp, "dp");
-  sp_ = world.split(m.dp, sp_rank(), "sp");
-  ulysses_ = world.split(m.dp * config.ring + m.ring, m.ulysses, "ulysses");
-  ring_ = world.split(m.dp * config.ulysses + m.ulysses, m.ring, "ring");
+  const std::array<GroupSplit, 4> splits = mesh_splits(config, world.rank());
+  std::unique_ptr<comm::Communicator>* groups[] = {&dp_, &sp_, &ulysses_, &ring_};
+  for (size_t i = 0; i < splits.size(); ++i) *groups[i] = world.split(splits[i].color, splits[i].key, splits[i].name);
+}
+
+std::array<GroupSplit, 4> mesh_splits(const MeshConfig& config, int world_rank) {
+  const MeshCoordinates m = coordinates_of(config, world_rank);
+  const int sp_rank = sp_rank_of(config, m);
+  return {{{"dp", sp_rank, m.dp},
+           {"sp", m.dp, sp_rank},
+           {"ulysses", m.dp * config.ring + m.ring, m.ulysses},
+           {"ring", m.dp * config.ulysses + m.ulysses, m.ring}}};
 }
 
 }  // namespace spindle::parallel

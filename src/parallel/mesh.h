@@ -6,6 +6,8 @@
 //   rank = dp_index·sp + ring_index·ulysses + ulysses_index,   sp_rank = ring_index·ulysses + ulysses_index
 #pragma once
 
+#include <array>
+
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -67,6 +69,14 @@ enum class SequenceLayout { None, Contiguous, Zigzag, Hybrid };
 SequenceLayout sequence_layout(const MeshConfig& config);
 int64_t sequence_multiple(const MeshConfig& config);
 int64_t padded_length(int64_t length, const MeshConfig& config);  // rounded up to sequence_multiple
+
+// The split of the world that makes one of a rank's groups: ranks passing the same color form the
+// group, ordered by key. Mesh makes these four splits, in this order, on every rank.
+struct GroupSplit {
+  const char* name;  // "dp", "sp", "ulysses", "ring"
+  int color, key;
+};
+std::array<GroupSplit, 4> mesh_splits(const MeshConfig& config, int world_rank);
 
 class Mesh {
  public:

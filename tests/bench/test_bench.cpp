@@ -137,20 +137,24 @@ TEST(Bench, FlopFormulasCountTheAllocatedParameters) {
   }
 }
 
-TEST(Bench, CpuMemoryStatsFollowTheResidentSet) {
+TEST(Bench, CpuMemoryStatsCountTensorsAndTheResidentSet) {
   auto backend = make_cpu_backend(1);
   backend->reset_peak_memory();
   const MemoryStats before = backend->memory_stats();
-  EXPECT_GT(before.allocated_bytes, 0);
+  EXPECT_GE(before.allocated_bytes, 0);
+  EXPECT_GT(before.reserved_bytes, 0);  // the resident set: the program itself
   EXPECT_GE(before.peak_allocated_bytes, before.allocated_bytes);
+  const int64_t bytes = int64_t{48} << 22;  // 192 MiB of F32
   {
-    Tensor big = backend->empty(Shape{int64_t{48} << 20}, DType::F32);  // 192 MiB, touched
-    backend->fill(backend->default_stream(), big, 1.0);
+    Tensor big = backend->empty(Shape{int64_t{48} << 20}, DType::F32);
+    backend->fill(backend->default_stream(), big, 1.0);  // touched: resident
     const MemoryStats during = backend->memory_stats();
-    EXPECT_GE(during.allocated_bytes - before.allocated_bytes, int64_t{180} << 20);
+    EXPECT_EQ(during.allocated_bytes - before.allocated_bytes, bytes);  // exactly the tensor (64-byte padded)
+    EXPECT_GE(during.reserved_bytes - before.reserved_bytes, int64_t{180} << 20);
   }
   const MemoryStats after = backend->memory_stats();
-  EXPECT_GE(after.peak_allocated_bytes - before.allocated_bytes, int64_t{180} << 20);
+  EXPECT_EQ(after.allocated_bytes, before.allocated_bytes);
+  EXPECT_EQ(after.peak_allocated_bytes - before.allocated_bytes, bytes);
   EXPECT_EQ(after.device_total_bytes, 0);
 }
 

@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -105,7 +106,14 @@ void store_any(Tensor& t, int64_t i, double v) {
   }
 }
 
-void release_aligned(void* data, void*) { std::free(data); }
+// Bytes in live tensors of every CPU backend of the process (padded as allocated), and their
+// high-water mark: what `spindle plan --device cpu` predicts.
+std::atomic<int64_t> g_tensor_bytes{0}, g_peak_tensor_bytes{0};
+
+void release_aligned(void* data, void* padded_bytes) {
+  std::free(data);
+  g_tensor_bytes -= static_cast<int64_t>(reinterpret_cast<uintptr_t>(padded_bytes));
+}
 
 class CpuBackend final : public Backend {
  public:
@@ -133,6 +141,10 @@ class CpuBackend final : public Backend {
     storage->bytes = bytes;
     storage->device = device();
     storage->release = release_aligned;
+    storage->release_context = reinterpret_cast<void*>(static_cast<uintptr_t>(padded));
+    const int64_t live = g_tensor_bytes += static_cast<int64_t>(padded);
+    for (int64_t peak = g_peak_tensor_bytes; live > peak && !g_peak_tensor_bytes.compare_exchange_weak(peak, live);) {
+    }
     return Tensor(std::move(storage), 0, shape, dtype);
   }
 
@@ -168,16 +180,20 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i) store_any(t, i, value);
   }
 
-  // The host has no tensor pool of its own: report the process's resident set (what the kernel
-  // counts against the machine) and its high-water mark.
+  // Allocated: bytes in live tensors (as on CUDA, and as `spindle plan` predicts them). Reserved:
+  // the process's resident set (what the kernel counts against the machine: tensors, the program,
+  // its libraries and the allocator's free lists) and its high-water mark.
   MemoryStats memory_stats() override {
     MemoryStats m;
-    m.allocated_bytes = m.reserved_bytes = resident_bytes();
-    m.peak_allocated_bytes = m.peak_reserved_bytes = std::max(m.allocated_bytes, peak_resident_bytes());
+    m.allocated_bytes = g_tensor_bytes;
+    m.peak_allocated_bytes = std::max(m.allocated_bytes, g_peak_tensor_bytes.load());
+    m.reserved_bytes = resident_bytes();
+    m.peak_reserved_bytes = std::max(m.reserved_bytes, peak_resident_bytes());
     return m;
   }
 
   void reset_peak_memory() override {
+    g_peak_tensor_bytes = g_tensor_bytes.load();
     // Writing 5 to clear_refs resets VmHWM to the current RSS (Linux 4.0+); elsewhere the peak
     // simply keeps counting from the start.
     if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {

@@ -1,0 +1,62 @@
+// spindle plan: the predicted peak memory of a training step per rank, before anything is
+// allocated (src/plan). Prints a table of what the peak consists of, or JSON (--json) whose
+// peak_allocated_bytes is comparable to `spindle bench --json`'s field of that name.
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "cli/commands.h"
+#include "plan/plan.h"
+
+namespace spindle::cli {
+
+namespace {
+
+struct PlanArgs {
+  plan::PlanOptions options;
+  std::string seq = "32768";
+  bool json = false;
+  bool bench_step = false;
+};
+
+int run_plan_command(PlanArgs& args) {
+  args.options.seq_lengths = parse_sequence_lengths(args.seq);
+  if (args.bench_step) args.options.optimizer = false;
+  const plan::PlanReport report = plan::run_plan(args.options);
+  if (args.json) std::printf("%s\n", plan::plan_json(report).dump(2).c_str());
+  else std::printf("%s", plan::format_plan(report).c_str());
+  return 0;
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app, CommandList& commands) {
+  auto args = std::make_shared<PlanArgs>();
+  auto& o = args->options;
+  CLI::App* cmd = app.add_subcommand(
+      "plan", "Predicted peak memory of a training step per rank, before anything is allocated (no GPU needed)");
+  cmd->add_option("--model", o.model, "model folder or its config.json (only the architecture is used)")->required();
+  cmd->add_option("--seq", args->seq, "tokens per row: 32768 or 32k,64k,128k (k = 1024)")->capture_default_str();
+  cmd->add_option("--doc-length", o.doc_length, "rows packed with documents of this many tokens (0: one document)");
+  cmd->add_option("--lora-rank", o.lora_rank, "LoRA rank on every projection")->capture_default_str();
+  cmd->add_option("--lora-alpha", o.lora_alpha, "LoRA alpha")->capture_default_str();
+  cmd->add_flag("--full", o.full, "full fine-tuning instead of LoRA");
+  cmd->add_option("--recompute", o.recompute, "none, all or keep-attention (as sft)")->capture_default_str();
+  cmd->add_option("--recompute-layers", o.recompute_layers, "apply --recompute to the first N layers only (-1: all)")
+      ->capture_default_str();
+  cmd->add_flag("--bench-step", args->bench_step,
+                "leave out the optimizer state, as `spindle bench`'s step does (to compare with its peak)");
+  cmd->add_option("--device", o.device, "the device planned for: cuda (bf16) or cpu (f32)")->capture_default_str();
+  cmd->add_option("--dtype", o.dtype, "auto, f32, f64 (cpu) or bf16 (cuda)")->capture_default_str();
+  cmd->add_option("--world", o.world, "processes (GPUs) of the job, as --nproc-per-node × nodes would start")
+      ->capture_default_str();
+  cmd->add_option("--dp", o.dp, "data-parallel replicas (default: world / sp)");
+  cmd->add_option("--sp", o.sp, "sequence-parallel degree (default 1)");
+  cmd->add_option("--ulysses", o.ulysses, "Ulysses part of --sp (default: the largest the heads allow)");
+  cmd->add_option("--ring", o.ring, "ring part of --sp (default: sp / ulysses)");
+  cmd->add_option("--device-memory", o.device_memory_gib, "GiB per device: say whether the peak fits");
+  cmd->add_flag("--json", args->json, "print one JSON document instead of the table");
+  commands.push_back({cmd, [args] { return run_plan_command(*args); }});
+}
+
+}  // namespace spindle::cli

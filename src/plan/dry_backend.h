@@ -1,0 +1,96 @@
+// A backend that computes nothing and allocates nothing: tensors it hands out have a shape and a
+// byte count but no memory, and every op returns at once. `spindle plan` runs the engine's own
+// setup and training step on it, so the prediction comes from the same code that allocates a real
+// step (weights, LoRA, gradients, FSDP shards and gathers, activation records, recompute scratch,
+// logits chunks, attention and communication buffers), not from a second description of it.
+//
+// Every allocation is counted under the phase current when it was made (set_phase), and the live
+// bytes of each phase are saved whenever the total reaches a new peak, so a plan can say what the
+// peak consists of and when it happens.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+
+namespace spindle::plan {
+
+class DryBackend final : public Backend {
+ public:
+  // `modelled`: the device the plan is for (its kind decides the dtypes callers choose).
+  // `alignment`: allocations round up to this many bytes, as the modelled allocator does.
+  DryBackend(Device modelled, int64_t alignment);
+  ~DryBackend() override;
+
+  // Allocations from now on count under `phase` (what they are: "weights", "step", ...).
+  void set_phase(const std::string& phase);
+  const std::string& phase() const { return phase_; }
+  int64_t live_bytes() const { return live_; }
+  int64_t peak_bytes() const { return peak_; }
+  // Live bytes per phase at the moment the peak was reached (sums to peak_bytes()).
+  const std::map<std::string, int64_t>& peak_by_phase() const { return peak_by_phase_; }
+  // The phase in which the peak was reached (the one whose allocation reached it).
+  const std::string& peak_phase() const { return peak_phase_; }
+  // Live bytes per phase now.
+  const std::map<std::string, int64_t>& live_by_phase() const { return live_by_phase_; }
+
+  std::string name() const override { return "plan"; }
+  Device device() const override { return device_; }
+  Stream default_stream() override { return Stream{}; }
+  void synchronize(Stream) override {}
+  Stream comm_stream() override { return Stream{}; }
+  void stream_wait(Stream, Stream) override {}
+
+  Tensor empty(Shape shape, DType dtype) override;
+  void copy_from_host(Stream, const void*, Tensor&) override {}
+  void copy_to_host(Stream, const Tensor& src, void* dst) override;  // zeros: nothing was computed
+  void copy(Stream, const Tensor&, Tensor&) override {}
+  void fill(Stream, Tensor&, double) override {}
+  MemoryStats memory_stats() override;
+  void reset_peak_memory() override;
+
+  void scale(Stream, Tensor&, double) override {}
+  void axpy(Stream, double, const Tensor&, Tensor&) override {}
+  void sum_squares(Stream, const Tensor&, Tensor&) override {}
+  void gemm(Stream, const Tensor&, bool, const Tensor&, bool, Tensor&, double, double) override {}
+  void gemm_bias(Stream, const Tensor&, bool, const Tensor&, bool, Tensor&, double, double, const Tensor&) override {}
+  void lora_b_backward(Stream, const Tensor&, const Tensor&, const Tensor&, double, Tensor&, Tensor*) override {}
+  void add_bias(Stream, Tensor&, const Tensor&) override {}
+  void bias_backward(Stream, const Tensor&, Tensor&) override {}
+  void embedding_forward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
+  void embedding_backward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
+  void rmsnorm_forward(Stream, const Tensor&, const Tensor&, double, Tensor&, Tensor&) override {}
+  void rmsnorm_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor*,
+                        bool) override {}
+  void rope(Stream, Tensor&, const Tensor&, const Tensor&, double, int) override {}
+  void attention_forward(Stream, const Tensor&, const Tensor&, const Tensor&, const AttentionMask&, double, Tensor&,
+                         Tensor&) override {}
+  void attention_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                          const Tensor&, const AttentionMask&, double, Tensor&, Tensor&, Tensor&, bool) override {}
+  void attention_merge(Stream, Tensor&, Tensor&, const Tensor&, const Tensor&) override {}
+  void swiglu_forward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
+  void swiglu_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
+  void gather_rows(Stream, const Tensor&, const Tensor&, Tensor&) override {}
+  void scatter_add_rows(Stream, const Tensor&, const Tensor&, Tensor&) override {}
+  void cross_entropy(Stream, Tensor&, const Tensor&, const Tensor&, double, double, Tensor&, Tensor&) override {}
+  void adamw_step(Stream, Tensor&, const Tensor&, Tensor&, Tensor&, const AdamW&) override {}
+
+ private:
+  struct Allocation;
+  static void release(void* data, void* context);
+  void on_release(const Allocation& a);
+
+  Device device_;
+  int64_t alignment_;
+  std::string phase_ = "setup";
+  int64_t live_ = 0, peak_ = 0;
+  std::map<std::string, int64_t> live_by_phase_, peak_by_phase_;
+  std::string peak_phase_;
+  // Tensors outliving the backend must not call back into it.
+  std::shared_ptr<DryBackend*> self_;
+};
+
+}  // namespace spindle::plan

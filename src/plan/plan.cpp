@@ -1,0 +1,272 @@
+#include "plan/plan.h"
+
+#include <algorithm>
+#include <memory>
+
+#include "bench/bench.h"
+#include "core/error.h"
+#include "model/decoder.h"
+#include "model/weights.h"
+#include "parallel/fsdp.h"
+#include "parallel/mesh.h"
+#include "parallel/sequence_shard.h"
+#include "parallel/sp_attention.h"
+#include "plan/dry_backend.h"
+#include "plan/dry_communicator.h"
+#include "train/optimizer.h"
+
+namespace spindle::plan {
+
+namespace {
+
+// Phase names, in the order a step meets them; the report lists the parts in this order.
+constexpr const char* kWeights = "weights";
+constexpr const char* kTrainable = "trainable parameters and gradients";
+constexpr const char* kShards = "FSDP shards";
+constexpr const char* kOptimizer = "optimizer state";
+constexpr const char* kBatch = "batch";
+constexpr const char* kGathers = "FSDP gathers";
+constexpr const char* kForward = "forward activations";
+constexpr const char* kHead = "LM head and loss";
+constexpr const char* kBackward = "backward and recompute";
+constexpr const char* kReduce = "gradient reduction";
+const char* const kPhaseOrder[] = {kWeights, kTrainable, kShards, kOptimizer, kBatch,
+                                   kGathers, kForward,   kHead,   kBackward,  kReduce};
+
+// Labels the allocations of each part of a step: around every window of the decoder's units (the
+// FSDP hooks when sharded, nothing else otherwise) it switches the DryBackend's phase.
+class PhaseHooks final : public ParameterHooks {
+ public:
+  PhaseHooks(DryBackend& backend, ParameterHooks* inner) : backend_(backend), inner_(inner) {}
+  void before_forward(const ParameterUnit& u) override {
+    backend_.set_phase(kGathers);
+    if (inner_) inner_->before_forward(u);
+    backend_.set_phase(kForward);
+  }
+  void after_forward(const ParameterUnit& u) override {
+    if (inner_) inner_->after_forward(u);
+  }
+  void before_backward(const ParameterUnit& u) override {
+    backend_.set_phase(kGathers);
+    if (inner_) inner_->before_backward(u);
+    backend_.set_phase(u.kind == ParameterUnit::Kind::Head ? kHead : kBackward);
+  }
+  void after_backward(const ParameterUnit& u) override {
+    backend_.set_phase(kReduce);
+    if (inner_) inner_->after_backward(u);
+    backend_.set_phase(kBackward);
+  }
+
+ private:
+  DryBackend& backend_;
+  ParameterHooks* inner_;
+};
+
+DType plan_dtype(const PlanOptions& o) {
+  if (o.dtype == "auto") return o.device == "cuda" ? DType::BF16 : DType::F32;
+  if (o.dtype == "f32") return DType::F32;
+  if (o.dtype == "f64") return DType::F64;
+  if (o.dtype == "bf16") return DType::BF16;
+  fail("--dtype must be auto, f32, f64 or bf16, got \"{}\"", o.dtype);
+}
+
+RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parallel::MeshConfig& mesh_config,
+                   DType dtype, int rank, int64_t seq) {
+  // The CUDA pool hands out 512-byte multiples; the CPU backend pads to 64 bytes.
+  const bool cuda = o.device == "cuda";
+  DryBackend backend(Device{cuda ? DeviceKind::CUDA : DeviceKind::CPU, 0}, cuda ? 512 : 64);
+  std::unique_ptr<DryCommunicator> world;
+  std::unique_ptr<parallel::Mesh> mesh;
+  if (mesh_config.world_size() > 1) {
+    world = std::make_unique<DryCommunicator>(mesh_config, rank);
+    mesh = std::make_unique<parallel::Mesh>(mesh_config, *world);
+  }
+
+  backend.set_phase(kWeights);
+  ModelWeights weights = ModelWeights::uninitialized(backend, config, dtype);
+  backend.set_phase(kTrainable);
+  if (o.full) {
+    weights.train_all(backend);
+  } else {
+    LoraConfig lora;
+    lora.rank = o.lora_rank;
+    lora.alpha = o.lora_alpha;
+    lora.targets = weights.projection_names();
+    weights.add_lora(backend, lora, 0);
+  }
+  std::unique_ptr<parallel::Fsdp> fsdp;
+  if (world) {
+    backend.set_phase(kShards);
+    fsdp = std::make_unique<parallel::Fsdp>(backend, weights, *world);
+  }
+  std::unique_ptr<AdamWOptimizer> optimizer;
+  if (o.optimizer) {
+    backend.set_phase(kOptimizer);
+    if (fsdp) {
+      std::vector<OptimizerSlot> slots;
+      for (const parallel::ParameterShard& s : fsdp->trainable_shards()) slots.push_back({s.name, s.value, s.grad});
+      optimizer = std::make_unique<AdamWOptimizer>(backend, std::move(slots), AdamWConfig{}, world.get());
+    } else {
+      optimizer = std::make_unique<AdamWOptimizer>(backend, weights, AdamWConfig{});
+    }
+  }
+  RankPlan r;
+  r.rank = rank;
+  r.steady_bytes = backend.live_bytes();
+
+  // The step, as `spindle bench` and sft run it: this rank's shard of one row.
+  backend.set_phase(kBatch);
+  PackedRow row = bench::synthetic_row(seq, o.doc_length, config.vocab_size, 1);
+  const bool whole_row_causal = is_one_causal_document(row) && seq % mesh_config.sp == 0 && mesh_config.ring == 1;
+  if (mesh_config.sp > 1) row = parallel::shard_row(row, mesh_config)[static_cast<size_t>(mesh->sp_rank())];
+  MicroBatch batch = make_micro_batch(backend, {row}, dtype);
+  batch.row_one_causal_document = whole_row_causal;
+  r.tokens = batch.num_tokens;
+
+  const RecomputeMode recompute = parse_recompute_mode(o.recompute);
+  Decoder decoder(backend, weights, recompute_options(recompute, config.num_layers, o.recompute_layers));
+  std::unique_ptr<AttentionStrategy> attention;
+  if (mesh && mesh_config.sp > 1) attention = parallel::make_sequence_parallel_attention(*mesh, config);
+  decoder.set_attention(attention.get());
+  PhaseHooks hooks(backend, fsdp.get());
+  decoder.set_parameter_hooks(&hooks);
+  Tensor loss = backend.zeros(Shape{1}, stat_dtype(dtype));
+  backend.reset_peak_memory();
+  backend.set_phase(kForward);
+  decoder.step(batch, 1.0, loss, true);
+
+  r.peak_allocated_bytes = backend.peak_bytes();
+  r.peak_phase = backend.peak_phase();
+  for (const char* phase : kPhaseOrder) {
+    auto it = backend.peak_by_phase().find(phase);
+    if (it != backend.peak_by_phase().end() && it->second > 0) r.parts.push_back({phase, it->second});
+  }
+  return r;
+}
+
+// GiB for real models, smaller units for the tiny ones of tests.
+std::string gib(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b >= 0.1 * (1 << 30)) return fmt::format("{:.2f} GiB", b / (1 << 30));
+  if (b >= 0.1 * (1 << 20)) return fmt::format("{:.2f} MiB", b / (1 << 20));
+  return fmt::format("{:.1f} KiB", b / 1024);
+}
+
+}  // namespace
+
+const RankPlan& LengthPlan::largest() const {
+  SPINDLE_CHECK(!ranks.empty(), "a plan without ranks");
+  return *std::max_element(ranks.begin(), ranks.end(), [](const RankPlan& a, const RankPlan& b) {
+    return a.peak_allocated_bytes < b.peak_allocated_bytes;
+  });
+}
+
+PlanReport run_plan(const PlanOptions& o) {
+  if (o.device != "cuda" && o.device != "cpu") fail("--device must be cuda or cpu, got \"{}\"", o.device);
+  if (o.world < 1) fail("--world must be at least 1, got {}", o.world);
+  if (o.full ? o.lora_rank != 16 && o.lora_rank != 0 : o.lora_rank <= 0)
+    fail("--lora-rank must be positive for LoRA (or use --full), got {}", o.lora_rank);
+  if (o.seq_lengths.empty()) fail("--seq needs at least one length");
+  check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
+  PlanReport rep;
+  rep.options = o;
+  rep.config = ModelConfig::from_file(o.model);
+  const DType dtype = plan_dtype(o);
+  if (dtype == DType::BF16 && o.device != "cuda") fail("--dtype bf16 is the CUDA backend's; the CPU computes in f32 or f64");
+  if (dtype == DType::F64 && o.device == "cuda") fail("--dtype f64 runs on the CPU backend only (--device cpu)");
+  rep.dtype = dtype_name(dtype);
+  parallel::MeshFlags flags;
+  if (o.dp) flags.dp = o.dp;
+  if (o.sp) flags.sp = o.sp;
+  if (o.ulysses) flags.ulysses = o.ulysses;
+  if (o.ring) flags.ring = o.ring;
+  const parallel::MeshConfig mesh = parallel::resolve_mesh(flags, o.world, static_cast<int>(rep.config.num_heads),
+                                                           static_cast<int>(rep.config.num_kv_heads));
+  rep.world = o.world;
+  rep.dp = mesh.dp;
+  rep.sp = mesh.sp;
+  rep.ulysses = mesh.ulysses;
+  rep.ring = mesh.ring;
+  for (int64_t seq : o.seq_lengths) {
+    if (seq <= 0) fail("--seq must be positive, got {}", seq);
+    if (seq % parallel::sequence_multiple(mesh) != 0)
+      fail("--seq {} is not a multiple of {}, which --sp {} (ulysses {} x ring {}) needs", seq,
+           parallel::sequence_multiple(mesh), mesh.sp, mesh.ulysses, mesh.ring);
+    LengthPlan length;
+    length.seq = seq;
+    for (int rank = 0; rank < mesh.world_size(); ++rank)
+      length.ranks.push_back(plan_rank(o, rep.config, mesh, dtype, rank, seq));
+    rep.lengths.push_back(std::move(length));
+  }
+  return rep;
+}
+
+std::string format_plan(const PlanReport& rep) {
+  const PlanOptions& o = rep.options;
+  std::string s = fmt::format(
+      "plan: {} ({} layers, hidden {}), {} on {}, {} {} world {} (dp {} x sp {}: ulysses {} x ring {}), recompute {}{}\n",
+      o.model, rep.config.num_layers, rep.config.hidden_size,
+      o.full ? "full fine-tuning" : fmt::format("LoRA r{}", o.lora_rank), o.device, rep.dtype,
+      o.optimizer ? "with AdamW state," : "without optimizer state,", rep.world, rep.dp, rep.sp, rep.ulysses, rep.ring,
+      o.recompute, o.recompute_layers >= 0 ? fmt::format(" (first {} layers)", o.recompute_layers) : "");
+  s += "predicted peak of live tensors per rank (the allocator's own slack and the backend's fixed workspaces "
+       "come on top; docs/memory.md)\n";
+  for (const LengthPlan& l : rep.lengths) {
+    const RankPlan& r = l.largest();
+    s += fmt::format("\nseq {}: peak {} on rank {} ({} tokens), reached in: {}; between steps {}\n", l.seq,
+                     gib(r.peak_allocated_bytes), r.rank, r.tokens, r.peak_phase, gib(r.steady_bytes));
+    for (const PlanPart& p : r.parts)
+      s += fmt::format("  {:<36} {:>12}  {:5.1f} %\n", p.name, gib(p.bytes),
+                       100.0 * static_cast<double>(p.bytes) / static_cast<double>(r.peak_allocated_bytes));
+    if (o.device_memory_gib > 0) {
+      const double need = static_cast<double>(r.peak_allocated_bytes) / (1 << 30);
+      s += need <= o.device_memory_gib
+               ? fmt::format("  fits {:.1f} GiB per device ({:.1f} GiB to spare)\n", o.device_memory_gib,
+                             o.device_memory_gib - need)
+               : fmt::format("  does NOT fit {:.1f} GiB per device ({:.1f} GiB short)\n", o.device_memory_gib,
+                             need - o.device_memory_gib);
+    }
+  }
+  return s;
+}
+
+nlohmann::ordered_json plan_json(const PlanReport& rep) {
+  nlohmann::ordered_json j;
+  j["model"] = rep.options.model;
+  j["device"] = rep.options.device;
+  j["dtype"] = rep.dtype;
+  j["world"] = rep.world;
+  j["dp"] = rep.dp;
+  j["sp"] = rep.sp;
+  j["ulysses"] = rep.ulysses;
+  j["ring"] = rep.ring;
+  j["recompute"] = rep.options.recompute;
+  j["recompute_layers"] = rep.options.recompute_layers;
+  j["lora_rank"] = rep.options.full ? 0 : rep.options.lora_rank;
+  j["optimizer"] = rep.options.optimizer;
+  j["results"] = nlohmann::ordered_json::array();
+  for (const LengthPlan& l : rep.lengths) {
+    nlohmann::ordered_json x;
+    x["seq"] = l.seq;
+    const RankPlan& top = l.largest();
+    x["peak_allocated_bytes"] = top.peak_allocated_bytes;
+    x["peak_rank"] = top.rank;
+    x["ranks"] = nlohmann::ordered_json::array();
+    for (const RankPlan& r : l.ranks) {
+      nlohmann::ordered_json y;
+      y["rank"] = r.rank;
+      y["tokens"] = r.tokens;
+      y["peak_allocated_bytes"] = r.peak_allocated_bytes;
+      y["peak_phase"] = r.peak_phase;
+      y["steady_bytes"] = r.steady_bytes;
+      nlohmann::ordered_json parts = nlohmann::ordered_json::object();
+      for (const PlanPart& p : r.parts) parts[p.name] = p.bytes;
+      y["parts"] = parts;
+      x["ranks"].push_back(y);
+    }
+    j["results"].push_back(x);
+  }
+  return j;
+}
+
+}  // namespace spindle::plan

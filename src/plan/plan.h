@@ -1,0 +1,67 @@
+// `spindle plan`: what a training step will hold in memory, per rank, before anything is allocated.
+// The engine's own setup and step run on a DryBackend (plan/dry_backend.h) for each rank of the
+// mesh, over DryCommunicator groups, so the prediction follows every model family, mesh, recompute
+// mode and buffer the engine has, with no second description of them to fall out of step.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "model/config.h"
+
+namespace spindle::plan {
+
+struct PlanOptions {
+  std::string model;                 // config.json or a model folder (only the architecture is read)
+  std::vector<int64_t> seq_lengths;  // tokens per row (one row per data-parallel replica and step)
+  int64_t doc_length = 0;            // packed documents of this length; 0: one document per row
+  int64_t lora_rank = 16;            // 0 with full
+  double lora_alpha = 32;
+  bool full = false;
+  std::string recompute = "all";     // none | all | keep-attention
+  int64_t recompute_layers = -1;
+  bool optimizer = true;             // AdamW state (sft holds it; `spindle bench`'s step does not)
+  std::string device = "cuda";       // the device planned for: cuda (BF16) or cpu (F32)
+  std::string dtype = "auto";        // auto | f32 | f64 | bf16
+  int world = 1;                     // processes (GPUs) of the job
+  int sp = 0, ulysses = 0, ring = 0, dp = 0;  // 0: as resolve_mesh chooses
+  double device_memory_gib = 0;      // > 0: say whether the peak fits this much per device
+};
+
+// One part of a rank's peak: the bytes, allocated in one phase, still live at the peak.
+struct PlanPart {
+  std::string name;
+  int64_t bytes = 0;
+};
+
+struct RankPlan {
+  int rank = 0;
+  int64_t tokens = 0;                  // tokens this rank computes per step (its shard of the row)
+  int64_t peak_allocated_bytes = 0;    // comparable to `spindle bench --json`'s field of that name
+  std::string peak_phase;              // the phase in which the peak is reached
+  std::vector<PlanPart> parts;         // what is live at the peak, by the phase that allocated it
+  int64_t steady_bytes = 0;            // live between steps (weights, shards, gradients, optimizer)
+};
+
+struct LengthPlan {
+  int64_t seq = 0;
+  std::vector<RankPlan> ranks;         // every rank of the mesh
+  const RankPlan& largest() const;     // the rank with the highest peak
+};
+
+struct PlanReport {
+  PlanOptions options;
+  ModelConfig config;
+  int world = 1, dp = 1, sp = 1, ulysses = 1, ring = 1;
+  std::string dtype;
+  std::vector<LengthPlan> lengths;
+};
+
+PlanReport run_plan(const PlanOptions& options);
+std::string format_plan(const PlanReport& report);
+nlohmann::ordered_json plan_json(const PlanReport& report);
+
+}  // namespace spindle::plan

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""`spindle plan` predicts what `spindle bench` measures: on the CPU backend the peak of live tensor
+bytes of a training step, for every model family, LoRA and full fine-tuning, each recompute mode,
+packed rows, and sequence-parallel meshes of CPU processes (rank 0's peak, as bench reports it).
+The prediction must be within 5 % of the measurement (it is exact when both count the same
+allocations). Also: bad options are errors before anything is planned."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+spindle, root = sys.argv[1], sys.argv[2]
+hf = os.path.join(root, "testdata", "hf")
+
+
+def run(cmd):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        sys.exit(f"`{' '.join(cmd)}` failed:\n{p.stdout}{p.stderr}")
+    return p.stdout
+
+
+def measured(model, seq, extra, mesh):
+    world = ["--nproc-per-node", str(mesh[0])] + mesh[1] if mesh[0] > 1 else []
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "bench.json")
+        run([spindle, "bench", "--device", "cpu", "--threads", "1", "--model", model, "--seq", str(seq),
+             "--steps", "1", "--warmup", "1", "--profile-steps", "0", "--json-file", report] + world + extra)
+        with open(report) as f:
+            return json.load(f)["results"][0]["peak_allocated_bytes"]
+
+
+def predicted(model, seq, extra, mesh):
+    world = ["--world", str(mesh[0])] + mesh[1]
+    doc = json.loads(run([spindle, "plan", "--device", "cpu", "--bench-step", "--model", model, "--seq", str(seq),
+                          "--json"] + world + extra))
+    ranks = doc["results"][0]["ranks"]
+    return ranks[0]["peak_allocated_bytes"], ranks[0]["peak_phase"]
+
+
+cases = [
+    ("qwen3 LoRA, recompute all", "qwen3", 96, ["--lora-rank", "4", "--recompute", "all"], (1, [])),
+    ("qwen3 LoRA, no recompute", "qwen3", 96, ["--lora-rank", "4", "--recompute", "none"], (1, [])),
+    ("qwen2 full, keep-attention", "qwen2", 128, ["--full", "--recompute", "keep-attention"], (1, [])),
+    ("llama LoRA, recompute on the first of 2 layers", "llama", 64, ["--recompute", "all", "--recompute-layers", "1"],
+     (1, [])),
+    ("qwen2 packed rows of 16", "qwen2", 96, ["--doc-length", "16", "--recompute", "none"], (1, [])),
+    ("qwen3 Ulysses sp 2 (FSDP over 2)", "qwen3", 96, ["--lora-rank", "4"], (2, ["--sp", "2", "--ulysses", "2"])),
+    ("qwen2 ring sp 2, full", "qwen2", 96, ["--full", "--recompute", "none"], (2, ["--sp", "2", "--ring", "2"])),
+]
+failures = []
+for name, model, seq, extra, mesh in cases:
+    path = os.path.join(hf, model)
+    want = measured(path, seq, extra, mesh)
+    got, phase = predicted(path, seq, extra, mesh)
+    rel = abs(got - want) / want
+    ok = rel <= 0.05
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: plan {got} bytes (peak in {phase}), bench {want} bytes, "
+          f"error {100 * rel:.2f} %")
+    if not ok:
+        failures.append(name)
+
+for bad, needle in ((["--world", "3", "--sp", "2"], "--sp"), (["--seq", "0"], "--seq"),
+                    (["--device", "tpu"], "--device"), (["--dtype", "bf16", "--device", "cpu"], "bf16"),
+                    (["--dtype", "f64"], "f64"), (["--recompute", "none", "--recompute-layers", "1"],
+                                                  "--recompute-layers")):
+    p = subprocess.run([spindle, "plan", "--model", os.path.join(hf, "qwen2")] + bad,
+                       capture_output=True, text=True, timeout=60)
+    ok = p.returncode != 0 and needle in p.stderr and "Traceback" not in p.stderr
+    print(f"{'ok  ' if ok else 'FAIL'} refuses {' '.join(bad)}: {p.stderr.strip().splitlines()[-1] if p.stderr else ''}")
+    if not ok:
+        failures.append(" ".join(bad))
+
+sys.exit(f"{len(failures)} failed: {failures}" if failures else 0)
