@@ -25,9 +25,6 @@
 namespace spindle::bench {
 namespace {
 
-const std::vector<std::string> kAllProjections = {"q_proj", "k_proj", "v_proj", "o_proj",
-                                                  "gate_proj", "up_proj", "down_proj"};
-
 std::unique_ptr<Backend> make_backend(const BenchOptions& o) {
   ComputeDevice device;  // the trainer's backend factory (validate() has checked o.device and o.attention)
   device.cuda = o.device == "cuda";
@@ -266,7 +263,7 @@ BenchReport run_bench(const BenchOptions& options, const std::function<void(cons
     LoraConfig lora;
     lora.rank = options.lora_rank;
     lora.alpha = options.lora_alpha;
-    lora.targets = kAllProjections;
+    lora.targets = weights.projection_names();  // every projection the family has
     weights.add_lora(*backend, lora, options.seed + 1);
   }
   for (const Parameter& p : weights.parameters()) {

@@ -98,7 +98,7 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
                   "pack each step's row with documents of this many tokens (the last one shorter), as SFT "
                   "packing does; 0: one document per step")
       ->capture_default_str();
-  cmd->add_option("--lora-rank", o.lora_rank, "LoRA rank on all 7 projections")->capture_default_str();
+  cmd->add_option("--lora-rank", o.lora_rank, "LoRA rank on every projection of the model")->capture_default_str();
   cmd->add_option("--lora-alpha", o.lora_alpha, "LoRA alpha")->capture_default_str();
   cmd->add_flag("--full", o.full, "full fine-tuning instead of LoRA");
   cmd->add_option("--recompute", o.recompute,

@@ -7,6 +7,9 @@
 // Every allocation is counted under the phase current when it was made (set_phase), and the live
 // bytes of each phase are saved whenever the total reaches a new peak, so a plan can say what the
 // peak consists of and when it happens.
+//
+// Every Backend op must have an override here that does nothing (an op left to its throwing
+// default makes plans of the models that use it fail with that op's name).
 #pragma once
 
 #include <cstdint>
@@ -75,6 +78,31 @@ class DryBackend final : public Backend {
   void swiglu_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
   void gather_rows(Stream, const Tensor&, const Tensor&, Tensor&) override {}
   void scatter_add_rows(Stream, const Tensor&, const Tensor&, Tensor&) override {}
+  // Gated DeltaNet and gated attention (qwen3_5).
+  void copy_columns(Stream, const Tensor&, int64_t, Tensor&, int64_t, int64_t) override {}
+  void rope_partial(Stream, Tensor&, const Tensor&, const Tensor&, int64_t, int) override {}
+  void sigmoid_gate_forward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
+  void sigmoid_gate_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
+  void causal_conv1d_silu_forward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&) override {}
+  void causal_conv1d_silu_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
+                                   Tensor*) override {}
+  void l2norm_forward(Stream, const Tensor&, double, Tensor&, Tensor&) override {}
+  void l2norm_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&) override {}
+  void gated_delta_gates_forward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
+                                 Tensor&) override {}
+  void gated_delta_gates_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor*, Tensor*) override {}
+  void gated_delta_rule_forward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, double, int64_t, Tensor&) override {}
+  void gated_delta_rule_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                 const Tensor&, double, int64_t, const Tensor&, Tensor&, Tensor&, Tensor&, Tensor&,
+                                 Tensor&) override {}
+  void gated_rmsnorm_forward(Stream, const Tensor&, const Tensor&, const Tensor&, double, Tensor&, Tensor&) override {}
+  void gated_rmsnorm_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                              Tensor&, Tensor&, Tensor*) override {}
+  // 4-bit base weights (QLoRA).
+  void dequantize_4bit(Stream, const Tensor&, const Tensor&, int64_t, Quant4Type, Tensor&) override {}
+  void dequantize_absmax(Stream, const Tensor&, const Tensor&, const Tensor&, int64_t, double, Tensor&) override {}
   void cross_entropy(Stream, Tensor&, const Tensor&, const Tensor&, double, double, Tensor&, Tensor&) override {}
   void adamw_step(Stream, Tensor&, const Tensor&, Tensor&, Tensor&, const AdamW&) override {}
 

@@ -49,6 +49,18 @@ cases = [
     ("qwen3 Ulysses sp 2 (FSDP over 2)", "qwen3", 96, ["--lora-rank", "4"], (2, ["--sp", "2", "--ulysses", "2"])),
     ("qwen2 ring sp 2, full", "qwen2", 96, ["--full", "--recompute", "none"], (2, ["--sp", "2", "--ring", "2"])),
 ]
+# A hybrid model (gated DeltaNet and gated attention layers): the config alone is enough for both.
+hybrid = tempfile.mkdtemp(prefix="spindle-plan-")
+with open(os.path.join(hybrid, "config.json"), "w") as f:
+    json.dump({"model_type": "qwen3_5_text", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+               "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+               "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+               "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+               "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "partial_rotary_factor": 0.5}, f)
+cases += [("qwen3_5 (DeltaNet + gated attention) LoRA, recompute all", hybrid, 96, ["--recompute", "all"], (1, [])),
+          ("qwen3_5 full, keep-attention", hybrid, 64, ["--full", "--recompute", "keep-attention"], (1, []))]
+
 failures = []
 for name, model, seq, extra, mesh in cases:
     path = os.path.join(hf, model)
