@@ -257,6 +257,8 @@ BenchReport run_bench(const BenchOptions& options, const std::function<void(cons
   // BF16 storage with F32 accumulation on CUDA (the product); F32 on the CPU reference.
   const DType dtype = backend->device().kind == DeviceKind::CUDA ? DType::BF16 : DType::F32;
   ModelWeights weights = ModelWeights::random(*backend, report.config, dtype, options.seed);
+  weights.quantize_projections(*backend,
+                               parse_quantize_options(options.quantize, options.double_quant, options.quant_block_size));
   if (options.full) {
     weights.train_all(*backend);
   } else {
@@ -270,6 +272,12 @@ BenchReport run_bench(const BenchOptions& options, const std::function<void(cons
     report.parameters += p.value.numel();
     if (p.trainable) report.trainable_parameters += p.value.numel();
   }
+  for (const Linear* lin : weights.linears())  // a 4-bit weight: count its weights, not its bytes and absmax
+    if (lin->quantized()) {
+      report.parameters += lin->out_features() * lin->in_features();
+      for (const Parameter* p : {lin->quant.packed, lin->quant.absmax, lin->quant.nested_absmax})
+        if (p) report.parameters -= p->value.numel();
+    }
   if (par.run.world) par.fsdp = std::make_unique<parallel::Fsdp>(*backend, weights, *par.run.world);
   backend->synchronize(backend->default_stream());
 

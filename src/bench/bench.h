@@ -24,6 +24,9 @@ struct BenchOptions {
   int64_t lora_rank = 16;              // 0 with full = true
   double lora_alpha = 32;
   bool full = false;                   // full fine-tuning instead of LoRA
+  std::string quantize;                // nf4 | fp4: 4-bit base projections (docs/qlora.md); empty: dense
+  bool double_quant = false;
+  int64_t quant_block_size = 64;
   std::string recompute = "all";       // none | all | keep-attention (RecomputeMode)
   int64_t recompute_layers = -1;       // the first N layers recompute; the others keep all (-1: every layer)
   int warmup = 2, steps = 3;

@@ -148,6 +148,15 @@ void TimedBackend::gather_rows(Stream s, const Tensor& src, const Tensor& idx, T
 void TimedBackend::scatter_add_rows(Stream s, const Tensor& src, const Tensor& idx, Tensor& dst) {
   timed(s, C::OtherOps, "scatter_add_rows", [&] { inner_.scatter_add_rows(s, src, idx, dst); });
 }
+void TimedBackend::dequantize_4bit(Stream s, const Tensor& packed, const Tensor& absmax, int64_t blocksize,
+                                   Quant4Type type, Tensor& w) {
+  timed(s, C::OtherOps, "dequantize_4bit", [&] { inner_.dequantize_4bit(s, packed, absmax, blocksize, type, w); });
+}
+void TimedBackend::dequantize_absmax(Stream s, const Tensor& codes, const Tensor& code_map, const Tensor& absmax2,
+                                     int64_t blocksize2, double offset, Tensor& absmax) {
+  timed(s, C::OtherOps, "dequantize_absmax",
+        [&] { inner_.dequantize_absmax(s, codes, code_map, absmax2, blocksize2, offset, absmax); });
+}
 void TimedBackend::cross_entropy(Stream s, Tensor& logits, const Tensor& targets, const Tensor& weights,
                                  double loss_scale, double grad_scale, Tensor& loss_sum, Tensor& token_ce) {
   timed(s, C::OtherOps, "cross_entropy",

@@ -109,6 +109,11 @@ class TimedBackend final : public Backend {
                        Tensor& dup) override;
   void gather_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) override;
   void scatter_add_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) override;
+  // 4-bit base weights: dequantised before every use, counted with the other ops (label dequantize_4bit).
+  void dequantize_4bit(Stream s, const Tensor& packed, const Tensor& absmax, int64_t blocksize, Quant4Type type,
+                       Tensor& w) override;
+  void dequantize_absmax(Stream s, const Tensor& codes, const Tensor& code_map, const Tensor& absmax2,
+                         int64_t blocksize2, double offset, Tensor& absmax) override;
   void cross_entropy(Stream stream, Tensor& logits, const Tensor& targets, const Tensor& weights, double loss_scale,
                      double grad_scale, Tensor& loss_sum, Tensor& token_ce) override;
   void adamw_step(Stream stream, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& hp) override;

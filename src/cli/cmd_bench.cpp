@@ -101,6 +101,7 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--lora-rank", o.lora_rank, "LoRA rank on every projection of the model")->capture_default_str();
   cmd->add_option("--lora-alpha", o.lora_alpha, "LoRA alpha")->capture_default_str();
   cmd->add_flag("--full", o.full, "full fine-tuning instead of LoRA");
+  add_quantize_options(cmd, o.quantize, o.double_quant, o.quant_block_size);
   cmd->add_option("--recompute", o.recompute,
                   "recompute layer activations in backward: none (keep all), all (keep only layer inputs) or "
                   "keep-attention (also keep attention outputs: no second attention forward)")

@@ -23,17 +23,21 @@ struct EvalArgs {
   int64_t max_length = 4096;
   int64_t batch_tokens = 0;
   int threads = 0;
+  std::string quantize;
+  bool double_quant = false;
+  int64_t quant_block_size = 64;
   bool no_packing = false, skip_bad = false;
 };
 
 int run_eval(const EvalArgs& args) {
   const auto start = std::chrono::steady_clock::now();
   if (args.max_length <= 0) fail("--max-length must be positive, got {}", args.max_length);
+  const QuantizeOptions quantize = parse_quantize_options(args.quantize, args.double_quant, args.quant_block_size);
   const ComputeDevice device = choose_device(args.device, args.dtype, ProcessGroupInfo{});
   const DType dtype = device.dtype;
   auto backend = make_backend(device, args.threads);
   const ModelConfig config = ModelConfig::from_file(args.model);
-  ModelWeights weights = ModelWeights::load(*backend, config, io::Checkpoint(args.model), dtype);
+  ModelWeights weights = ModelWeights::load(*backend, config, io::Checkpoint(args.model), dtype, quantize);
   if (!args.adapter.empty()) weights.load_peft_adapter(*backend, args.adapter);
 
   ReadOptions read;
@@ -75,6 +79,7 @@ void add_eval_command(CLI::App& app, CommandList& commands) {
   CLI::App* cmd = app.add_subcommand("eval", "Loss of a model (and adapter) on pre-tokenized JSONL data");
   cmd->add_option("--model", args->model, "Hugging Face model folder (config.json, *.safetensors)")->required();
   cmd->add_option("--adapter", args->adapter, "PEFT LoRA adapter folder to apply");
+  add_quantize_options(cmd, args->quantize, args->double_quant, args->quant_block_size);
   cmd->add_option("--data", args->data, "JSONL with input_ids and labels (-100 = unsupervised) or loss_mask, "
                                         "optional loss_scale")->required();
   cmd->add_option("--max-length", args->max_length, "tokens per packed row")->capture_default_str();

@@ -38,6 +38,9 @@ struct GenerateArgs {
   int64_t batch_tokens = 8192;
   bool chat = false, json_output = false;
   int threads = 0;
+  std::string quantize;
+  bool double_quant = false;
+  int64_t quant_block_size = 64;
 };
 
 // One prompt and what has been generated for it so far.
@@ -302,7 +305,9 @@ int run_generate(const GenerateArgs& args) {
   }
   const std::set<int32_t> stop_ids = stop_token_ids(model_dir, encoder.tokenizer());
 
-  ModelWeights weights = ModelWeights::load(*backend, config, io::Checkpoint(args.model), dtype);
+  ModelWeights weights =
+      ModelWeights::load(*backend, config, io::Checkpoint(args.model), dtype,
+                         parse_quantize_options(args.quantize, args.double_quant, args.quant_block_size));
   if (!args.adapter.empty()) weights.load_peft_adapter(*backend, args.adapter);
   Decoder decoder(*backend, weights);
   for (int64_t step = 0; step < args.max_new_tokens; ++step) {
@@ -338,6 +343,7 @@ void add_generate_command(CLI::App& app, CommandList& commands) {
       "fine for demos and short prompts, not for serving");
   cmd->add_option("--model", args->model, "Hugging Face model folder (config.json, *.safetensors, tokenizer)")->required();
   cmd->add_option("--adapter", args->adapter, "PEFT LoRA adapter folder to apply");
+  add_quantize_options(cmd, args->quantize, args->double_quant, args->quant_block_size);
   cmd->add_option("--prompt", args->prompt, "text to continue (tokenized with special tokens added, as tokenizer(text))");
   cmd->add_option("--messages", args->messages,
                   "a conversation as JSON, '[{\"role\": \"user\", \"content\": \"...\"}]', rendered with the model's "

@@ -90,6 +90,16 @@ std::vector<std::string> yaml_to_args(const std::string& path, CLI::App& cmd, co
 
 }  // namespace
 
+void add_quantize_options(CLI::App* cmd, std::string& quantize, bool& double_quant, int64_t& block_size) {
+  cmd->add_option("--quantize", quantize,
+                  "nf4 (or fp4): hold the frozen base projections in bitsandbytes' 4-bit format, quantised as they "
+                  "load (QLoRA; docs/qlora.md). A folder bitsandbytes already quantised loads as stored without it");
+  cmd->add_flag("--double-quant", double_quant, "with --quantize: store the absmax in 8 bits too (bitsandbytes' "
+                                                "double quantisation)");
+  cmd->add_option("--quant-block-size", block_size, "with --quantize: weights per absmax, 32 ... 4096")
+      ->capture_default_str();
+}
+
 void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--model", c.model, "Hugging Face model folder");
   cmd->add_option("--data", c.data, "training data: JSONL (any supported format) or a prepared dataset; PATH or "
@@ -121,6 +131,10 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--save-steps", c.save_steps, "checkpoint every N steps (0: only at the end)")->capture_default_str();
   cmd->add_option("--eval-data", c.eval_data, "held-out data scored during training");
   cmd->add_option("--eval-steps", c.eval_steps, "score --eval-data every N steps")->capture_default_str();
+  add_quantize_options(cmd, c.quantize, c.double_quant, c.quant_block_size);
+  cmd->add_option("--merge-output", c.merge_output,
+                  "LoRA: also write the base with the trained adapters folded in (W + s*B*A; a 4-bit base "
+                  "dequantised first) as a dense Hugging Face model folder here (BF16 from GPUs, F32 from the CPU)");
   cmd->add_flag("--resume", c.resume, "continue from the latest checkpoint in --output");
   cmd->add_option("--metrics-file", c.metrics_file, "JSONL metrics (default OUTPUT/metrics.jsonl)");
   cmd->add_option("--tensorboard", c.tensorboard, "also write every step's metrics as TensorBoard event files "

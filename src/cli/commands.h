@@ -36,6 +36,8 @@ std::vector<int64_t> parse_sequence_lengths(const std::string& text);
 
 // The options of `spindle sft` (also taken by `check`), bound to a TrainConfig.
 void add_train_options(CLI::App* cmd, TrainConfig& config);
+// --quantize, --double-quant, --quant-block-size (every command that loads a model).
+void add_quantize_options(CLI::App* cmd, std::string& quantize, bool& double_quant, int64_t& block_size);
 
 void register_all(CLI::App& app, CommandList& commands);
 

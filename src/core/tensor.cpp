@@ -62,6 +62,14 @@ Tensor Tensor::flat(int64_t begin, int64_t count) const {
   return Tensor(storage_, offset_ + static_cast<size_t>(begin) * dtype_size(dtype_), Shape{count}, dtype_);
 }
 
+Tensor Tensor::view_bytes_as(DType dtype, Shape shape) const {
+  SPINDLE_CHECK(static_cast<size_t>(shape.numel()) * dtype_size(dtype) == bytes(), "view {} as {}{}", describe(),
+                dtype_name(dtype), shape.str());
+  SPINDLE_CHECK((reinterpret_cast<uintptr_t>(data()) % dtype_size(dtype)) == 0, "view {} as {}: misaligned",
+                describe(), dtype_name(dtype));
+  return Tensor(storage_, offset_, shape, dtype);
+}
+
 std::string Tensor::describe() const {
   return fmt::format("{}{} on {}", dtype_name(dtype_), shape_.str(), device().str());
 }

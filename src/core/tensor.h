@@ -84,6 +84,9 @@ class Tensor {
   Tensor rows(int64_t begin, int64_t end) const;
   // Flat elements [begin, begin+count) as a 1-D tensor.
   Tensor flat(int64_t begin, int64_t count) const;
+  // The same bytes read as another dtype and shape (equal byte counts; the start aligned for the
+  // dtype): for data that travels as bytes, e.g. a 4-bit weight's absmax through FSDP.
+  Tensor view_bytes_as(DType dtype, Shape shape) const;
 
   std::string describe() const;  // "BF16[4, 128] on cuda:0"
 

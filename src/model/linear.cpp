@@ -22,16 +22,25 @@ bool lora_term_first(const Tensor& y) { return y.dtype() == DType::BF16; }
 
 }  // namespace
 
-const Tensor& Linear::dense_weight() const {
-  switch (format) {
-    case WeightFormat::Dense: return weight->value;
+Tensor Linear::dense_weight(Backend& be, Stream st, DType dtype) const {
+  if (format == WeightFormat::Dense) return weight->value;
+  SPINDLE_CHECK(quant.packed && quant.absmax && quant.packed->value.defined(), "{}: quantised weight not loaded",
+                prefix);
+  Tensor absmax = quant.absmax->value;
+  if (quant.nested()) {  // the absmax themselves are 8-bit codes: decode them first
+    absmax = be.empty(quant.absmax->value.shape(), DType::F32);
+    be.dequantize_absmax(st, quant.absmax->value, quant.nested_code, quant.nested_absmax->value,
+                         quant.nested_blocksize, quant.offset, absmax);
   }
-  fail("{}: unknown weight format", prefix);
+  Tensor w = be.empty(Shape{out, in}, dtype);
+  be.dequantize_4bit(st, quant.packed->value, absmax, quant.blocksize,
+                     format == WeightFormat::NF4 ? Quant4Type::NF4 : Quant4Type::FP4, w);
+  return w;
 }
 
 std::vector<Parameter*> Linear::parameters() const {
   std::vector<Parameter*> out;
-  for (Parameter* p : {weight, bias, lora_a, lora_b})
+  for (Parameter* p : {weight, quant.packed, quant.absmax, quant.nested_absmax, bias, lora_a, lora_b})
     if (p) out.push_back(p);
   return out;
 }
@@ -41,7 +50,7 @@ void Linear::allocate(Backend& backend, LinearActivations& a, int64_t tokens, DT
 }
 
 void Linear::forward(Backend& be, Stream st, const Tensor& x, Tensor& y, LinearActivations& a) const {
-  const Tensor& w = dense_weight();
+  const Tensor w = dense_weight(be, st, x.dtype());
   if (lora_a && lora_term_first(y)) {
     be.gemm(st, x, false, lora_a->value, true, a.xa, 1.0, 0.0);
     gemm_maybe_bias(be, st, a.xa, lora_b->value, y, lora_scaling, 0.0, bias);
@@ -58,8 +67,9 @@ void Linear::forward(Backend& be, Stream st, const Tensor& x, Tensor& y, LinearA
 // In BF16 the rank-r term of dx goes first, as in the forward.
 void Linear::backward(Backend& be, Stream st, const Tensor& x, const Tensor& dy, const LinearActivations& a,
                       Tensor* dx, bool accumulate_dx) const {
-  const Tensor& w = dense_weight();
-  if (weight->trainable) be.gemm(st, dy, true, x, false, weight->grad, 1.0, 1.0);
+  // A quantised base weight is frozen: no weight gradient, and dx uses its dequantised values.
+  const Tensor w = dx ? dense_weight(be, st, dy.dtype()) : Tensor();
+  if (weight && weight->trainable) be.gemm(st, dy, true, x, false, weight->grad, 1.0, 1.0);
   if (bias && bias->trainable) be.bias_backward(st, dy, bias->grad);
   const bool lora_first = lora_a && dx && lora_term_first(*dx);
   if (dx && !lora_first) be.gemm(st, dy, false, w, false, *dx, 1.0, accumulate_dx ? 1.0 : 0.0);

@@ -1,7 +1,7 @@
 // One projection y = x·Wᵀ (+ b) (+ s·(x·Aᵀ)·Bᵀ): the frozen or trainable base weight, its optional
 // bias and the LoRA pair attached to it. Every matrix product of a layer goes through a Linear, so
 // LoRA targeting, FSDP, export and FLOP counts see the same list of projections, and a base weight
-// stored in another format (dense today; quantised next) changes this file, not the model code.
+// stored in another format (dense, or bitsandbytes' 4-bit blocks) changes this file, not the model code.
 #pragma once
 
 #include <cstdint>
@@ -14,15 +14,30 @@ namespace spindle {
 
 struct Parameter {
   std::string name;  // the Hugging Face / PEFT tensor name
-  Tensor value;      // model dtype
+  Tensor value;      // model dtype; a 4-bit weight's packed bytes and absmax keep their own (U8, F32)
   Tensor grad;       // same shape and dtype; allocated only when trainable
   bool trainable = false;
 };
 
 // How a base weight is stored. Dense: Parameter::value is the [out, in] matrix in the model dtype.
-// The formats that will follow (NF4 bytes + absmax) keep their storage here and hand compute a
-// dense matrix through Linear::dense_weight.
-enum class WeightFormat { Dense };
+// NF4, FP4: bitsandbytes' 4-bit blocks (Linear::quant, docs/qlora.md), always frozen; every use
+// dequantises them into a dense matrix of the compute dtype (Linear::dense_weight).
+enum class WeightFormat { Dense, NF4, FP4 };
+
+// A base weight of n = out·in elements in bitsandbytes' 4-bit format, as its checkpoints name it.
+// The per-element data are Parameters, so FSDP shards them as bytes with the layer's other
+// parameters; the scalars and the 256-entry map are small and stay on every rank.
+struct QuantizedWeight {
+  Parameter* packed = nullptr;         // U8 [(n+1)/2] "<prefix>.weight": element 2k in the high nibble of byte k
+  Parameter* absmax = nullptr;         // "<prefix>.weight.absmax": F32 [blocks], or U8 codes [blocks] when nested
+  Parameter* nested_absmax = nullptr;  // F32 [ceil(blocks/nested_blocksize)] "<prefix>.weight.nested_absmax"
+  int64_t blocksize = 64;              // elements per absmax: 32 … 4096
+  int64_t nested_blocksize = 256;      // codes per nested absmax
+  float offset = 0;                    // nested only: the mean the codes are centred on
+  Tensor nested_code;                  // F32 [256] nested only: the codes' values (nested_quant_map)
+  bool nested() const { return nested_absmax != nullptr; }
+  int64_t blocks(int64_t n) const { return (n + blocksize - 1) / blocksize; }
+};
 
 // What a module declares about one of its projections before anything is allocated.
 struct LinearSpec {
@@ -43,7 +58,8 @@ struct Linear {
   std::string module;  // PEFT module name
   std::string prefix;  // HF tensor prefix
   WeightFormat format = WeightFormat::Dense;
-  Parameter* weight = nullptr;  // [out, in]
+  Parameter* weight = nullptr;  // [out, in]; null when quantised (the data are in quant)
+  QuantizedWeight quant;        // NF4 / FP4 only
   Parameter* bias = nullptr;    // [out]
   Parameter* lora_a = nullptr;  // [r, in]
   Parameter* lora_b = nullptr;  // [out, r]
@@ -54,9 +70,13 @@ struct Linear {
   int64_t in_features() const { return in; }
   int64_t lora_rank() const { return rank; }
 
-  // The base weight as a dense [out, in] matrix in the model dtype, for the GEMMs.
-  const Tensor& dense_weight() const;
-  // weight, bias, lora_a, lora_b: those that exist, in that order.
+  // The base weight as a dense [out, in] matrix of `dtype` (the compute dtype), for the GEMMs:
+  // the parameter itself when dense; a quantised weight is dequantised into a new tensor for each
+  // use (backends hand back freed memory, so this is one reused scratch of the largest matrix).
+  Tensor dense_weight(Backend& backend, Stream stream, DType dtype) const;
+  bool quantized() const { return format != WeightFormat::Dense; }
+  // weight (or the quantised weight's packed, absmax, nested_absmax), bias, lora_a, lora_b: those
+  // that exist, in that order.
   std::vector<Parameter*> parameters() const;
 
   // Allocates what forward saves for `tokens` rows (nothing without LoRA).

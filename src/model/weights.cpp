@@ -40,12 +40,26 @@ void fill_host(Backend& backend, Tensor& t, const std::vector<double>& values) {
 // Creates the parameters blocks ask for, in the model dtype on the backend.
 class ModelWeights::Allocator final : public ParameterSink {
  public:
-  Allocator(ModelWeights& weights, Backend& backend) : weights_(weights), backend_(backend) {}
+  Allocator(ModelWeights& weights, Backend& backend, QuantizedLoader* loader = nullptr)
+      : weights_(weights), backend_(backend), loader_(loader) {}
   Parameter& add(const std::string& name, Shape shape) override { return weights_.add(backend_, name, shape); }
 
  private:
   ModelWeights& weights_;
   Backend& backend_;
+  QuantizedLoader* loader_;
+
+  // A projection just declared: a 4-bit one replaces its dense weight at once (model/quantized_weights.h).
+  void on_linear(const LinearSpec& spec) override {
+    if (!loader_) return;
+    Parameter* weight = weights_.find(spec.prefix + ".weight");
+    SPINDLE_CHECK(weight, "projection {} has no weight parameter", spec.prefix);
+    loader_->on_linear(spec, *weight, [this](const std::string& name) -> Parameter& {
+      Parameter& p = weights_.params_.emplace_back();
+      p.name = name;
+      return p;
+    });
+  }
 };
 
 double LoraConfig::scaling() const {
@@ -65,13 +79,13 @@ Parameter* ModelWeights::find(const std::string& name) {
   return nullptr;
 }
 
-void ModelWeights::wire(Backend& backend) {
+void ModelWeights::wire(Backend& backend, QuantizedLoader* loader) {
   const ModelConfig& c = config;
   const int64_t h = c.hidden_size;
   if (backend.device().kind != DeviceKind::CPU && !c.model_type.empty())
     if (const ModelFamily& family = model_family(c.model_type, c.model_type); !family.cpu_only_reason.empty())
       fail("model_type {} runs on the CPU backend for now: {}; use --device cpu", c.model_type, family.cpu_only_reason);
-  Allocator sink(*this, backend);
+  Allocator sink(*this, backend, loader);
   embed = &add(backend, c.weight_prefix + "embed_tokens.weight", Shape{c.vocab_size, h});
   layers.reserve(static_cast<size_t>(c.num_layers));
   for (int64_t l = 0; l < c.num_layers; ++l) layers.emplace_back(sink, c, l);
@@ -100,12 +114,16 @@ std::vector<std::string> ModelWeights::projection_names() const {
 }
 
 ModelWeights ModelWeights::load(Backend& backend, const ModelConfig& config, const io::Checkpoint& checkpoint,
-                                DType dtype) {
+                                DType dtype, const QuantizeOptions& quantize) {
   ModelWeights w;
   w.config = config;
   w.dtype = dtype;
-  w.wire(backend);
-  for (Parameter& p : w.params_) io::load_tensor_into(backend, checkpoint.require(p.name, p.value.shape()), p.value);
+  QuantizedLoader loader(backend, checkpoint, checkpoint.path(), quantize);
+  w.wire(backend, loader.active() ? &loader : nullptr);
+  loader.bind(w.linears());
+  if (loader.active()) loader.check_all_used();
+  for (Parameter& p : w.params_)
+    if (!loader.filled(p)) io::load_tensor_into(backend, checkpoint.require(p.name, p.value.shape()), p.value);
   return w;
 }
 
@@ -151,7 +169,24 @@ void ModelWeights::make_trainable(Backend& backend, Parameter& p) {
 }
 
 void ModelWeights::train_all(Backend& backend) {
+  if (has_quantized_projections())
+    fail("full fine-tuning needs dense weights, and this model's projections are 4-bit (bitsandbytes): train LoRA "
+         "adapters on it (drop --full), or load a dense checkpoint");
   for (Parameter& p : params_) make_trainable(backend, p);
+}
+
+bool ModelWeights::has_quantized_projections() const {
+  for (const Linear* lin : linears())
+    if (lin->quantized()) return true;
+  return false;
+}
+
+void ModelWeights::quantize_projections(Backend& backend, const QuantizeOptions& options) {
+  spindle::quantize_projections(backend, linears(), options, [this](const std::string& name) -> Parameter& {
+    Parameter& p = params_.emplace_back();
+    p.name = name;
+    return p;
+  });
 }
 
 void ModelWeights::zero_grads(Backend& backend) {

@@ -12,6 +12,7 @@
 #include "model/config.h"
 #include "model/layer.h"
 #include "model/linear.h"
+#include "model/quantized_weights.h"
 
 namespace spindle {
 
@@ -37,8 +38,10 @@ class ModelWeights {
   std::vector<DecoderLayer> layers;
   LoraConfig lora;                  // rank 0 when no adapter
 
-  // Loads every tensor of the model from a checkpoint, converting to `dtype`.
-  static ModelWeights load(Backend& backend, const ModelConfig& config, const io::Checkpoint& checkpoint, DType dtype);
+  // Loads every tensor of the model from a checkpoint, converting to `dtype`. Projections become 4-bit
+  // (model/quantized_weights.h) when `quantize` asks for it or the checkpoint is 4-bit already.
+  static ModelWeights load(Backend& backend, const ModelConfig& config, const io::Checkpoint& checkpoint, DType dtype,
+                           const QuantizeOptions& quantize = {});
   // Random weights (uniform with standard deviation 0.02; norms 1), deterministic in `seed`, for
   // tests and benchmarks on synthetic models.
   static ModelWeights random(Backend& backend, const ModelConfig& config, DType dtype, uint64_t seed);
@@ -60,6 +63,9 @@ class ModelWeights {
 
   // Full fine-tuning: every base parameter trainable.
   void train_all(Backend& backend);
+  // Quantises the dense projections in memory to 4 bits (random weights of `spindle bench`, tests).
+  void quantize_projections(Backend& backend, const QuantizeOptions& options);
+  bool has_quantized_projections() const;
   void zero_grads(Backend& backend);
 
   std::deque<Parameter>& parameters() { return params_; }
@@ -69,7 +75,7 @@ class ModelWeights {
  private:
   class Allocator;
   Parameter& add(Backend& backend, const std::string& name, Shape shape);
-  void wire(Backend& backend);
+  void wire(Backend& backend, QuantizedLoader* loader = nullptr);
   void make_trainable(Backend& backend, Parameter& p);
   std::deque<Parameter> params_;  // deque: stable addresses for the pointers above
 };

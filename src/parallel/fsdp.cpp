@@ -28,14 +28,18 @@ Fsdp::Fsdp(Backend& backend, ModelWeights& weights, comm::Communicator& group, F
   for (Parameter& p : params) {
     if (!p.value.defined())
       fail("FSDP: parameter {} has no value; shard a fully loaded model (or one sharded model per Fsdp)", p.name);
-    if (p.value.dtype() != weights_.dtype)
-      fail("FSDP: parameter {} is {} in a {} model; every parameter must share the model dtype", p.name,
-           dtype_name(p.value.dtype()), dtype_name(weights_.dtype));
+    const bool bytes = p.value.dtype() != weights_.dtype;
+    if (bytes && p.trainable)
+      fail("FSDP: trainable parameter {} is {} in a {} model; every trainable parameter must share the model dtype",
+           p.name, dtype_name(p.value.dtype()), dtype_name(weights_.dtype));
     Entry e;
     e.param = &p;
     e.shape = p.value.shape();
     e.numel = p.value.numel();
-    e.shard_numel = (e.numel + world - 1) / world;
+    e.dtype = p.value.dtype();
+    e.bytes = bytes;
+    e.byte_count = static_cast<int64_t>(p.value.bytes());
+    e.shard_numel = ((bytes ? e.byte_count : e.numel) + world - 1) / world;
     by_name_.emplace(p.name, entries_.size());
     entries_.push_back(std::move(e));
   }
@@ -70,6 +74,11 @@ Fsdp::Fsdp(Backend& backend, ModelWeights& weights, comm::Communicator& group, F
     std::sort(b.entries.begin(), b.entries.end());
     for (size_t i : b.entries) {
       Entry& e = entries_[i];
+      if (e.bytes) {
+        e.value_offset = b.byte_numel;
+        b.byte_numel += e.shard_numel;
+        continue;
+      }
       e.value_offset = b.value_numel;
       b.value_numel += e.shard_numel;
       if (e.param->trainable) {
@@ -79,8 +88,19 @@ Fsdp::Fsdp(Backend& backend, ModelWeights& weights, comm::Communicator& group, F
     }
     b.values = backend_.zeros(Shape{b.value_numel}, weights_.dtype);
     b.grads = backend_.zeros(Shape{b.grad_numel}, grad_dtype_);
+    if (b.byte_numel) b.byte_values = backend_.zeros(Shape{b.byte_numel}, DType::U8);
     for (size_t i : b.entries) {
       Entry& e = entries_[i];
+      if (e.bytes) {  // this rank's bytes [rank·s, rank·s + s) of the zero-padded bytes
+        e.value_shard = b.byte_values.flat(e.value_offset, e.shard_numel);
+        const int64_t begin = std::min(rank * e.shard_numel, e.byte_count);
+        const int64_t count = std::min(e.shard_numel, e.byte_count - begin);
+        if (count > 0) {
+          Tensor dst = e.value_shard.flat(0, count);
+          backend_.copy(stream_, e.param->value.view_bytes_as(DType::U8, Shape{e.byte_count}).flat(begin, count), dst);
+        }
+        continue;
+      }
       e.value_shard = b.values.flat(e.value_offset, e.shard_numel);
       if (e.param->trainable) e.grad_shard = b.grads.flat(e.grad_offset, e.shard_numel);
       const int64_t begin = std::min(rank * e.shard_numel, e.numel);
@@ -167,11 +187,16 @@ void Fsdp::prefetch(const std::vector<size_t>& buckets) {
     if (b.value_users > 0 || b.prefetched.defined()) continue;
     // Allocated here, on the compute stream, before the comm stream's wait below: see backend.h.
     b.prefetched = backend_.empty(Shape{b.value_numel * group_.size()}, b.values.dtype());
+    if (b.byte_numel) b.byte_prefetched = backend_.empty(Shape{b.byte_numel * group_.size()}, DType::U8);
     started.push_back(i);
   }
   if (started.empty()) return;
   backend_.stream_wait(comm_stream_, stream_);  // the buffers, and the shards as the optimizer left them
-  for (size_t i : started) group_.all_gather(comm_stream_, buckets_[i].values, buckets_[i].prefetched);
+  for (size_t i : started) {
+    group_.all_gather(comm_stream_, buckets_[i].values, buckets_[i].prefetched);
+    if (buckets_[i].byte_numel)
+      group_.all_gather(comm_stream_, buckets_[i].byte_values, buckets_[i].byte_prefetched);
+  }
   comm_pending_ = true;
 }
 
@@ -181,26 +206,41 @@ void Fsdp::join_prefetches(bool drop_unused) {
     comm_pending_ = false;
   }
   if (drop_unused)  // freed on the compute stream, now ordered after the gathers that wrote them
-    for (Bucket& b : buckets_) b.prefetched = Tensor();
+    for (Bucket& b : buckets_) {
+      b.prefetched = Tensor();
+      b.byte_prefetched = Tensor();
+    }
 }
 
 void Fsdp::acquire_values(Bucket& b) {
   if (b.value_users++ > 0) return;
   const int64_t world = group_.size();
   // gathered [world, value_numel]: row r is rank r's shards of every parameter of the bucket.
-  Tensor gathered;
+  Tensor gathered, gathered_bytes;  // gathered_bytes [world, byte_numel]: the byte entries' rows
   if (b.prefetched.defined()) {
     join_prefetches(false);  // the gather ran on the comm stream
     gathered = std::move(b.prefetched);
+    gathered_bytes = std::move(b.byte_prefetched);
     b.prefetched = Tensor();
+    b.byte_prefetched = Tensor();
   } else {
     // A collective of this group on the compute stream: ordered after any still on the comm
     // stream explicitly, rather than relying on NCCL to order one communicator's two streams.
     join_prefetches(false);
     gathered = gather_padded(b.values);
+    if (b.byte_numel) gathered_bytes = gather_padded(b.byte_values);
   }
   for (size_t i : b.entries) {
     Entry& e = entries_[i];
+    if (e.bytes) {  // its rows laid end to end: the padded bytes, read back as the parameter's dtype
+      e.full_value = backend_.empty(Shape{e.shard_numel * world}, DType::U8);
+      for (int64_t r = 0; r < world; ++r) {
+        Tensor dst = e.full_value.flat(r * e.shard_numel, e.shard_numel);
+        backend_.copy(stream_, gathered_bytes.flat(r * b.byte_numel + e.value_offset, e.shard_numel), dst);
+      }
+      e.param->value = e.full_value.flat(0, e.byte_count).view_bytes_as(e.dtype, e.shape);
+      continue;
+    }
     if (b.entries.size() == 1) {
       e.full_value = gathered;  // one parameter: the rows already are its padded tensor
     } else {
@@ -283,6 +323,7 @@ void Fsdp::drop_unused_prefetches(const std::vector<size_t>& used) {
     if (buckets_[i].prefetched.defined() && std::find(used.begin(), used.end(), i) == used.end()) {
       join_prefetches(false);
       buckets_[i].prefetched = Tensor();
+      buckets_[i].byte_prefetched = Tensor();
     }
 }
 
@@ -358,7 +399,8 @@ Fsdp::GatheredValues Fsdp::gather_full(const std::function<bool(const Parameter&
     Tensor full = gather_padded(e.value_shard);  // every rank takes part; others drop it at once
     if (!keep) continue;
     e.full_value = full;
-    e.param->value = full.flat(0, e.numel).reshape(e.shape);
+    e.param->value = e.bytes ? full.flat(0, e.byte_count).view_bytes_as(e.dtype, e.shape)
+                             : full.flat(0, e.numel).reshape(e.shape);
     held.push_back(i);
   }
   ++open_exports_;
@@ -367,6 +409,7 @@ Fsdp::GatheredValues Fsdp::gather_full(const std::function<bool(const Parameter&
 
 Tensor Fsdp::gather_shard(const std::string& name, const Tensor& shard) {
   const Entry& e = entries_[entry_of(name)];
+  SPINDLE_CHECK(!e.bytes, "gather_shard: {} is sharded as bytes (a frozen quantised weight)", name);
   SPINDLE_CHECK(shard.numel() == e.shard_numel, "gather_shard: {} has {} elements, a shard of {} has {}",
                 shard.describe(), shard.numel(), name, e.shard_numel);
   join_prefetches(true);
@@ -375,6 +418,7 @@ Tensor Fsdp::gather_shard(const std::string& name, const Tensor& shard) {
 
 void Fsdp::load_shard(const std::string& name, const Tensor& full, Tensor& shard) {
   const Entry& e = entries_[entry_of(name)];
+  if (e.bytes) fail("FSDP: {} is a frozen quantised weight, sharded as bytes; it cannot be replaced", name);
   if (full.numel() != e.numel)
     fail("FSDP: a full tensor for {} must have {} elements ({}), got {}", name, e.numel, e.shape.str(),
          full.describe());
@@ -428,14 +472,14 @@ void Fsdp::load_state(const std::vector<std::pair<std::string, Tensor>>& shards,
 
 size_t Fsdp::shard_bytes() const {
   size_t bytes = 0;
-  for (const Bucket& b : buckets_) bytes += b.values.bytes() + b.grads.bytes();
+  for (const Bucket& b : buckets_) bytes += b.values.bytes() + b.grads.bytes() + b.byte_numel;
   return bytes;
 }
 
 size_t Fsdp::full_bytes() const {
   size_t bytes = 0;
   for (const Entry& e : entries_) {
-    bytes += static_cast<size_t>(e.numel) * dtype_size(e.value_shard.dtype());
+    bytes += e.bytes ? static_cast<size_t>(e.byte_count) : static_cast<size_t>(e.numel) * dtype_size(e.value_shard.dtype());
     if (e.param->trainable) bytes += static_cast<size_t>(e.numel) * dtype_size(grad_dtype_);
   }
   return bytes;

@@ -8,6 +8,11 @@
 // W·s elements, s = ceil(n / W); rank r keeps elements [r·s, (r+1)·s). The padding of a value stays
 // zero, its gradient is always zero, and AdamW therefore never moves it.
 //
+// A frozen parameter of another dtype than the model's (a 4-bit weight's packed bytes and absmax,
+// docs/qlora.md) is sharded the same way over its bytes, in a byte buffer of its bucket that moves
+// in its own all-gather: packed weights travel as 4-bit bytes and are never converted, reduced or
+// read as floats on the way.
+//
 // Intended use by the trainer (one optimizer step = micro-batches, reduce-scatter, sharded AdamW):
 //
 //   ModelWeights weights = ModelWeights::load(...);  weights.add_lora(...) / train_all(...);
@@ -134,8 +139,13 @@ class Fsdp final : public ParameterHooks {
     int64_t grad_offset = -1;  // of this shard in its bucket's gradient shards; trainable only
     Tensor value_shard;        // [s] model dtype, a view into the bucket
     Tensor grad_shard;         // [s] grad dtype, a view into the bucket; trainable only
-    Tensor full_value;         // [s·world] while gathered
+    Tensor full_value;         // [s·world] while gathered (U8 [s·world] for bytes)
     Tensor full_grad;          // [s·world] model dtype, while in a backward window
+    // Sharded as bytes (frozen, not the model dtype): s counts bytes, value_offset is into the
+    // bucket's byte buffer.
+    bool bytes = false;
+    int64_t byte_count = 0;  // numel · dtype size
+    DType dtype = DType::F32;  // the parameter's own
   };
   // The parameters one collective moves: the embedding, one layer, or the head's own parameters.
   // Each parameter is sharded on its own; a bucket concatenates its parameters' shards, so one
@@ -147,6 +157,9 @@ class Fsdp final : public ParameterHooks {
     int64_t grad_numel = 0;       // Σ s over trainable entries
     Tensor values;                // [value_numel] model dtype
     Tensor grads;                 // [grad_numel] grad dtype
+    int64_t byte_numel = 0;       // Σ s over byte entries
+    Tensor byte_values;           // U8 [byte_numel]: the byte entries' shards
+    Tensor byte_prefetched;       // U8 [world·byte_numel] being gathered on the comm stream, or undefined
     int value_users = 0;          // open windows using the gathered values
     int grad_users = 0;           // open backward windows writing full gradients
     Tensor prefetched;            // [world·value_numel] being gathered on the comm stream, or undefined

@@ -156,9 +156,9 @@ struct ReferenceModel {
 
 std::unique_ptr<ReferenceModel> load_reference(Backend& backend, const fs::path& folder, const ModelConfig& config,
                                                const RunTopology& run, bool shard, DType dtype,
-                                               const DecoderOptions& options) {
+                                               const DecoderOptions& options, const QuantizeOptions& quantize) {
   auto ref = std::make_unique<ReferenceModel>();
-  ref->weights = ModelWeights::load(backend, config, io::Checkpoint(folder.string()), dtype);
+  ref->weights = ModelWeights::load(backend, config, io::Checkpoint(folder.string()), dtype, quantize);
   if (shard && run.world) ref->fsdp = std::make_unique<parallel::Fsdp>(backend, ref->weights, *run.world);
   ref->decoder = std::make_unique<Decoder>(backend, ref->weights, options);
   if (ref->fsdp) ref->decoder->set_parameter_hooks(ref->fsdp.get());
@@ -242,7 +242,9 @@ TrainSummary run_dpo(const DpoConfig& dpo) {
   std::unique_ptr<ReferenceModel> reference_model;
   if (!dpo.ref_model.empty() || (initial_policy && !resume.empty()))
     reference_model = load_reference(*backend, initial_policy ? fs::path(config.model) : fs::path(dpo.ref_model),
-                                     initial_policy ? model_config : *ref_config, run, !config.no_fsdp, dtype, options);
+                                     initial_policy ? model_config : *ref_config, run, !config.no_fsdp, dtype, options,
+                                     parse_quantize_options(config.quantize, config.double_quant,
+                                                            config.quant_block_size));
   const char* reference_name = !dpo.ref_model.empty() ? "--ref-model"
                                : initial_policy       ? "the initial model"
                                                       : "the base model (LoRA adapters disabled)";

@@ -179,7 +179,8 @@ Tensor host_copy(Backend& backend, Backend& host, const Tensor& tensor, DType dt
   return out;
 }
 
-// W + scaling·B·A, accumulated in F32 (F64 for F64 models) on the model's backend.
+// W + scaling·B·A, accumulated in F32 (F64 for F64 models) on the model's backend. A 4-bit W is its
+// dequantised value, the weight the adapter was trained against.
 Tensor merged_weight(Backend& backend, const Linear& linear, DType model_dtype) {
   const DType compute = model_dtype == DType::F64 ? DType::F64 : DType::F32;
   Stream stream = backend.default_stream();
@@ -188,7 +189,8 @@ Tensor merged_weight(Backend& backend, const Linear& linear, DType model_dtype) 
     backend.copy(stream, t, out);
     return out;
   };
-  Tensor w = in_compute(linear.weight->value);
+  Tensor w = linear.quantized() ? linear.dense_weight(backend, stream, compute) : in_compute(linear.weight->value);
+  if (!linear.lora_a) return w;
   const Tensor a = in_compute(linear.lora_a->value), b = in_compute(linear.lora_b->value);
   backend.gemm(stream, b, false, a, false, w, linear.lora_scaling, 1.0);
   return w;
@@ -278,25 +280,42 @@ void save_hf_model(Backend& backend, const ModelWeights& weights, const fs::path
   // transformers 5 reads "dtype"; older versions read "torch_dtype", kept in step when present.
   config["dtype"] = torch_dtype_name(options.dtype);
   if (config.contains("torch_dtype")) config["torch_dtype"] = torch_dtype_name(options.dtype);
+  // 4-bit projections are written dense (dequantised, with LoRA merged when asked): the folder is an
+  // ordinary model, so the source's bitsandbytes quantization_config does not carry over.
+  config.erase("quantization_config");
 
   std::unordered_map<const Parameter*, const Linear*> adapted;  // base weight -> its projection
-  if (options.merge_lora)
-    for (const Linear* linear : weights.linears())
-      if (linear->lora_a) adapted[linear->weight] = linear;
+  std::unordered_map<const Parameter*, bool> quant_state;          // a 4-bit weight's absmax: not exported
+  for (const Linear* linear : weights.linears()) {
+    if (linear->quantized()) {
+      adapted[linear->quant.packed] = linear;  // written as its dense (merged) weight
+      quant_state[linear->quant.absmax] = true;
+      if (linear->quant.nested_absmax) quant_state[linear->quant.nested_absmax] = true;
+    } else if (options.merge_lora && linear->lora_a) {
+      adapted[linear->weight] = linear;
+    }
+  }
+  const bool merge = options.merge_lora;
+  // A 4-bit weight without merging is its dequantised value (merged_weight of a Linear with no
+  // adapter, or merge off).
+  auto dense_of = [&](const Linear& linear) {
+    if (merge || !linear.lora_a) return merged_weight(backend, linear, weights.dtype);
+    return linear.dense_weight(backend, backend.default_stream(), weights.dtype == DType::F64 ? DType::F64 : DType::F32);
+  };
 
   // Tensors in the model dtype go straight from the backend to the file; anything converted or
   // merged is staged on the host in the export dtype (the whole model, once).
-  const bool direct = !options.merge_lora && options.dtype == weights.dtype;
+  const bool direct = !options.merge_lora && options.dtype == weights.dtype && quant_state.empty();
   StagedFolder folder(out_dir);
   auto host = make_cpu_backend(1);
   io::NamedTensors tensors;
   for (const Parameter& p : weights.parameters()) {
     if (is_lora_parameter(p)) continue;  // adapters belong in save_peft_adapter's folder
+    if (quant_state.count(&p)) continue;  // folded into its weight's dense values
     if (direct) {
       tensors.emplace_back(p.name, p.value);
     } else if (auto it = adapted.find(&p); it != adapted.end()) {
-      tensors.emplace_back(p.name, host_copy(backend, *host, merged_weight(backend, *it->second, weights.dtype),
-                                             options.dtype));
+      tensors.emplace_back(p.name, host_copy(backend, *host, dense_of(*it->second), options.dtype));
     } else {
       tensors.emplace_back(p.name, host_copy(backend, *host, p.value, options.dtype));
     }

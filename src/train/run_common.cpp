@@ -150,7 +150,8 @@ DType export_dtype(const TrainConfig& config) {
 
 fs::path export_trained(const TrainConfig& config, Backend& backend, ModelWeights& weights, TrainableState& state,
                         DType source_dtype, bool main_rank) {
-  auto gathered = state.gather_for_export(/*all=*/config.full);
+  const bool merge = !config.merge_output.empty();
+  auto gathered = state.gather_for_export(/*all=*/config.full || merge);
   const fs::path final_dir = fs::path(config.output) / (config.full ? "model" : "adapter");
   if (!main_rank) return final_dir;
   if (config.full) {
@@ -159,6 +160,12 @@ fs::path export_trained(const TrainConfig& config, Backend& backend, ModelWeight
     save_hf_model(backend, weights, config.model, final_dir, options);
   } else {
     save_peft_adapter(backend, weights, final_dir, config.model);
+  }
+  if (merge) {  // base (a 4-bit one dequantised) + s·B·A, one dense model: BF16 from GPUs, F32 from the CPU
+    HfModelExportOptions options;
+    options.merge_lora = true;
+    options.dtype = backend.device().kind == DeviceKind::CUDA ? DType::BF16 : DType::F32;
+    save_hf_model(backend, weights, config.model, config.merge_output, options);
   }
   return final_dir;
 }

@@ -4,6 +4,7 @@
 
 #include "backend/cuda/cuda_options.h"
 #include "core/error.h"
+#include "model/quantized_weights.h"
 #include "model/recompute.h"
 #include "train/schedule.h"
 
@@ -29,6 +30,12 @@ void TrainConfig::validate() const {
   if (!(adam_eps > 0)) fail("--adam-eps must be positive");
   if (grad_accum <= 0) fail("--grad-accum must be positive, got {}", grad_accum);
   if (full && !adapter.empty()) fail("--full and --adapter exclude each other: a full fine-tune trains the base weights");
+  if (full && !merge_output.empty())
+    fail("--merge-output folds LoRA adapters into the base; a --full run's model/ is already the whole model");
+  parse_quantize_options(quantize, double_quant, quant_block_size);
+  if (full && !quantize.empty())
+    fail("--quantize with --full: 4-bit base weights are frozen (QLoRA trains LoRA adapters on them); drop --full or "
+         "--quantize");
   if (!full && lora_rank <= 0) fail("--lora-rank must be positive (or choose --full), got {}", lora_rank);
   if (!full && !(lora_alpha > 0)) fail("--lora-alpha must be positive, got {}", lora_alpha);
   if (!full && lora_targets.empty()) fail("--lora-targets needs at least one module");
@@ -59,10 +66,13 @@ parallel::MeshFlags TrainConfig::mesh_flags() const {
 }
 
 nlohmann::json TrainConfig::fingerprint() const {
-  return {{"model", model},           {"data", data},       {"max_length", max_length}, {"no_packing", no_packing},
+  nlohmann::json j = {{"model", model},           {"data", data},       {"max_length", max_length}, {"no_packing", no_packing},
           {"over_length", over_length}, {"grad_accum", grad_accum}, {"seed", seed},       {"full", full},
           {"lora_rank", full ? 0 : lora_rank}, {"lora_alpha", full ? 0.0 : lora_alpha},
           {"lora_targets", full ? std::vector<std::string>{} : lora_targets}, {"rslora", rslora}, {"adapter", adapter}};
+  if (!quantize.empty())  // only when set: runs without it resume as before
+    j["quantize"] = {{"type", quantize}, {"double_quant", double_quant}, {"block_size", quant_block_size}};
+  return j;
 }
 
 }  // namespace spindle

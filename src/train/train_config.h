@@ -35,6 +35,11 @@ struct TrainConfig {
   bool rslora = false;
   std::string adapter;                // start from this PEFT adapter
   bool full = false;                  // full fine-tune instead of LoRA
+  // 4-bit base weights (docs/qlora.md): nf4 | fp4 quantises the frozen projections at load; empty: as stored.
+  std::string quantize;
+  bool double_quant = false;          // with quantize: the absmax in 8 bits too
+  int64_t quant_block_size = 64;      // with quantize: weights per absmax
+  std::string merge_output;           // LoRA: also write base + s·B·A as one dense HF model folder here
   int64_t save_steps = 0;             // 0: only at the end
   std::string eval_data;
   int64_t eval_steps = 0;

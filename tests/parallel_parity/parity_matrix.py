@@ -17,7 +17,10 @@ factors act on different code:
 The data holds a document shorter than the ranks (2-3 tokens), one supervised only in its first
 tokens (all its targets fall on the first rank), and rows whose later shards have no supervised target.
 
-usage: parity_matrix.py SPINDLE ROOT PART   (PART: sp2, sp4, sp8, dp, variants, lora, sft, errors)
+The qlora part runs LoRA over 4-bit (bitsandbytes NF4/FP4) base weights, quantised at load or read
+from a folder bitsandbytes saved, with FSDP sharding the packed bytes and absmax.
+
+usage: parity_matrix.py SPINDLE ROOT PART   (PART: sp2, sp4, sp8, dp, variants, lora, qlora, sft, errors)
 """
 import json
 import os
@@ -147,6 +150,29 @@ elif part == "lora":
         mesh = {"ring": 2} if case == "qwen2_lora" else {"ulysses": 2}
         results.append(check(f"{case} {next(iter(mesh))} sp2 recompute keep-attention", sp=2, model_dir=d,
                              extra=extra + ["--recompute", "keep-attention"], dtype="f64", **mesh))
+elif part == "qlora":
+    # QLoRA: the base projections are 4-bit and frozen; FSDP shards their packed bytes and absmax
+    # (default on), SP is unchanged. HF-made models with trained adapters (B != 0), in F64.
+    def hf(case):
+        d = os.path.join(root, "testdata", "hf", case)
+        return d, ["--adapter", os.path.join(d, "adapter")]
+    d, adapter = hf("qwen2_nf4")
+    results.append(check("nf4 at load hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=d,
+                         extra=adapter + ["--quantize", "nf4"], dtype="f64"))
+    results.append(check("nf4 at load, double quant, ring sp2 dp2 recompute", sp=2, ring=2, dp=2, model_dir=d,
+                         extra=adapter + ["--quantize", "nf4", "--double-quant", "--recompute", "all"], dtype="f64"))
+    results.append(check("nf4 at load, blocksize 128, ulysses sp2 --no-fsdp", sp=2, ulysses=2, model_dir=d,
+                         extra=adapter + ["--quantize", "nf4", "--quant-block-size", "128", "--no-fsdp"],
+                         dtype="f64"))
+    d, adapter = hf("qwen2_nf4_dq_saved")
+    results.append(check("pre-quantised nf4 (double quant) ulysses sp4", sp=4, ulysses=4, model_dir=d, extra=adapter,
+                         dtype="f64"))
+    d, adapter = hf("llama_nf4_bf16_saved")
+    results.append(check("pre-quantised nf4, bf16 storage, ring sp2 dp2", sp=2, ring=2, dp=2, model_dir=d,
+                         extra=adapter, dtype="f64"))
+    d, adapter = hf("llama_fp4_f32_saved")
+    results.append(check("pre-quantised fp4, f32 storage, hybrid u2 x r2", sp=4, ulysses=2, ring=2,
+                         model_dir=d, extra=adapter, dtype="f64"))
 elif part == "sft":
     # Training itself: 3 optimizer steps at lr 1e-2 on 4 processes (sp 4) log the losses of one process.
     one = run_sft(os.path.join(work, "sft1"), 1, ["--grad-accum", "2"])
