@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -900,6 +901,76 @@ TEST(CudaAttentionImpls, SimpleAndTensorCoreKernelsAgree) {
   simple->attention_backward(ss, q, k, v, o1, dout, l1, mask, scale, g2[0], g2[1], g2[2], false);
   const char* names[3] = {"dq", "dk", "dv"};
   for (int i = 0; i < 3; ++i) expect_close(to_host(*mma, g1[i]), to_host(*simple, g2[i]), 1e-2, names[i]);
+}
+
+// bitsandbytes' 4-bit dequantisation: the GPU kernels give the CPU reference's values bit for bit
+// (F32), and those rounded to nearest even (BF16); random bytes, absmax that include values whose
+// products flush to zero, odd lengths, every blocksize class, NF4 and FP4, double-quantised absmax.
+TEST(CudaQuant4, DequantisationIsBitIdenticalToTheCpuReference) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  auto gpu = make_cuda_backend(0);
+  auto cpu = make_cpu_backend(1);
+  std::mt19937_64 rng(7);
+  for (int64_t blocksize : {32, 64, 128, 4096})
+    for (int64_t n : {int64_t{4096}, int64_t{8193}, int64_t{65 * 64 + 3}})
+      for (Quant4Type type : {Quant4Type::NF4, Quant4Type::FP4}) {
+        SCOPED_TRACE(::testing::Message() << "blocksize " << blocksize << " n " << n << " nf4 " << (type == Quant4Type::NF4));
+        const int64_t bytes = (n + 1) / 2, blocks = (n + blocksize - 1) / blocksize;
+        std::vector<uint8_t> packed(bytes);
+        for (uint8_t& b : packed) b = static_cast<uint8_t>(rng());
+        std::vector<float> absmax(blocks);
+        std::uniform_real_distribution<float> u(0.001f, 2.0f);
+        for (int64_t b = 0; b < blocks; ++b) absmax[b] = b % 7 == 3 ? 3e-38f : b % 11 == 5 ? 0.0f : u(rng);
+        Tensor pc = cpu->empty(Shape{bytes}, DType::U8), ac = cpu->empty(Shape{blocks}, DType::F32);
+        cpu->copy_from_host(cpu->default_stream(), packed.data(), pc);
+        cpu->copy_from_host(cpu->default_stream(), absmax.data(), ac);
+        Tensor want = cpu->empty(Shape{n}, DType::F32);
+        cpu->dequantize_4bit(cpu->default_stream(), pc, ac, blocksize, type, want);
+        Tensor pg = gpu->empty(Shape{bytes}, DType::U8), ag = gpu->empty(Shape{blocks}, DType::F32);
+        gpu->copy_from_host(gpu->default_stream(), packed.data(), pg);
+        gpu->copy_from_host(gpu->default_stream(), absmax.data(), ag);
+        for (DType t : {DType::F32, DType::BF16}) {
+          Tensor w = gpu->empty(Shape{n}, t);
+          gpu->dequantize_4bit(gpu->default_stream(), pg, ag, blocksize, type, w);
+          std::vector<uint8_t> got(w.bytes());
+          gpu->copy_to_host(gpu->default_stream(), w, got.data());
+          int64_t wrong = 0;
+          for (int64_t j = 0; j < n; ++j) {
+            const float ref = want.data_as<float>()[j];
+            if (t == DType::F32) {
+              float g;
+              std::memcpy(&g, got.data() + 4 * j, 4);
+              wrong += std::memcmp(&g, &ref, 4) != 0;
+            } else {
+              uint16_t g;
+              std::memcpy(&g, got.data() + 2 * j, 2);
+              wrong += g != f32_to_bf16(ref);
+            }
+          }
+          EXPECT_EQ(wrong, 0) << dtype_name(t);
+        }
+      }
+  // Double quantisation's absmax: code · absmax2 + offset, two roundings.
+  const int64_t k = 1000;
+  std::vector<uint8_t> codes(k);
+  for (uint8_t& c : codes) c = static_cast<uint8_t>(rng());
+  std::vector<float> code_map(256), absmax2(4);
+  for (int i = 0; i < 256; ++i) code_map[i] = (i - 127.5f) / 128.0f * (1.0f + 1e-3f * static_cast<float>(i % 7));
+  for (float& a : absmax2) a = std::uniform_real_distribution<float>(0.01f, 0.1f)(rng);
+  const float offset = 0.0371f;
+  auto run = [&](Backend& be) {
+    Tensor c = be.empty(Shape{k}, DType::U8), m = be.empty(Shape{256}, DType::F32), a2 = be.empty(Shape{4}, DType::F32);
+    be.copy_from_host(be.default_stream(), codes.data(), c);
+    be.copy_from_host(be.default_stream(), code_map.data(), m);
+    be.copy_from_host(be.default_stream(), absmax2.data(), a2);
+    Tensor out = be.empty(Shape{k}, DType::F32);
+    be.dequantize_absmax(be.default_stream(), c, m, a2, 256, offset, out);
+    std::vector<float> host(k);
+    be.copy_to_host(be.default_stream(), out, host.data());
+    return host;
+  };
+  const std::vector<float> g = run(*gpu), c = run(*cpu);
+  EXPECT_EQ(std::memcmp(g.data(), c.data(), k * sizeof(float)), 0);
 }
 
 }  // namespace

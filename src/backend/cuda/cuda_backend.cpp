@@ -417,6 +417,38 @@ class CudaBackend final : public Backend {
                           static_cast<int>(out.dim(2)));
   }
 
+  // ---- 4-bit weights (quant4.cu) ------------------------------------------------------------------
+  void dequantize_4bit(Stream stream, const Tensor& packed, const Tensor& absmax, int64_t blocksize, Quant4Type type,
+                       Tensor& w) override {
+    require_compute(w, "dequantize_4bit");
+    require_device(packed, "dequantize_4bit");
+    require_device(absmax, "dequantize_4bit");
+    const int64_t n = w.numel();
+    if (packed.dtype() != DType::U8 || absmax.dtype() != DType::F32)
+      fail("dequantize_4bit: packed must be U8 and absmax F32, got {} and {}", packed.describe(), absmax.describe());
+    if (blocksize < 32 || blocksize > 4096 || (blocksize & (blocksize - 1)) != 0)
+      fail("dequantize_4bit: blocksize {} is not 32 ... 4096, a power of two", blocksize);
+    if (packed.numel() != (n + 1) / 2 || absmax.numel() != (n + blocksize - 1) / blocksize)
+      fail("dequantize_4bit: {} weights of blocksize {} need {} packed bytes and {} absmax, got {} and {}", n,
+           blocksize, (n + 1) / 2, (n + blocksize - 1) / blocksize, packed.describe(), absmax.describe());
+    cuda::dequantize_4bit(s(stream), packed.data(), absmax.data(), w.data(), w.dtype(), n, blocksize,
+                          type == Quant4Type::NF4);
+  }
+  void dequantize_absmax(Stream stream, const Tensor& codes, const Tensor& code_map, const Tensor& absmax2,
+                         int64_t blocksize2, double offset, Tensor& absmax) override {
+    for (const Tensor* t : {&codes, &code_map, &absmax2, static_cast<const Tensor*>(&absmax)})
+      require_device(*t, "dequantize_absmax");
+    const int64_t k = codes.numel();
+    if (codes.dtype() != DType::U8 || code_map.dtype() != DType::F32 || absmax2.dtype() != DType::F32 ||
+        absmax.dtype() != DType::F32 || code_map.numel() != 256 || absmax.numel() != k || blocksize2 <= 0 ||
+        absmax2.numel() != (k + blocksize2 - 1) / blocksize2)
+      fail("dequantize_absmax: {} codes (U8) of blocksize {} need a 256-entry F32 map, F32 nested absmax and F32 "
+           "outputs; got {}, {}, {}, {}",
+           k, blocksize2, codes.describe(), code_map.describe(), absmax2.describe(), absmax.describe());
+    cuda::dequantize_absmax(s(stream), codes.data(), code_map.data(), absmax2.data(), absmax.data(), k, blocksize2,
+                            static_cast<float>(offset));
+  }
+
   void swiglu_forward(Stream stream, const Tensor& gate, const Tensor& up, Tensor& out) override {
     require_compute(gate, "swiglu_forward");
     require_same(gate, up, "swiglu_forward");

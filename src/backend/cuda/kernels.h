@@ -62,6 +62,14 @@ void swiglu_forward(cudaStream_t s, const void* gate, const void* up, void* out,
 void swiglu_backward(cudaStream_t s, const void* gate, const void* up, const void* dout, void* dgate, void* dup,
                      DType t, int64_t n);
 
+// ---- quant4.cu: bitsandbytes' 4-bit weights ------------------------------------------------------
+// out [n] (dtype t) = table[code]·absmax[j / blocksize]; packed U8 [(n+1)/2], absmax F32.
+void dequantize_4bit(cudaStream_t s, const void* packed, const void* absmax, void* out, DType t, int64_t n,
+                     int64_t blocksize, bool nf4);
+// absmax F32 [k] = code_map[codes[i]]·absmax2[i / blocksize2] + offset (two roundings).
+void dequantize_absmax(cudaStream_t s, const void* codes, const void* code_map, const void* absmax2, void* absmax,
+                       int64_t k, int64_t blocksize2, float offset);
+
 // ---- adamw.cu ----------------------------------------------------------------------------------
 struct AdamWParams {
   float lr, beta1, beta2, eps, weight_decay, grad_scale;
