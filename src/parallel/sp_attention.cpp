@@ -376,8 +376,21 @@ void RingAttention::backward(Backend& backend, Stream stream, const MicroBatch& 
 
 // ---- factory ------------------------------------------------------------------------------------
 
+void check_sequence_parallel_layers(const MeshConfig& c, const ModelConfig& model) {
+  if (c.sp == 1) return;
+  std::vector<int64_t> deltanet;
+  for (int64_t l = 0; l < model.num_layers; ++l)
+    if (model.layer_kind(l).mixer == MixerKind::GatedDeltaNet) deltanet.push_back(l);
+  if (deltanet.empty()) return;
+  fail("--sp {} (--ulysses {} --ring {}) splits each sequence over {} ranks, but this {} model has {} gated DeltaNet "
+       "layers (the first is layer {}), whose recurrence runs over every token of a document and has no "
+       "sequence-parallel path yet; train it with --sp 1 (use the processes for data parallelism, --dp)",
+       c.sp, c.ulysses, c.ring, c.sp, model.model_type, deltanet.size(), deltanet.front());
+}
+
 std::unique_ptr<AttentionStrategy> make_sequence_parallel_attention(const Mesh& mesh, const ModelConfig& model) {
   const MeshConfig& c = mesh.config();
+  check_sequence_parallel_layers(c, model);
   const int64_t hq = model.num_heads, hkv = model.num_kv_heads;
   switch (sequence_layout(c)) {
     case SequenceLayout::None: return std::make_unique<LocalAttention>();

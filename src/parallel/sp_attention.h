@@ -89,7 +89,14 @@ class RingAttention final : public AttentionStrategy {
 // The strategy a mesh needs: LocalAttention for sp = 1, UlyssesAttention over LocalAttention
 // (ring = 1), RingAttention (ulysses = 1), or UlyssesAttention over RingAttention (hybrid). The
 // result owns what it wraps and refers to the mesh's groups, so the mesh must outlive it.
-// Throws spindle::Error if the model's heads do not fit the Ulysses degree.
+// Throws spindle::Error if the model's heads do not fit the Ulysses degree, or
+// check_sequence_parallel_layers refuses the model.
 std::unique_ptr<AttentionStrategy> make_sequence_parallel_attention(const Mesh& mesh, const ModelConfig& model);
+
+// Throws spindle::Error when the model has layers that a sequence split (sp > 1) cannot run yet:
+// gated DeltaNet layers carry a recurrent state through every token of a document, and neither the
+// all-to-all over their heads nor passing the state from rank to rank exists yet. Called by every
+// rank (through make_sequence_parallel_attention) and by the launcher before any process starts.
+void check_sequence_parallel_layers(const MeshConfig& mesh, const ModelConfig& model);
 
 }  // namespace spindle::parallel

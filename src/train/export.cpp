@@ -12,7 +12,9 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "io/checkpoint.h"
 #include "io/write_safetensors.h"
+#include "model/family.h"
 
 namespace spindle {
 
@@ -198,6 +200,30 @@ Tensor merged_weight(Backend& backend, const Linear& linear, DType model_dtype) 
 
 bool is_lora_parameter(const Parameter& p) { return p.name.rfind(kPeftPrefix, 0) == 0; }
 
+// The source checkpoint's tensors that the model does not hold but its family carries over (a
+// multimodal checkpoint's vision tower, the multi-token-prediction heads: model/family.h), exactly
+// as stored (dtype and bytes), on `target` for the writer. Nothing when the source folder has no
+// weights.
+void append_carried_tensors(const ModelWeights& weights, const fs::path& source_model_dir, Backend& target,
+                            io::NamedTensors& tensors) {
+  const ModelFamily& family = model_family(weights.config.model_type, weights.config.model_type);
+  if (family.carried_prefixes.empty()) return;
+  std::error_code ec;
+  if (!fs::exists(source_model_dir / "model.safetensors", ec) &&
+      !fs::exists(source_model_dir / "model.safetensors.index.json", ec))
+    return;
+  const io::Checkpoint checkpoint(source_model_dir.string());
+  for (const std::string& name : checkpoint.names()) {
+    bool carried = false;
+    for (std::string_view prefix : family.carried_prefixes) carried = carried || name.starts_with(prefix);
+    if (!carried) continue;
+    const io::TensorRecord& record = *checkpoint.find(name);
+    Tensor copy = target.empty(record.shape, record.dtype);
+    if (record.bytes) target.copy_from_host(target.default_stream(), record.data, copy);
+    tensors.emplace_back(name, std::move(copy));
+  }
+}
+
 }  // namespace
 
 std::string peft_adapter_config_json(const LoraConfig& lora, const std::string& base_model_name_or_path) {
@@ -321,6 +347,7 @@ void save_hf_model(Backend& backend, const ModelWeights& weights, const fs::path
     }
   }
 
+  append_carried_tensors(weights, source_model_dir, direct ? backend : *host, tensors);
   io::write_sharded_safetensors(folder.path().string(), tensors, direct ? backend : *host, options.max_shard_bytes);
   write_file_synced(folder.path() / "config.json", config.dump(2) + "\n");
   for (const char* name : kTokenizerAndGenerationFiles) {

@@ -32,7 +32,9 @@ struct HfModelExportOptions {
 
 // A HF model folder: model.safetensors or shards + model.safetensors.index.json (lm_head.weight
 // left out when tied, as transformers saves it), config.json copied from `source_model_dir` with its
-// dtype updated, and the tokenizer and generation files of `source_model_dir` that exist.
+// dtype updated, and the tokenizer and generation files of `source_model_dir` that exist. Tensors of
+// the source checkpoint outside the decoder that the family carries (qwen3_5: model.visual.*, mtp.*)
+// are copied over unchanged.
 void save_hf_model(Backend& backend, const ModelWeights& weights, const std::filesystem::path& source_model_dir,
                    const std::filesystem::path& out_dir, const HfModelExportOptions& options = {});
 

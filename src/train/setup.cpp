@@ -8,6 +8,7 @@
 #include "data/prepared_dataset.h"
 #include "data/sample_encoder.h"
 #include "io/checkpoint.h"
+#include "parallel/sp_attention.h"
 #if SPINDLE_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
 #endif
@@ -128,7 +129,9 @@ void check_mesh_before_launch(const parallel::MeshFlags& flags, const std::strin
                               const char* option) {
   if (model.empty()) fail("{} is required: a Hugging Face model folder", option);
   const ModelConfig config = ModelConfig::from_file(model);
-  parallel::resolve_mesh(flags, world_size, static_cast<int>(config.num_heads), static_cast<int>(config.num_kv_heads));
+  parallel::check_sequence_parallel_layers(
+      parallel::resolve_mesh(flags, world_size, static_cast<int>(config.num_heads), static_cast<int>(config.num_kv_heads)),
+      config);
 }
 
 TrainingData prepare_training_data(const TrainConfig& config, const RunTopology& run) {
