@@ -1,6 +1,7 @@
 // A Qwen3.5 multimodal checkpoint (Qwen3_5ForConditionalGeneration): spindle reads its text tower
 // (model.language_model.*, the config's text_config) and a saved full fine-tune carries the tensors
-// it never trains — the vision tower and the multi-token-prediction heads — over byte for byte.
+// it never trains — the vision tower and the multi-token-prediction heads — over byte for byte. Both
+// layouts are refused on a GPU backend until the CUDA kernels of their layers exist.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -13,6 +14,7 @@
 #include "io/checkpoint.h"
 #include "io/io_test_util.h"
 #include "io/write_safetensors.h"
+#include "plan/dry_backend.h"
 #include "support/tiny_model.h"
 #include "train/export.h"
 
@@ -96,4 +98,20 @@ TEST(Qwen35MultimodalCheckpoint, TrainsTheTextTowerAndCarriesTheRestIntoAFullExp
   std::ifstream(exported / "config.json") >> written;
   EXPECT_TRUE(written.contains("vision_config"));
   EXPECT_EQ(written["text_config"]["layer_types"], multimodal_config()["text_config"]["layer_types"]);
+}
+
+TEST(Qwen35Backends, RefusedOffTheCpuBeforeAnyWeightIsBuilt) {
+  // A backend that models a GPU (spindle plan's): the family's ops have no CUDA kernels yet.
+  plan::DryBackend gpu(Device{DeviceKind::CUDA, 0}, 512);
+  for (const ModelConfig& config : {tiny_qwen3_5().config(), ModelConfig::from_json(multimodal_config(), "multimodal")}) {
+    try {
+      ModelWeights::random(gpu, config, DType::BF16, 1);
+      ADD_FAILURE() << config.model_type << " was built on a CUDA backend";
+    } catch (const Error& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("on the CPU backend for now"), std::string::npos) << message;
+      EXPECT_NE(message.find("use --device cpu"), std::string::npos) << message;
+    }
+  }
+  EXPECT_NO_THROW(ModelWeights::random(gpu, TinyModel{}.config(), DType::BF16, 1));  // llama runs there
 }
