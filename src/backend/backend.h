@@ -292,6 +292,61 @@ class Backend {
     fail("dequantize_absmax is not implemented on the {} backend", name());
   }
 
+  // ---- mixture of experts (routed SwiGLU experts) ----------------------------------------------
+  // T tokens, E experts, k experts per token, N = T·k routed rows. Per-expert sizes stay in device
+  // tensors (offsets), so a backend can run the experts as grouped GEMMs without reading them on
+  // the host. Not every backend has these ops yet: the default throws.
+  //
+  // Router: probs [T, E] (stat dtype) = softmax(logits [T, E]) computed at the stat precision;
+  // topk_index I32 [T, k] the k largest probabilities in descending order (ties: lower expert
+  // first); topk_weight [T, k] (stat dtype) their probabilities, divided by their sum when
+  // `normalize` (norm_topk_prob).
+  virtual void moe_router_forward(Stream stream, const Tensor& logits, int64_t top_k, bool normalize, Tensor& probs,
+                                  Tensor& topk_index, Tensor& topk_weight) {
+    (void)stream, (void)logits, (void)top_k, (void)normalize, (void)probs, (void)topk_index, (void)topk_weight;
+    fail("moe_router_forward is not implemented on the {} backend", name());
+  }
+  // dlogits [T, E] (overwritten) from d_topk_weight [T, k] (stat dtype) through the top-k
+  // (renormalised when `normalize`) and the softmax. aux_grad (stat dtype [E], optional: pass an
+  // undefined Tensor) adds ∂L/∂probs[t, e] = aux_grad[e] for every token whose token_doc[t] ≥ 0
+  // (I32 [T]; padding is −1), the router load-balancing loss's gradient.
+  virtual void moe_router_backward(Stream stream, const Tensor& probs, const Tensor& topk_index,
+                                   const Tensor& d_topk_weight, bool normalize, const Tensor& aux_grad,
+                                   const Tensor& token_doc, Tensor& dlogits) {
+    (void)stream, (void)probs, (void)topk_index, (void)d_topk_weight, (void)normalize, (void)aux_grad,
+        (void)token_doc, (void)dlogits;
+    fail("moe_router_backward is not implemented on the {} backend", name());
+  }
+  // Load-balancing statistics over the tokens with token_doc[t] ≥ 0: counts[e] += how many of them
+  // route to e, prob_sums[e] += Σ_t probs[t, e]. counts and prob_sums: stat dtype [E].
+  virtual void moe_router_statistics(Stream stream, const Tensor& probs, const Tensor& topk_index,
+                                     const Tensor& token_doc, Tensor& counts, Tensor& prob_sums) {
+    (void)stream, (void)probs, (void)topk_index, (void)token_doc, (void)counts, (void)prob_sums;
+    fail("moe_router_statistics is not implemented on the {} backend", name());
+  }
+  // The routed rows sorted by expert, stably (by token, then slot): rows_token I32 [N] the token of
+  // each routed row, row_of_slot I32 [T·k] the routed row of (token t, slot j) at t·k + j, offsets
+  // I32 [E + 1] the first row of each expert (offsets[E] = N).
+  virtual void moe_permute(Stream stream, const Tensor& topk_index, int64_t num_experts, Tensor& rows_token,
+                           Tensor& row_of_slot, Tensor& offsets) {
+    (void)stream, (void)topk_index, (void)num_experts, (void)rows_token, (void)row_of_slot, (void)offsets;
+    fail("moe_permute is not implemented on the {} backend", name());
+  }
+  // out[t] (overwritten, [T, H]) = Σ_j topk_weight[t, j] · y[row_of_slot[t·k + j]], the slots summed
+  // in ascending expert order; y [N, H] the experts' outputs.
+  virtual void moe_combine(Stream stream, const Tensor& y, const Tensor& row_of_slot, const Tensor& topk_index,
+                           const Tensor& topk_weight, Tensor& out) {
+    (void)stream, (void)y, (void)row_of_slot, (void)topk_index, (void)topk_weight, (void)out;
+    fail("moe_combine is not implemented on the {} backend", name());
+  }
+  // The backward of moe_combine, both overwritten: dy [N, H] (row of (t, j) = topk_weight[t, j] ·
+  // dout[t]) and d_topk_weight [T, k] (stat dtype) = ⟨y[row of (t, j)], dout[t]⟩.
+  virtual void moe_combine_backward(Stream stream, const Tensor& dout, const Tensor& y, const Tensor& row_of_slot,
+                                    const Tensor& topk_weight, Tensor& dy, Tensor& d_topk_weight) {
+    (void)stream, (void)dout, (void)y, (void)row_of_slot, (void)topk_weight, (void)dy, (void)d_topk_weight;
+    fail("moe_combine_backward is not implemented on the {} backend", name());
+  }
+
   // ---- loss ------------------------------------------------------------------------------------
   // Cross-entropy on a chunk of logits [N, V] (weights: stat dtype, F32 or F64), in place: logits become
   // dlogits = grad_scale · weight[n] · (softmax − onehot(target[n])).

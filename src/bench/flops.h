@@ -7,9 +7,12 @@
 //                                                        document: T(T+1)/2); backward = 2.5 × forward
 // N_matmul = every projection's weight (every Linear of every layer's blocks), the LM head
 // (V·H, also when tied to the embedding) and the LoRA A/B matrices; the embedding lookup, norms
-// and biases are not matrix products. This is the usual model-FLOPs convention: recomputation is
-// not counted, and with LoRA the frozen weights' gradients (which are never computed) are counted
-// as if they were, so MFU compares with full fine-tuning numbers on the same footing.
+// and biases are not matrix products. Mixture-of-experts layers count their active weights: the
+// router (E·H) and k of the E experts (each token passes through its top-k experts only, so the
+// routed experts' weights count k/E times: 3·k·H·I per token), as MoE MFU is usually reported.
+// This is the usual model-FLOPs convention: recomputation is not counted, and with LoRA the frozen
+// weights' gradients (which are never computed) are counted as if they were, so MFU compares with
+// full fine-tuning numbers on the same footing.
 //
 //   executed FLOPs = what the engine really does: frozen weights need only the input gradient
 //   (4 instead of 6 per weight and token), recomputed layers run their forward twice (dense 2·N

@@ -126,6 +126,9 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--lora-alpha", c.lora_alpha)->capture_default_str();
   cmd->add_option("--lora-targets", c.lora_targets, "projections to adapt")->capture_default_str();
   cmd->add_flag("--rslora", c.rslora, "scale LoRA by alpha/sqrt(rank) (rsLoRA)");
+  cmd->add_option("--router-aux-loss-coef", c.router_aux_loss_coef,
+                  "MoE models: add C x the router load-balancing loss (0: off; default: the config's "
+                  "router_aux_loss_coef when its output_router_logits is true, else off)");
   cmd->add_option("--adapter", c.adapter, "start from this PEFT adapter folder");
   cmd->add_flag("--full", c.full, "full fine-tune (every weight) instead of LoRA");
   cmd->add_option("--save-steps", c.save_steps, "checkpoint every N steps (0: only at the end)")->capture_default_str();

@@ -20,6 +20,8 @@
 
 namespace spindle {
 
+class RouterAuxLoss;
+
 // What a block's forward and backward run with besides its own weights and record.
 struct LayerContext {
   Backend& backend;
@@ -29,7 +31,19 @@ struct LayerContext {
   DType dtype;                     // activations
   AttentionStrategy& attention;    // softmax attention over the (possibly sharded) sequence
   const Tensor& rope_inv_freq;     // F32 [D/2]
+  RouterAuxLoss* router_aux = nullptr;  // MoE load-balancing loss of the step (null: off)
   int64_t tokens() const { return batch.num_tokens; }
+};
+
+// A checkpoint tensor that holds several parameters end to end, e.g. transformers 5's fused experts
+// (gate_up_proj [E, 2I, H]: expert 0's gate_proj then up_proj weight, expert 1's, …). A checkpoint
+// that has it is read through it instead of the parameters' own tensors, and a model read that way
+// is saved that way (model/weights.h).
+struct PackedTensor {
+  std::string name;               // "model.layers.0.mlp.experts.gate_up_proj"
+  Shape shape;                    // [E, 2I, H]
+  std::vector<Parameter*> parts;  // in storage order; their sizes add up to shape.numel()
+  bool read = false;              // this layout was the checkpoint's
 };
 
 // Where blocks get their parameters: ModelWeights allocates them; counting sinks only record the
@@ -41,6 +55,8 @@ class ParameterSink {
   virtual Parameter& add(const std::string& name, Shape shape) = 0;
   // A projection: its weight (and bias) through add, then recorded as a projection.
   Linear add_linear(const LinearSpec& spec);
+  // Another checkpoint layout of parameters already added.
+  virtual void add_packed(PackedTensor) {}
 
  protected:
   virtual void on_linear(const LinearSpec&) {}
@@ -87,8 +103,25 @@ struct SwigluActivations {
   LinearActivations gate_proj, up_proj, down_proj;
 };
 
+// Mixture of experts (blocks/moe.h): E experts of width I, k per token; N = T·k routed rows, the
+// (token, slot) pairs sorted by expert.
+struct MoeActivations {
+  Tensor probs;        // [T, E] stat dtype: the router's softmax
+  Tensor topk_index;   // I32 [T, k] each token's experts, most probable first
+  Tensor topk_weight;  // [T, k] stat dtype: their routing weights
+  Tensor rows_token;   // I32 [N] the token of each routed row
+  Tensor row_of_slot;  // I32 [T·k] the routed row of (token t, slot j), at t·k + j
+  Tensor offsets;      // I32 [E + 1] each expert's first routed row
+  std::vector<int64_t> expert_rows;  // [E + 1] offsets on the host (see blocks/moe.cpp)
+  Tensor gate, up;     // [N, I] each routed row's expert projections
+  Tensor act;          // [N, I] silu(gate)·up: recompute scratch set only (as SwigluActivations::act)
+  LinearActivations router;
+  std::vector<LinearActivations> gate_proj, up_proj, down_proj;  // [E] (LoRA intermediates)
+};
+
 struct FeedForwardActivations {
   SwigluActivations swiglu;
+  MoeActivations moe;
 };
 
 // Which tensors an allocate call provides (a kept layer: all; a recomputed layer's record: the

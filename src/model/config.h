@@ -31,6 +31,18 @@ struct LinearAttentionConfig {
   int64_t chunk_size = 64;      // tokens per chunk of the delta rule (not in config.json)
 };
 
+// Routed experts (qwen3_moe): what a MixtureOfExperts feed-forward reads. Zero experts: no MoE layer.
+struct MoeConfig {
+  int64_t num_experts = 0;               // E
+  int64_t experts_per_token = 0;         // k (num_experts_per_tok)
+  int64_t expert_intermediate_size = 0;  // I (moe_intermediate_size)
+  bool norm_topk_prob = false;           // renormalise the k routing weights to sum to 1
+  // HF adds router_aux_loss_coef × the load-balancing loss to the loss when output_router_logits is
+  // true (model/router_aux_loss.h); both as config.json gives them.
+  bool output_router_logits = false;
+  double router_aux_loss_coef = 0.0;
+};
+
 struct ModelConfig {
   std::string model_type;  // a row of model/family.cpp
   std::string weight_prefix = "model.";  // the family's checkpoint prefix of the decoder's tensors
@@ -53,6 +65,7 @@ struct ModelConfig {
   bool attn_output_gate = false;
   LinearAttentionConfig linear_attention;
   RopeConfig rope;
+  MoeConfig moe;
   std::vector<LayerKind> layer_kinds;  // [num_layers], set by the family; empty: every layer dense
                                        // attention + SwiGLU (configs built in code)
 

@@ -162,6 +162,7 @@ void Decoder::hooks_without_tokens(bool backward) {
   }
   before_backward(ParameterUnit::head());
   after_backward(ParameterUnit::head());
+  if (router_aux_) router_aux_->finish_statistics();
   for (int64_t l = layers - 1; l >= 0; --l) {
     before_backward(ParameterUnit::layer_unit(l));
     after_backward(ParameterUnit::layer_unit(l));
@@ -180,6 +181,7 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   const DType dt = weights_.dtype;
   if (t == 0) {
     if (hooks_) hooks_without_tokens(backward);
+    else if (backward && router_aux_) router_aux_->finish_statistics();  // its collective, as the peers'
     return;
   }
   auto recompute = [&](int64_t l) { return !backward || (!options_.recompute.empty() && options_.recompute[l]); };
@@ -231,6 +233,8 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
     be.scatter_add_rows(st, dh, batch.selected, d_res);
   }
   after_backward(head);
+  // The layers' backward needs the step's router statistics (one collective when not yet done).
+  if (router_aux_) router_aux_->finish_statistics();
   for (int64_t l = layers - 1; l >= 0; --l) {
     before_backward(ParameterUnit::layer_unit(l));
     LayerActivations view;

@@ -13,6 +13,7 @@
 #include "model/batch.h"
 #include "model/layer.h"
 #include "model/recompute.h"
+#include "model/router_aux_loss.h"
 #include "model/weights.h"
 
 namespace spindle {
@@ -94,12 +95,16 @@ class Decoder {
   void set_attention(AttentionStrategy* attention) { attention_ = attention ? attention : &local_attention_; }
   // nullptr (the default): parameters are always resident and nothing is called.
   void set_parameter_hooks(ParameterHooks* hooks) { hooks_ = hooks; }
+  // The router load-balancing loss of the step (MoE models; nullptr: none). A training step's
+  // backward first finishes its statistics (model/router_aux_loss.h), on every rank at the same
+  // point of the hook sequence: after the head's backward window, before the layers'.
+  void set_router_aux_loss(RouterAuxLoss* aux) { router_aux_ = aux; }
   const ModelWeights& weights() const { return weights_; }
 
  private:
   Tensor forward(const MicroBatch& batch, bool keep, std::vector<LayerActivations>& acts);
   LayerContext context(const MicroBatch& batch) {
-    return {backend_, stream_, batch, weights_.config, weights_.dtype, *attention_, inv_freq_};
+    return {backend_, stream_, batch, weights_.config, weights_.dtype, *attention_, inv_freq_, router_aux_};
   }
   // The tensors a recomputed layer runs in: the shared scratch set (allocated on first use) with
   // the layer's kept x_in, and its kept mixer core when kept_core.
@@ -120,6 +125,7 @@ class Decoder {
   LocalAttention local_attention_;
   AttentionStrategy* attention_;
   ParameterHooks* hooks_ = nullptr;
+  RouterAuxLoss* router_aux_ = nullptr;
   Tensor inv_freq_;  // F32 [D/2]
 };
 

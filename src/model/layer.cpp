@@ -1,10 +1,12 @@
 #include "model/layer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <deque>
 
 #include "core/error.h"
 #include "model/blocks/gated_deltanet.h"
+#include "model/blocks/moe.h"
 #include "model/blocks/self_attention.h"
 #include "model/blocks/swiglu_mlp.h"
 #include "model/family.h"
@@ -27,6 +29,7 @@ std::unique_ptr<FeedForward> make_feed_forward(FeedForwardKind kind, ParameterSi
                                                const std::string& prefix) {
   switch (kind) {
     case FeedForwardKind::SwiGLU: return std::make_unique<SwigluMlp>(sink, c, prefix, c.intermediate_size);
+    case FeedForwardKind::MixtureOfExperts: return std::make_unique<MixtureOfExperts>(sink, c, prefix);
   }
   fail("unknown feed-forward kind");
 }
@@ -37,6 +40,7 @@ Linear ParameterSink::add_linear(const LinearSpec& spec) {
   Linear lin;
   lin.module = spec.module;
   lin.prefix = spec.prefix;
+  lin.lora_target = spec.lora_target;
   lin.out = spec.out;
   lin.in = spec.in;
   lin.weight = &add(spec.prefix + ".weight", Shape{spec.out, spec.in});
@@ -60,6 +64,7 @@ const char* mixer_kind_name(MixerKind kind) {
 const char* feed_forward_kind_name(FeedForwardKind kind) {
   switch (kind) {
     case FeedForwardKind::SwiGLU: return "swiglu";
+    case FeedForwardKind::MixtureOfExperts: return "mixture of experts";
   }
   return "?";
 }
@@ -169,7 +174,7 @@ class CountingSink final : public ParameterSink {
 int64_t ParameterCounts::lora(int64_t rank, const std::vector<std::string>& targets) const {
   int64_t n = 0;
   for (const LinearSpec& lin : linears)
-    if (targets.empty() || std::find(targets.begin(), targets.end(), lin.module) != targets.end())
+    if (lin.lora_target && (targets.empty() || std::find(targets.begin(), targets.end(), lin.module) != targets.end()))
       n += rank * (lin.in + lin.out);
   return n;
 }
@@ -180,8 +185,10 @@ ParameterCounts count_parameters(const ModelConfig& c) {
   ParameterCounts counts;
   const int64_t head = c.vocab_size * c.hidden_size;
   counts.total = sink.total + head * (c.tie_word_embeddings ? 1 : 2) + c.hidden_size;  // + final norm
-  counts.matmul = head;
-  for (const LinearSpec& lin : sink.linears) counts.matmul += lin.out * lin.in;
+  // Routed experts count with the share of tokens they see (k/E): the weights a token multiplies.
+  double per_token = 0;
+  for (const LinearSpec& lin : sink.linears) per_token += static_cast<double>(lin.out * lin.in) * lin.token_share;
+  counts.matmul = head + std::llround(per_token);
   counts.linears = std::move(sink.linears);
   return counts;
 }

@@ -72,9 +72,10 @@ std::string layer_prefix(const ModelConfig& config, int64_t layer);
 // create the parameters, so counts follow every family and block.
 struct ParameterCounts {
   int64_t total = 0;                // every parameter, tied embeddings once
-  int64_t matmul = 0;               // weights of matrix products per token: projections + LM head
+  int64_t matmul = 0;               // weights of matrix products per token: projections + LM head;
+                                    // routed experts only the k of E a token goes through
   std::vector<LinearSpec> linears;  // every projection of every layer, in order
-  // LoRA parameters of rank r on the projections named in `targets` (empty: all).
+  // LoRA parameters of rank r on the projections named in `targets` (empty: all LoRA may adapt).
   int64_t lora(int64_t rank, const std::vector<std::string>& targets) const;
 };
 ParameterCounts count_parameters(const ModelConfig& config);

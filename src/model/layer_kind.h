@@ -13,6 +13,7 @@ enum class MixerKind {
 // What transforms each position on its own.
 enum class FeedForwardKind {
   SwiGLU,  // dense gate/up/down MLP (model/blocks/swiglu_mlp.h)
+  MixtureOfExperts,  // router + top-k routed SwiGLU experts (model/blocks/moe.h)
 };
 
 struct LayerKind {

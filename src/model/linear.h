@@ -45,6 +45,10 @@ struct LinearSpec {
   std::string prefix;  // HF tensor prefix: "model.layers.3.self_attn.q_proj" (+ ".weight", ".bias")
   int64_t out = 0, in = 0;
   bool bias = false;
+  // Whether LoRA may adapt it under `module` (routed experts and the router are not LoRA targets).
+  bool lora_target = true;
+  // Share of the tokens that pass through it: 1, or k/E for a routed expert (FLOP counts).
+  double token_share = 1.0;
 };
 
 // The saved state of one projection between forward and backward: its input is shared with
@@ -57,6 +61,7 @@ struct LinearActivations {
 struct Linear {
   std::string module;  // PEFT module name
   std::string prefix;  // HF tensor prefix
+  bool lora_target = true;  // see LinearSpec
   WeightFormat format = WeightFormat::Dense;
   Parameter* weight = nullptr;  // [out, in]; null when quantised (the data are in quant)
   QuantizedWeight quant;        // NF4 / FP4 only

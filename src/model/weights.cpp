@@ -43,6 +43,7 @@ class ModelWeights::Allocator final : public ParameterSink {
   Allocator(ModelWeights& weights, Backend& backend, QuantizedLoader* loader = nullptr)
       : weights_(weights), backend_(backend), loader_(loader) {}
   Parameter& add(const std::string& name, Shape shape) override { return weights_.add(backend_, name, shape); }
+  void add_packed(PackedTensor packed) override { weights_.packed_.push_back(std::move(packed)); }
 
  private:
   ModelWeights& weights_;
@@ -61,6 +62,17 @@ class ModelWeights::Allocator final : public ParameterSink {
     });
   }
 };
+
+// What a target that names a projection LoRA may not adapt (a routed expert's, the router) is.
+std::string ModelWeights::lora_target_hint(const std::string& target) const {
+  for (const Linear* lin : linears())
+    if (!lin->lora_target && (lin->module == target || lin->module.ends_with("." + target)))
+      return fmt::format(" (\"{}\" of this model is {}: LoRA on routed experts and on the router is not supported "
+                         "yet, since PEFT adapts transformers' fused expert tensors through target_parameters, which "
+                         "spindle does not read or write yet)",
+                         target, lin->module == "gate" ? "the router" : "a routed expert's projection");
+  return "";
+}
 
 double LoraConfig::scaling() const {
   return rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / static_cast<double>(rank);
@@ -109,7 +121,8 @@ std::vector<const Linear*> ModelWeights::linears() const {
 std::vector<std::string> ModelWeights::projection_names() const {
   std::vector<std::string> names;
   for (const Linear* lin : linears())
-    if (std::find(names.begin(), names.end(), lin->module) == names.end()) names.push_back(lin->module);
+    if (lin->lora_target && std::find(names.begin(), names.end(), lin->module) == names.end())
+      names.push_back(lin->module);
   return names;
 }
 
@@ -122,8 +135,22 @@ ModelWeights ModelWeights::load(Backend& backend, const ModelConfig& config, con
   w.wire(backend, loader.active() ? &loader : nullptr);
   loader.bind(w.linears());
   if (loader.active()) loader.check_all_used();
+  // A packed tensor the checkpoint holds fills its parts; every other parameter is read by its name.
+  std::set<const Parameter*> filled;
+  for (PackedTensor& packed : w.packed_) {
+    if (!checkpoint.find(packed.name)) continue;
+    const Tensor whole = io::load_tensor(backend, checkpoint.require(packed.name, packed.shape), dtype);
+    int64_t offset = 0;
+    for (Parameter* part : packed.parts) {
+      backend.copy(backend.default_stream(), whole.flat(offset, part->value.numel()), part->value);
+      offset += part->value.numel();
+      filled.insert(part);
+    }
+    packed.read = true;
+  }
   for (Parameter& p : w.params_)
-    if (!loader.filled(p)) io::load_tensor_into(backend, checkpoint.require(p.name, p.value.shape()), p.value);
+    if (!filled.count(&p) && !loader.filled(p))
+      io::load_tensor_into(backend, checkpoint.require(p.name, p.value.shape()), p.value);
   return w;
 }
 
@@ -201,14 +228,14 @@ void ModelWeights::add_lora(Backend& backend, const LoraConfig& lora_config, uin
   const std::vector<std::string> projections = projection_names();
   for (const std::string& target : lora_config.targets)
     if (std::find(projections.begin(), projections.end(), target) == projections.end())
-      fail("LoRA target \"{}\" is not a projection of this {} model; choose from {}", target, config.model_type,
-           join(projections));
+      fail("LoRA target \"{}\" is not a projection of this {} model; choose from {}{}", target, config.model_type,
+           join(projections), lora_target_hint(target));
   lora = lora_config;
   std::mt19937_64 rng(seed);
   for (DecoderLayer& layer : layers)
     for (const std::string& target : lora.targets) {
       Linear* lin = layer.linear(target);
-      if (!lin) continue;  // a projection of other layers' kind (PEFT adapts the layers that have it)
+      if (!lin || !lin->lora_target) continue;  // a projection of other layers' kind (PEFT adapts the layers that have it)
       const std::string& base = lin->prefix;
       Parameter& a = add(backend, "base_model.model." + base + ".lora_A.weight", Shape{lora.rank, lin->in_features()});
       Parameter& b = add(backend, "base_model.model." + base + ".lora_B.weight", Shape{lin->out_features(), lora.rank});
@@ -272,8 +299,8 @@ void ModelWeights::load_peft_adapter(Backend& backend, const std::string& dir) {
     if (std::find(lc.targets.begin(), lc.targets.end(), t) != lc.targets.end()) ordered.push_back(t);
   for (const std::string& t : lc.targets)
     if (std::find(projections.begin(), projections.end(), t) == projections.end())
-      fail("{}: LoRA target \"{}\" is not supported (not a projection of this {} model); spindle adapts {}", src, t,
-           config.model_type, join(projections));
+      fail("{}: LoRA target \"{}\" is not supported (not a projection of this {} model); spindle adapts {}{}", src, t,
+           config.model_type, join(projections), lora_target_hint(t));
   lc.targets = ordered;
 
   add_lora(backend, lc, 0);

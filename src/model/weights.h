@@ -71,13 +71,18 @@ class ModelWeights {
   std::deque<Parameter>& parameters() { return params_; }
   const std::deque<Parameter>& parameters() const { return params_; }
   Parameter* find(const std::string& name);
+  // The alternative checkpoint layouts the blocks declared (model/block.h); `read` marks those the
+  // loaded checkpoint used, which exports write the same way.
+  const std::vector<PackedTensor>& packed_tensors() const { return packed_; }
 
  private:
   class Allocator;
+  std::string lora_target_hint(const std::string& target) const;
   Parameter& add(Backend& backend, const std::string& name, Shape shape);
   void wire(Backend& backend, QuantizedLoader* loader = nullptr);
   void make_trainable(Backend& backend, Parameter& p);
   std::deque<Parameter> params_;  // deque: stable addresses for the pointers above
+  std::vector<PackedTensor> packed_;
 };
 
 }  // namespace spindle

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "model/decoder.h"
+#include "model/router_aux_loss.h"
 #include "train/setup.h"
 #include "train/step_runner.h"
 #include "train/trainable_state.h"
@@ -42,6 +43,9 @@ std::string CheckReport::to_text() const {
   out += fmt::format("  batch      {} rows, {} tokens, {} supervised targets\n", rows, tokens, num_items);
   out += fmt::format("  loss       mesh {:.9g}  single {:.9g}  relative error {:.2e} (tolerance {:.0e})\n", loss_mesh,
                      loss_single, loss_relative_error, loss_tolerance);
+  if (aux_loss_single)
+    out += fmt::format("  aux loss   mesh {:.9g}  single {:.9g}  relative error {:.2e} (tolerance {:.0e})\n",
+                       *aux_loss_mesh, *aux_loss_single, *aux_loss_relative_error, loss_tolerance);
   out += fmt::format("  grad norm  mesh {:.9g}  single {:.9g}\n", grad_norm_mesh, grad_norm_single);
   if (!gradients.empty()) {
     out += fmt::format("  gradients  {} tensors; largest relative errors (tolerance {:.0e}):\n", gradients.size(),
@@ -66,6 +70,11 @@ nlohmann::ordered_json CheckReport::to_json() const {
   j["loss_mesh"] = loss_mesh;
   j["loss_single"] = loss_single;
   j["loss_relative_error"] = loss_relative_error;
+  if (aux_loss_single) {
+    j["aux_loss_mesh"] = *aux_loss_mesh;
+    j["aux_loss_single"] = *aux_loss_single;
+    j["aux_loss_relative_error"] = *aux_loss_relative_error;
+  }
   j["grad_norm_mesh"] = grad_norm_mesh;
   j["grad_norm_single"] = grad_norm_single;
   j["max_grad_relative_error"] = gradients.empty() ? 0.0 : gradients.front().relative_error;
@@ -104,6 +113,8 @@ std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& opt
   }
   TrainableState state(*backend, weights, decoder, run, !config.no_fsdp, AdamWConfig{});
   StepRunner runner(*backend, decoder, weights, run.mesh.get(), state.all_reduce_gradients());
+  const double aux_coefficient = router_aux_loss_coefficient(model_config, config.router_aux_loss_coef);
+  runner.set_router_aux_loss(aux_coefficient);
   state.zero_grads();
   const StepTotals on_mesh = runner.run(rows, /*backward=*/true);
   const std::vector<std::pair<std::string, Tensor>> mesh_gradients = state.full_gradients();
@@ -116,6 +127,7 @@ std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& opt
   ModelWeights single_weights = load_training_weights(*backend, config, model_config, {}, dtype);
   Decoder single_decoder(*backend, single_weights, decoder_options(config, model_config));
   StepRunner single_runner(*backend, single_decoder, single_weights, nullptr, false);
+  single_runner.set_router_aux_loss(aux_coefficient);
   single_weights.zero_grads(*backend);
   const StepTotals single = single_runner.run(rows, /*backward=*/true);
 
@@ -127,6 +139,12 @@ std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& opt
   report.loss_mesh = on_mesh.loss;
   report.loss_single = single.loss;
   report.loss_relative_error = std::abs(on_mesh.loss - single.loss) / std::max(std::abs(single.loss), 1e-30);
+  if (on_mesh.aux_loss && single.aux_loss) {
+    report.aux_loss_mesh = *on_mesh.aux_loss;
+    report.aux_loss_single = *single.aux_loss;
+    report.aux_loss_relative_error =
+        std::abs(*on_mesh.aux_loss - *single.aux_loss) / std::max(std::abs(*single.aux_loss), 1e-30);
+  }
   // Defaults per dtype: rounding of a different summation order (bf16 rounds every stored activation).
   const double default_loss = dtype == DType::F64 ? 1e-10 : dtype == DType::BF16 ? 1e-2 : 1e-5;
   const double default_grad = dtype == DType::F64 ? 1e-9 : dtype == DType::BF16 ? 5e-2 : 1e-4;
@@ -152,6 +170,7 @@ std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& opt
   report.grad_norm_single = std::sqrt(single_sq);
   const double worst = report.gradients.empty() ? 0.0 : report.gradients.front().relative_error;
   report.passed = on_mesh.num_items == single.num_items && report.loss_relative_error <= report.loss_tolerance &&
+                  (!report.aux_loss_single || *report.aux_loss_relative_error <= report.loss_tolerance) &&
                   worst <= report.grad_tolerance;
   if (run.world) run.world->barrier();
   if (temporary_output) fs::remove_all(config.output);

@@ -32,6 +32,8 @@ struct CheckReport {
   parallel::MeshConfig mesh;
   int64_t rows = 0, num_items = 0, tokens = 0;
   double loss_mesh = 0, loss_single = 0, loss_relative_error = 0;
+  // MoE runs with the router load-balancing loss: its value on both (held to the loss tolerance).
+  std::optional<double> aux_loss_mesh, aux_loss_single, aux_loss_relative_error;
   double grad_norm_mesh = 0, grad_norm_single = 0;
   std::vector<GradientDifference> gradients;  // every trainable tensor, worst first
   double loss_tolerance = 0, grad_tolerance = 0;

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "io/checkpoint.h"
+#include "model/router_aux_loss.h"
 #include "parallel/fsdp.h"
 #include "parallel/sequence_shard.h"
 #include "parallel/sp_attention.h"
@@ -177,6 +178,10 @@ TrainSummary run_dpo(const DpoConfig& dpo) {
   const PreferenceLossOptions loss = dpo.loss_options();
   const auto start = std::chrono::steady_clock::now();
   const ModelConfig model_config = ModelConfig::from_file(config.model);
+  if (router_aux_loss_coefficient(model_config, config.router_aux_loss_coef) > 0)
+    fail("{}: spindle dpo does not add the MoE router load-balancing loss yet (this config asks for it: "
+         "output_router_logits is true); pass --router-aux-loss-coef 0 to train without it",
+         config.model);
   std::optional<ModelConfig> ref_config;
   if (!dpo.ref_model.empty()) {
     ref_config = ModelConfig::from_file(dpo.ref_model);

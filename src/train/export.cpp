@@ -331,13 +331,45 @@ void save_hf_model(Backend& backend, const ModelWeights& weights, const fs::path
 
   // Tensors in the model dtype go straight from the backend to the file; anything converted or
   // merged is staged on the host in the export dtype (the whole model, once).
-  const bool direct = !options.merge_lora && options.dtype == weights.dtype && quant_state.empty();
+  bool any_packed = false;
+  for (const PackedTensor& packed : weights.packed_tensors()) any_packed |= packed.read;
+  const bool direct = !options.merge_lora && options.dtype == weights.dtype && quant_state.empty() && !any_packed;
   StagedFolder folder(out_dir);
   auto host = make_cpu_backend(1);
   io::NamedTensors tensors;
+  // Parameters the checkpoint held packed (fused experts) are written packed again, where their
+  // first part would be (staged on the host, so such a model is not written directly).
+  std::unordered_map<const Parameter*, const PackedTensor*> packed_first;
+  std::unordered_map<const Parameter*, bool> in_packed;
+  for (const PackedTensor& packed : weights.packed_tensors()) {
+    if (!packed.read) continue;
+    packed_first[packed.parts.front()] = &packed;
+    for (const Parameter* part : packed.parts) in_packed[part] = true;
+  }
+  auto export_value = [&](const Parameter& p) {
+    if (auto it = adapted.find(&p); it != adapted.end())
+      return host_copy(backend, *host, dense_of(*it->second), options.dtype);
+    return host_copy(backend, *host, p.value, options.dtype);
+  };
   for (const Parameter& p : weights.parameters()) {
     if (is_lora_parameter(p)) continue;  // adapters belong in save_peft_adapter's folder
     if (quant_state.count(&p)) continue;  // folded into its weight's dense values
+    if (in_packed.count(&p)) {
+      auto first = packed_first.find(&p);
+      if (first == packed_first.end()) continue;
+      const PackedTensor& packed = *first->second;
+      Tensor whole = host->empty(packed.shape, options.dtype);
+      int64_t offset = 0;
+      for (const Parameter* part : packed.parts) {
+        Tensor slot = whole.flat(offset, part->value.numel());
+        host->copy(host->default_stream(), export_value(*part), slot);
+        offset += part->value.numel();
+      }
+      SPINDLE_CHECK(offset == packed.shape.numel(), "{}: parts of {} elements for {}", packed.name, offset,
+                    packed.shape.str());
+      tensors.emplace_back(packed.name, whole);
+      continue;
+    }
     if (direct) {
       tensors.emplace_back(p.name, p.value);
     } else if (auto it = adapted.find(&p); it != adapted.end()) {

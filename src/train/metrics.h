@@ -28,6 +28,8 @@ struct StepMetrics {
   double step_seconds = 0;          // wall time of the step: forward, backward, optimizer
   int64_t peak_memory_bytes = 0;    // memory high-water mark during the step
   double elapsed_seconds = 0;       // wall time since the run started, resumed sessions included
+  std::optional<double> aux_loss;   // MoE router load-balancing loss of the step, when trained with one
+                                    // (without its coefficient; `loss` is the cross-entropy alone)
   std::optional<double> eval_loss;  // set on steps after which the eval set was scored
   std::optional<int64_t> eval_num_items;  // supervised tokens the eval loss averages over
 

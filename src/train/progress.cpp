@@ -153,6 +153,7 @@ std::string ProgressDisplay::plain_line() const {
   line += fmt::format(" | epoch {:.2f} | loss {} (smoothed {}) | grad_norm {:.3g} | lr {:.3e}", step.epoch,
                       format_loss(step.loss), format_optional_loss(smoother_.value()), step.grad_norm,
                       step.lr);
+  if (step.aux_loss) line += " | aux_loss " + format_loss(*step.aux_loss);
   line += fmt::format(" | {} tokens/s", format_rate(step.tokens_per_s));
   if (step.peak_memory_bytes > 0) line += " | peak " + format_memory(step.peak_memory_bytes);
   line += " | elapsed " + format_duration(step.elapsed_seconds);

@@ -63,6 +63,38 @@ double StepRunner::all_reduce(double value) {
   return value;
 }
 
+void StepRunner::set_router_aux_loss(double coefficient) {
+  router_aux_ = coefficient > 0 ? std::make_unique<RouterAuxLoss>(backend_, weights_.config, weights_.dtype, coefficient)
+                                : nullptr;
+  decoder_.set_router_aux_loss(router_aux_.get());
+}
+
+MicroBatch StepRunner::micro_batch(const std::vector<PackedRow>& rows, const std::vector<PackedRow>& mine,
+                                   size_t i) const {
+  MicroBatch batch = make_micro_batch(backend_, {mine[i]}, weights_.dtype);
+  // Under pure Ulysses (contiguous layout) the strategy gathers each shard back into its whole row,
+  // so whether that row is one causal document is known here, where the whole rows are.
+  const bool contiguous = !mesh_ || mesh_->config().ring == 1;
+  const PackedRow& whole = mesh_ ? rows[mesh_->coordinates().dp + i * mesh_->config().dp] : rows[i];
+  // (and no padding: the slices add up to the row exactly)
+  const int64_t sp = mesh_ ? mesh_->config().sp : 1;
+  batch.row_one_causal_document = contiguous && is_one_causal_document(whole) &&
+                                  static_cast<int64_t>(mine[i].doc_ids.size()) * sp ==
+                                      static_cast<int64_t>(whole.doc_ids.size());
+  return batch;
+}
+
+void StepRunner::collect_router_statistics(const std::vector<PackedRow>& rows, const std::vector<PackedRow>& mine,
+                                           int64_t tokens, double scale) {
+  std::function<void(Tensor&)> reduce;
+  if (mesh_) reduce = [this](Tensor& t) { mesh_->world().all_reduce_sum(backend_.default_stream(), t); };
+  router_aux_->begin_step(tokens, std::move(reduce));
+  if (mine.size() <= 1) return;
+  Tensor discard = backend_.zeros(Shape{1}, stat_dtype(weights_.dtype));
+  for (size_t i = 0; i < mine.size(); ++i) decoder_.step(micro_batch(rows, mine, i), scale, discard, false);
+  router_aux_->finish_statistics();
+}
+
 StepTotals StepRunner::run(const std::vector<PackedRow>& rows, bool backward) {
   StepTotals totals;
   for (const PackedRow& row : rows)
@@ -79,18 +111,12 @@ StepTotals StepRunner::run(const std::vector<PackedRow>& rows, bool backward) {
   const double scale = 1.0 / static_cast<double>(totals.num_items);
   // Every rank runs every micro-batch, supervised tokens or not: attention and FSDP collectives
   // need all members of their groups.
-  // Under pure Ulysses (contiguous layout) the strategy gathers each shard back into its whole row,
-  // so whether that row is one causal document is known here, where the whole rows are.
-  const bool contiguous = !mesh_ || mesh_->config().ring == 1;
-  for (size_t i = 0; i < mine.size(); ++i) {
-    MicroBatch batch = make_micro_batch(backend_, {mine[i]}, weights_.dtype);
-    const PackedRow& whole = mesh_ ? rows[mesh_->coordinates().dp + i * mesh_->config().dp] : rows[i];
-    // (and no padding: the slices add up to the row exactly)
-    const int64_t sp = mesh_ ? mesh_->config().sp : 1;
-    batch.row_one_causal_document = contiguous && is_one_causal_document(whole) &&
-                                    static_cast<int64_t>(mine[i].doc_ids.size()) * sp ==
-                                        static_cast<int64_t>(whole.doc_ids.size());
-    decoder_.step(batch, scale, loss, backward);
+  const bool aux = backward && router_aux_;
+  if (aux) collect_router_statistics(rows, mine, totals.tokens, scale);
+  for (size_t i = 0; i < mine.size(); ++i) decoder_.step(micro_batch(rows, mine, i), scale, loss, backward);
+  if (aux) {
+    totals.aux_loss = router_aux_->value();
+    router_aux_->end_step();
   }
 
   if (mesh_) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "backend/backend.h"
@@ -13,6 +14,7 @@
 #include "comm/process_group.h"
 #include "data/document.h"
 #include "model/decoder.h"
+#include "model/router_aux_loss.h"
 #include "parallel/mesh.h"
 
 namespace spindle {
@@ -38,6 +40,9 @@ struct StepTotals {
   double loss = 0;        // Σ loss_scale·CE / N over the whole global batch (every rank gets it)
   int64_t num_items = 0;  // N: supervised targets of the global batch
   int64_t tokens = 0;     // real (unpadded) tokens of the global batch
+  // The router load-balancing loss of the step (without its coefficient; the gradient is of
+  // loss + coefficient·aux_loss), when the run has one (model/router_aux_loss.h).
+  std::optional<double> aux_loss;
 };
 
 class StepRunner {
@@ -59,14 +64,25 @@ class StepRunner {
   // The rows this rank computes for `rows` (its dp share, each cut to its sp shard).
   std::vector<PackedRow> local_rows(const std::vector<PackedRow>& rows) const;
 
+  // Training steps add coefficient × the router load-balancing loss, its statistics over the whole
+  // step (every micro-batch, every rank). coefficient 0: off. MoE models only.
+  void set_router_aux_loss(double coefficient);
+
  private:
   double all_reduce(double value);
+  // The step's router statistics before any backward: with one micro-batch per rank its own forward
+  // collects them (the decoder finishes them before its backward); with several, a forward-only
+  // pass over every micro-batch first (one more forward per step).
+  void collect_router_statistics(const std::vector<PackedRow>& rows, const std::vector<PackedRow>& mine,
+                                 int64_t tokens, double scale);
+  MicroBatch micro_batch(const std::vector<PackedRow>& rows, const std::vector<PackedRow>& mine, size_t i) const;
 
   Backend& backend_;
   Decoder& decoder_;
   ModelWeights& weights_;
   const parallel::Mesh* mesh_;
   bool all_reduce_gradients_;
+  std::unique_ptr<RouterAuxLoss> router_aux_;
 };
 
 // A row of `length` padding tokens (no document, no target): keeps data-parallel replicas in step.

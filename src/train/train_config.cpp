@@ -39,6 +39,8 @@ void TrainConfig::validate() const {
   if (!full && lora_rank <= 0) fail("--lora-rank must be positive (or choose --full), got {}", lora_rank);
   if (!full && !(lora_alpha > 0)) fail("--lora-alpha must be positive, got {}", lora_alpha);
   if (!full && lora_targets.empty()) fail("--lora-targets needs at least one module");
+  if (!(router_aux_loss_coef >= 0 || router_aux_loss_coef == -1))
+    fail("--router-aux-loss-coef must be >= 0 (0: off), got {}", router_aux_loss_coef);
   if (save_steps < 0) fail("--save-steps must be >= 0, got {}", save_steps);
   if (eval_steps < 0) fail("--eval-steps must be >= 0, got {}", eval_steps);
   if (eval_steps > 0 && eval_data.empty()) fail("--eval-steps needs --eval-data");
@@ -72,6 +74,7 @@ nlohmann::json TrainConfig::fingerprint() const {
           {"lora_targets", full ? std::vector<std::string>{} : lora_targets}, {"rslora", rslora}, {"adapter", adapter}};
   if (!quantize.empty())  // only when set: runs without it resume as before
     j["quantize"] = {{"type", quantize}, {"double_quant", double_quant}, {"block_size", quant_block_size}};
+  if (router_aux_loss_coef >= 0) j["router_aux_loss_coef"] = router_aux_loss_coef;  // only when set: older runs resume
   return j;
 }
 

@@ -33,6 +33,9 @@ struct TrainConfig {
   double lora_alpha = 32;
   std::vector<std::string> lora_targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   bool rslora = false;
+  // MoE models: coefficient of the router load-balancing loss; -1: the config's (router_aux_loss_coef
+  // when output_router_logits is true, else off), 0: off (model/router_aux_loss.h).
+  double router_aux_loss_coef = -1;
   std::string adapter;                // start from this PEFT adapter
   bool full = false;                  // full fine-tune instead of LoRA
   // 4-bit base weights (docs/qlora.md): nf4 | fp4 quantises the frozen projections at load; empty: as stored.

@@ -130,6 +130,7 @@ TrainSummary run_sft(const TrainConfig& config) {
   AdamWOptimizer& optimizer = state.optimizer();
   if (main_rank && run.world) std::fprintf(stderr, "%s\n", state.describe().c_str());
   StepRunner runner(*backend, decoder, weights, run.mesh.get(), state.all_reduce_gradients());
+  runner.set_router_aux_loss(router_aux_loss_coefficient(model_config, config.router_aux_loss_coef));
 
   // Schedule: one optimizer step takes grad_accum rows on each data-parallel replica.
   const int64_t rows_per_step = config.grad_accum * mesh.dp;
@@ -163,6 +164,7 @@ TrainSummary run_sft(const TrainConfig& config) {
     m.lr = lr;
     m.num_items = totals.num_items;
     m.tokens = totals.tokens;
+    m.aux_loss = totals.aux_loss;
     m.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
     m.tokens_per_s = m.step_seconds > 0 ? static_cast<double>(totals.tokens) / m.step_seconds : 0;
     m.peak_memory_bytes = backend->memory_stats().peak_allocated_bytes;  // live tensors: the GPU pool on CUDA, tensor bytes on the CPU

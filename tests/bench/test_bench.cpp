@@ -137,6 +137,33 @@ TEST(Bench, FlopFormulasCountTheAllocatedParameters) {
   }
 }
 
+TEST(Bench, MixtureOfExpertsFlopsCountTheActiveExperts) {
+  // A token multiplies the router and k of the E experts: routed experts count k/E of their weights.
+  const ModelConfig config = test::tiny_qwen3_moe().config();
+  auto backend = make_cpu_backend(1);
+  ModelWeights weights = ModelWeights::random(*backend, config, DType::F32, 1);
+  int64_t dense = 0, experts = 0;
+  for (const Parameter& p : weights.parameters()) {
+    if (p.name.find(".mlp.experts.") != std::string::npos) experts += p.value.numel();
+    else if (p.name.ends_with("proj.weight") || p.name.ends_with("mlp.gate.weight")) dense += p.value.numel();
+  }
+  const int64_t head = config.vocab_size * config.hidden_size, moe_layers = 2;
+  const MoeConfig& moe = config.moe;
+  EXPECT_EQ(experts, moe_layers * moe.num_experts * 3 * config.hidden_size * moe.expert_intermediate_size);
+  const int64_t active = moe_layers * moe.experts_per_token * 3 * config.hidden_size * moe.expert_intermediate_size;
+  EXPECT_EQ(matmul_parameters(config), dense + head + active);
+  EXPECT_LT(matmul_parameters(config), dense + head + experts);
+  // LoRA reaches the attention and the dense layer's MLP only.
+  weights.add_lora(*backend, test::lora_on_every_projection(4, 8), 2);
+  int64_t adapters = 0;
+  for (const Parameter& p : weights.parameters())
+    if (p.name.find("lora_") != std::string::npos) adapters += p.value.numel();
+  EXPECT_EQ(lora_parameters(config, 4), adapters);
+  FlopSetup setup;
+  setup.tokens = 50;
+  EXPECT_DOUBLE_EQ(step_flops(config, setup).dense_model, 6.0 * (dense + head + active) * 50);
+}
+
 TEST(Bench, CpuMemoryStatsCountTensorsAndTheResidentSet) {
   auto backend = make_cpu_backend(1);
   backend->reset_peak_memory();

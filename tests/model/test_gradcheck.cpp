@@ -1,12 +1,14 @@
 // The whole decoder's backward against central finite differences in double, on tiny random
 // models covering every architecture feature (GQA, q/k/v bias, q/k norm, tied and untied heads,
-// LoRA with nonzero B, packing, loss_scale, checkpointed layers).
+// LoRA with nonzero B, packing, loss_scale, checkpointed layers, mixture-of-experts layers with the
+// router load-balancing loss).
 #include <gtest/gtest.h>
 
 #include <random>
 
 #include "backend/op_test_util.h"
 #include "model/decoder.h"
+#include "model/router_aux_loss.h"
 #include "support/tiny_model.h"
 
 using namespace spindle;
@@ -41,19 +43,41 @@ PackedRow row() {
   return r;
 }
 
-void check_model(ModelWeights& w, Backend& be, const DecoderOptions& options) {
+// The objective is the loss of docs/design.md §2.2, plus aux_coefficient × the router
+// load-balancing loss (model/router_aux_loss.h) for MoE models when positive.
+void check_model(ModelWeights& w, Backend& be, const DecoderOptions& options, double aux_coefficient = 0) {
   Decoder decoder(be, w, options);
   MicroBatch batch = make_micro_batch(be, {row()}, DType::F64);
   const double inv_n = 1.0 / static_cast<double>(batch.num_items);
+  std::unique_ptr<RouterAuxLoss> aux;
+  if (aux_coefficient > 0) {
+    aux = std::make_unique<RouterAuxLoss>(be, w.config, DType::F64, aux_coefficient);
+    decoder.set_router_aux_loss(aux.get());
+  }
+  const int64_t real_tokens = 9;  // row(): every token but the padding
   auto objective = [&] {
     Tensor loss = be.zeros(Shape{1}, DType::F64);
+    if (aux) aux->begin_step(real_tokens, nullptr);
     decoder.step(batch, inv_n, loss, false);
-    return to_host(be, loss)[0];
+    double value = to_host(be, loss)[0];
+    if (aux) {
+      aux->finish_statistics();
+      value += aux_coefficient * aux->value();
+      aux->end_step();
+    }
+    return value;
   };
   w.zero_grads(be);
   Tensor loss = be.zeros(Shape{1}, DType::F64);
+  if (aux) aux->begin_step(real_tokens, nullptr);  // one micro-batch: its forward collects the statistics
   decoder.step(batch, inv_n, loss, true);
-  EXPECT_NEAR(to_host(be, loss)[0], objective(), 1e-14);
+  double trained = to_host(be, loss)[0];
+  if (aux) {
+    EXPECT_GT(aux->value(), 0.0);
+    trained += aux_coefficient * aux->value();
+    aux->end_step();
+  }
+  EXPECT_NEAR(trained, objective(), 1e-14);
 
   std::mt19937_64 rng(7);
   for (Parameter& p : w.parameters()) {
@@ -108,4 +132,60 @@ TEST(WholeModelGradients, LoraAdaptersWithNonzeroB) {
   for (Parameter& p : w.parameters()) trainable += p.trainable;
   EXPECT_EQ(trainable, 2 * 5 * 2);  // A and B, five targets, two layers; the base stays frozen
   check_model(w, *be, {});
+}
+
+namespace {
+
+// qwen3_moe at the sizes above: 4 experts of width 6, 2 per token, layers as `extra` says.
+ModelWeights tiny_moe(Backend& be, nlohmann::json extra, uint64_t seed) {
+  TinyModel m = tiny_qwen3_moe();
+  m.vocab_size = 11;
+  m.hidden_size = 8;
+  m.intermediate_size = 12;
+  m.num_heads = 4;
+  m.num_kv_heads = 2;
+  m.head_dim = 2;
+  m.rope_theta = 100.0;
+  m.extra["moe_intermediate_size"] = 6;
+  m.extra.update(extra);
+  return random_weights(be, m.config(), DType::F64, seed, 20.0);
+}
+
+}  // namespace
+
+TEST(WholeModelGradients, Qwen3MoeRoutersExpertsAndTheLoadBalancingLoss) {
+  // Layers 0 and 2 MoE (renormalised top-2 of 4), layer 1 dense; layer 0 recomputed; every
+  // parameter trains, routers included, through the routing weights and the aux loss.
+  auto be = make_cpu_backend();
+  ModelWeights w = tiny_moe(*be, nlohmann::json::object(), 5);
+  w.train_all(*be);
+  DecoderOptions options;
+  options.recompute = {true, false, false};
+  check_model(w, *be, options, 0.5);
+}
+
+TEST(WholeModelGradients, Qwen3MoeWithoutRenormalisationEverySecondLayer) {
+  // decoder_sparse_step 2: layer 1 alone is MoE; top-2 weights are the raw probabilities; no aux loss.
+  auto be = make_cpu_backend();
+  ModelWeights w = tiny_moe(*be, {{"norm_topk_prob", false}, {"decoder_sparse_step", 2}, {"mlp_only_layers", {}}}, 9);
+  ASSERT_EQ(w.config.layer_kind(1).feed_forward, FeedForwardKind::MixtureOfExperts);
+  ASSERT_EQ(w.config.layer_kind(0).feed_forward, FeedForwardKind::SwiGLU);
+  w.train_all(*be);
+  check_model(w, *be, {});
+}
+
+TEST(WholeModelGradients, Qwen3MoeAttentionLoraWithNonzeroB) {
+  // LoRA on the projections PEFT adapts in qwen3_moe (attention; the dense layer's MLP); the
+  // router's and experts' weights stay frozen, the aux loss still reaches the attention through them.
+  auto be = make_cpu_backend();
+  ModelWeights w = tiny_moe(*be, nlohmann::json::object(), 7);
+  LoraConfig lora;
+  lora.rank = 2;
+  lora.alpha = 3;
+  lora.targets = {"q_proj", "v_proj", "o_proj", "down_proj"};
+  add_lora_with_random_b(*be, w, lora, 8, uniform_draw(1.0));
+  int trainable = 0;
+  for (Parameter& p : w.parameters()) trainable += p.trainable;
+  EXPECT_EQ(trainable, 2 * (3 * 3 + 1));  // A and B: q, v, o on three layers, down_proj on the dense one
+  check_model(w, *be, {}, 0.5);
 }

@@ -8,7 +8,9 @@
 
 #include "core/error.h"
 #include "io/checkpoint.h"
+#include "io/write_safetensors.h"
 #include "model/weights.h"
+#include "support/tiny_model.h"
 
 using namespace spindle;
 namespace fs = std::filesystem;
@@ -78,5 +80,42 @@ TEST(LoadErrors, UnsupportedAdapterSettingsAreRefused) {
   edit_json(wrong_rank / "adapter_config.json", [](nlohmann::json& j) { j["r"] = 8; });
   EXPECT_NE(load_error(dir, wrong_rank).find("lora_A.weight"), std::string::npos);
   EXPECT_NE(load_error(dir, dir / "nonexistent").find("cannot open"), std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST(LoadErrors, MixtureOfExpertsConfigsAndCheckpoints) {
+  using spindle::test::tiny_qwen3_moe;
+  auto config_error = [](const nlohmann::json& extra) {
+    spindle::test::TinyModel m = tiny_qwen3_moe();
+    m.extra.update(extra);
+    try {
+      m.config();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(config_error({{"num_experts_per_tok", 5}}).find("num_experts_per_tok 5 is more than num_experts 4"),
+            std::string::npos)
+      << config_error({{"num_experts_per_tok", 5}});
+  EXPECT_NE(config_error({{"mlp_only_layers", {3}}}).find("not a layer of this 3-layer model"), std::string::npos);
+  EXPECT_NE(config_error({{"num_experts", nullptr}}).find("qwen3_moe needs \"num_experts\""), std::string::npos);
+  EXPECT_NE(config_error({{"decoder_sparse_step", 0}}).find("decoder_sparse_step"), std::string::npos);
+
+  // A checkpoint missing one expert's tensor: the error names it.
+  const fs::path dir = fs::temp_directory_path() / fmt::format("spindle-load-errors-moe-{}", getpid());
+  fs::remove_all(dir);
+  spindle::test::write_model_folder(dir, tiny_qwen3_moe(), 3);
+  auto be = make_cpu_backend(1);
+  io::NamedTensors kept;
+  {
+    io::Checkpoint file((dir / "model.safetensors").string());
+    ModelWeights w = ModelWeights::load(*be, ModelConfig::from_file(dir.string()), file, DType::F32);
+    for (const Parameter& p : w.parameters())
+      if (p.name != "model.layers.2.mlp.experts.3.up_proj.weight") kept.emplace_back(p.name, p.value);
+  }
+  io::write_safetensors((dir / "model.safetensors").string(), kept, *be, {{"format", "pt"}});
+  const std::string e = load_error(dir);
+  EXPECT_NE(e.find("model.layers.2.mlp.experts.3.up_proj.weight"), std::string::npos) << e;
   fs::remove_all(dir);
 }

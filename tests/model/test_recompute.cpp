@@ -1,7 +1,8 @@
 // The three --recompute modes give bit-identical losses and gradients on the CPU (same kernels,
 // same inputs): keeping everything, recomputing whole layers, and recomputing layers around a kept
-// attention output. F32 and F64 models, full fine-tuning and LoRA, q/k norm and q/k/v biases, two
-// micro-batches of different lengths accumulated into the same gradients. The attention strategy
+// attention output. F32 and F64 models, full fine-tuning and LoRA, q/k norm and q/k/v biases,
+// mixture-of-experts layers with the router load-balancing loss, two micro-batches of different
+// lengths accumulated into the same gradients. The attention strategy
 // counts its calls: keep-attention must not run any attention forward twice.
 #include <gtest/gtest.h>
 
@@ -18,17 +19,24 @@ using namespace spindle::test;
 namespace {
 
 ModelConfig tiny(const std::string& type) {
-  return TinyModel{.model_type = type,
-                   .vocab_size = 13,
-                   .hidden_size = 16,
-                   .intermediate_size = 24,
-                   .num_layers = 3,
-                   .num_heads = 4,
-                   .num_kv_heads = 2,
-                   .head_dim = 4,
-                   .rope_theta = 100.0,
-                   .tie_word_embeddings = type == "qwen2"}
-      .config();
+  TinyModel m{.model_type = type,
+              .vocab_size = 13,
+              .hidden_size = 16,
+              .intermediate_size = 24,
+              .num_layers = 3,
+              .num_heads = 4,
+              .num_kv_heads = 2,
+              .head_dim = 4,
+              .rope_theta = 100.0,
+              .tie_word_embeddings = type == "qwen2"};
+  if (type == "qwen3_moe") m.extra = tiny_qwen3_moe().extra;  // layers 0 and 2 MoE, layer 1 dense
+  return m.config();
+}
+
+bool has_moe(const ModelConfig& c) {
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    if (c.layer_kind(l).feed_forward == FeedForwardKind::MixtureOfExperts) return true;
+  return false;
 }
 
 // Packed documents of the given lengths with a few unsupervised prompt tokens and a padding tail.
@@ -86,7 +94,7 @@ ModelWeights make_weights(Backend& be, const std::string& type, DType dtype, boo
 }
 
 struct Result {
-  std::vector<double> loss;                // after each micro-batch
+  std::vector<double> loss;                // after each micro-batch (then the router aux loss, MoE models)
   std::vector<std::vector<double>> grads;  // trainable parameters, in order
   int attention_forwards = 0, attention_backwards = 0;
 };
@@ -101,10 +109,25 @@ Result run(Backend& be, ModelWeights& w, const DecoderOptions& options) {
   Tensor loss = be.zeros(Shape{1}, stat_dtype(w.dtype));
   const std::vector<PackedRow> rows = {row({7, 1, 9}, 3, 31), row({12, 6}, 0, 32)};
   const double inv_n = 1.0 / static_cast<double>(rows[0].num_items() + rows[1].num_items());
+  // MoE models train with the router load-balancing loss, its statistics from a forward-only pass
+  // over both micro-batches first (as StepRunner does), on a decoder of its own so that the
+  // attention counts below are the training step's.
+  std::unique_ptr<RouterAuxLoss> aux;
+  if (has_moe(w.config)) {
+    aux = std::make_unique<RouterAuxLoss>(be, w.config, w.dtype, 0.25);
+    aux->begin_step(7 + 1 + 9 + 12 + 6, nullptr);  // the real tokens of both rows
+    Decoder statistics(be, w, options);
+    statistics.set_router_aux_loss(aux.get());
+    Tensor discard = be.zeros(Shape{1}, stat_dtype(w.dtype));
+    for (const PackedRow& pr : rows) statistics.step(make_micro_batch(be, {pr}, w.dtype), inv_n, discard, false);
+    aux->finish_statistics();
+    decoder.set_router_aux_loss(aux.get());
+  }
   for (const PackedRow& pr : rows) {
     decoder.step(make_micro_batch(be, {pr}, w.dtype), inv_n, loss, true);
     r.loss.push_back(to_host(be, loss)[0]);
   }
+  if (aux) r.loss.push_back(aux->value());
   for (Parameter& p : w.parameters())
     if (p.trainable) r.grads.push_back(to_host(be, p.grad));
   r.attention_forwards = attention.forwards;
@@ -176,7 +199,8 @@ TEST_P(RecomputeModes, LossAndEveryGradientAreBitIdentical) {
 INSTANTIATE_TEST_SUITE_P(Models, RecomputeModes,
                          ::testing::Values(Case{"qwen3", DType::F32, false}, Case{"qwen3", DType::F64, false},
                                            Case{"qwen2", DType::F32, true}, Case{"qwen2", DType::F64, true},
-                                           Case{"llama", DType::F32, true}, Case{"llama", DType::F64, false}),
+                                           Case{"llama", DType::F32, true}, Case{"llama", DType::F64, false},
+                                           Case{"qwen3_moe", DType::F32, false}, Case{"qwen3_moe", DType::F64, true}),
                          [](const auto& info) {
                            return info.param.type + (info.param.dtype == DType::F64 ? "_f64" : "_f32") +
                                   (info.param.lora ? "_lora" : "_full");

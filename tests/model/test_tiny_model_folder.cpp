@@ -33,6 +33,11 @@ void expect_same_config(const ModelConfig& got, const ModelConfig& want) {
   EXPECT_EQ(got.qk_norm, want.qk_norm);
   EXPECT_EQ(got.rope.type, want.rope.type);
   EXPECT_EQ(got.rope.theta, want.rope.theta);
+  EXPECT_EQ(got.moe.num_experts, want.moe.num_experts);
+  EXPECT_EQ(got.moe.experts_per_token, want.moe.experts_per_token);
+  EXPECT_EQ(got.moe.expert_intermediate_size, want.moe.expert_intermediate_size);
+  EXPECT_EQ(got.moe.norm_topk_prob, want.moe.norm_topk_prob);
+  EXPECT_EQ(got.layer_kinds, want.layer_kinds);
 }
 
 class TinyModelFolder : public ::testing::TestWithParam<TinyModel> {};
@@ -69,9 +74,18 @@ TEST(TinyModel, FamilyFeaturesFollowTheModelType) {
   const ModelConfig biased = TinyModel{.extra = {{"attention_bias", true}, {"rope_theta", 500.0}}}.config();
   EXPECT_TRUE(biased.qkv_bias && biased.o_bias);
   EXPECT_EQ(biased.rope.theta, 500.0);
+  // qwen3_moe: qwen3's attention, MoE feed-forwards but on mlp_only_layers.
+  const ModelConfig moe = tiny_qwen3_moe().config();
+  EXPECT_TRUE(moe.qk_norm && !moe.qkv_bias);
+  EXPECT_EQ(moe.layer_kind(0).feed_forward, FeedForwardKind::MixtureOfExperts);
+  EXPECT_EQ(moe.layer_kind(1).feed_forward, FeedForwardKind::SwiGLU);
+  EXPECT_EQ(moe.layer_kind(2).feed_forward, FeedForwardKind::MixtureOfExperts);
+  EXPECT_EQ(moe.moe.num_experts, 4);
+  EXPECT_EQ(moe.moe.experts_per_token, 2);
+  EXPECT_TRUE(moe.moe.norm_topk_prob);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, TinyModelFolder,
                          ::testing::Values(TinyModel{}, TinyModel{.model_type = "qwen2", .tie_word_embeddings = true},
-                                           TinyModel{.model_type = "qwen3", .head_dim = 6}),
+                                           TinyModel{.model_type = "qwen3", .head_dim = 6}, tiny_qwen3_moe()),
                          [](const auto& info) { return info.param.model_type; });

@@ -25,10 +25,20 @@ nlohmann::json TinyModel::config_json() const {
   // transformers picks the model class by this name; a preset of another family names its own in `extra`.
   static const std::map<std::string, std::string> kArchitectures = {
       {"llama", "LlamaForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"}, {"qwen3", "Qwen3ForCausalLM"},
-      {"qwen3_5_text", "Qwen3_5ForCausalLM"}};
+      {"qwen3_moe", "Qwen3MoeForCausalLM"}, {"qwen3_5_text", "Qwen3_5ForCausalLM"}};
   if (auto it = kArchitectures.find(model_type); it != kArchitectures.end()) j["architectures"] = {it->second};
   j.update(extra);
   return j;
+}
+
+TinyModel tiny_qwen3_moe() {
+  TinyModel m;
+  m.model_type = "qwen3_moe";
+  m.num_layers = 3;
+  m.extra = {{"num_experts", 4},         {"num_experts_per_tok", 2},   {"moe_intermediate_size", 12},
+             {"norm_topk_prob", true},   {"decoder_sparse_step", 1},   {"mlp_only_layers", {1}},
+             {"output_router_logits", false}, {"router_aux_loss_coef", 0.001}};
+  return m;
 }
 
 TinyModel tiny_qwen3_5() {

@@ -23,7 +23,7 @@ namespace spindle::test {
 // Defaults: the tiny GQA llama the sequence-parallel and FSDP tests train (4 query heads over 2 KV
 // heads, so Ulysses 4 replicates KV heads). Tests override the fields their tolerances were set on.
 struct TinyModel {
-  std::string model_type = "llama";  // llama | qwen2 | qwen3
+  std::string model_type = "llama";  // llama | qwen2 | qwen3 | qwen3_moe (presets below)
   int64_t vocab_size = 64;
   int64_t hidden_size = 32;
   int64_t intermediate_size = 48;
@@ -41,6 +41,11 @@ struct TinyModel {
   // config_json() read as spindle reads any config.json.
   ModelConfig config() const;
 };
+
+// qwen3_moe: qwen3's attention; 3 layers, the middle one dense (mlp_only_layers), the others 4 experts
+// of width 12 with 2 per token, renormalised; output_router_logits off (tests turn the router
+// load-balancing loss on themselves).
+TinyModel tiny_qwen3_moe();
 
 // qwen3_5 (text-only Qwen3_5ForCausalLM, model_type qwen3_5_text): 3 layers, gated DeltaNet, gated
 // attention, gated DeltaNet; DeltaNet 2 key heads and 4 value heads of 8 (two value heads per key

@@ -16,6 +16,7 @@
 #include "io/checkpoint.h"
 #include "io/io_test_util.h"
 #include "io/load_tensor.h"
+#include "io/write_safetensors.h"
 #include "model/batch.h"
 #include "model/decoder.h"
 #include "support/tiny_model.h"
@@ -674,4 +675,76 @@ TEST(PythonStackCases, ExportsReloadToTheCrossEntropySpindleComputed) {
   write_bytes((manifest_path.string() + ".tmp"), manifest.dump(1) + "\n");
   fs::rename(manifest_path.string() + ".tmp", manifest_path);
   EXPECT_EQ(read_json(manifest_path).size(), 4u);
+}
+
+// ---- mixture-of-experts checkpoint layouts --------------------------------------------------------
+
+TEST(HfModelExport, RoutedExpertsAreSavedInTheLayoutTheCheckpointHad) {
+  // The same qwen3_moe weights as per-expert tensors (mlp.experts.N.{gate,up,down}_proj.weight) and
+  // as transformers 5's fused ones (experts.gate_up_proj [E, 2I, H]: each expert's gate rows then
+  // its up rows; experts.down_proj [E, H, I]): both load as the same model, and each exports as it came.
+  auto be = make_cpu_backend();
+  ScratchDir scratch;
+  const TinyModel tiny = tiny_qwen3_moe();
+  const fs::path per_expert = scratch.path() / "per_expert", fused = scratch.path() / "fused";
+  write_model_folder(per_expert, tiny, 11, 10.0);
+  const ModelWeights want = load_model(*be, per_expert);
+  for (const PackedTensor& packed : want.packed_tensors()) EXPECT_FALSE(packed.read) << packed.name;
+
+  const ModelConfig& c = want.config;
+  const int64_t experts = c.moe.num_experts, width = c.moe.expert_intermediate_size, h = c.hidden_size;
+  io::NamedTensors tensors;
+  std::set<std::string> fused_names;
+  for (const Parameter& p : want.parameters())
+    if (p.name.find(".mlp.experts.") == std::string::npos) tensors.emplace_back(p.name, p.value);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    if (c.layer_kind(l).feed_forward != FeedForwardKind::MixtureOfExperts) continue;
+    const std::string pre = fmt::format("model.layers.{}.mlp.experts.", l);
+    auto values = [&](int64_t e, const char* proj) {
+      for (const Parameter& p : want.parameters())
+        if (p.name == fmt::format("{}{}.{}.weight", pre, e, proj)) return to_host(*be, p.value);
+      ADD_FAILURE() << "no " << pre << e << "." << proj;
+      return std::vector<double>{};
+    };
+    std::vector<double> gate_up, down;
+    for (int64_t e = 0; e < experts; ++e) {
+      for (const char* proj : {"gate_proj", "up_proj"}) {
+        const std::vector<double> v = values(e, proj);
+        gate_up.insert(gate_up.end(), v.begin(), v.end());
+      }
+      const std::vector<double> v = values(e, "down_proj");
+      down.insert(down.end(), v.begin(), v.end());
+    }
+    Tensor gu = be->empty(Shape{experts, 2 * width, h}, DType::F32), dn = be->empty(Shape{experts, h, width}, DType::F32);
+    from_host(*be, gate_up, gu);
+    from_host(*be, down, dn);
+    tensors.emplace_back(pre + "gate_up_proj", gu);
+    tensors.emplace_back(pre + "down_proj", dn);
+    fused_names.insert({pre + "gate_up_proj", pre + "down_proj"});
+  }
+  fs::create_directories(fused);
+  fs::copy_file(per_expert / "config.json", fused / "config.json");
+  io::write_safetensors((fused / "model.safetensors").string(), tensors, *be, {{"format", "pt"}});
+
+  const ModelWeights got = load_model(*be, fused);
+  expect_same_parameters(*be, want, got);
+  int read = 0;
+  for (const PackedTensor& packed : got.packed_tensors()) read += packed.read;
+  EXPECT_EQ(read, 4) << "two MoE layers, two fused tensors each";
+
+  HfModelExportOptions options;
+  options.dtype = DType::F32;
+  save_hf_model(*be, got, fused, scratch.path() / "fused_out", options);
+  save_hf_model(*be, want, per_expert, scratch.path() / "per_expert_out", options);
+  const io::Checkpoint fused_out((scratch.path() / "fused_out").string());
+  const io::Checkpoint per_expert_out((scratch.path() / "per_expert_out").string());
+  const io::Checkpoint fused_in(fused.string()), per_expert_in(per_expert.string());
+  EXPECT_EQ(names_of(fused_out), names_of(fused_in));
+  EXPECT_EQ(names_of(per_expert_out), names_of(per_expert_in));
+  for (const std::string& name : fused_names) {
+    EXPECT_EQ(names_of(per_expert_out).count(name), 0u) << name;
+    EXPECT_EQ(values_of(*be, fused_out, name), values_of(*be, fused_in, name)) << name;
+  }
+  for (const std::string& name : names_of(per_expert_in))
+    EXPECT_EQ(values_of(*be, per_expert_out, name), values_of(*be, per_expert_in, name)) << name;
 }

@@ -17,6 +17,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/quant4_ops.h"
 #include "backend/cpu/gated_delta_ops.h"
+#include "backend/cpu/moe_ops.h"
 #include "core/error.h"
 
 namespace spindle {
@@ -692,6 +693,32 @@ class CpuBackend final : public Backend {
   void gated_rmsnorm_backward(Stream, const Tensor& x, const Tensor& z, const Tensor& w, const Tensor& rstd,
                               const Tensor& dy, Tensor& dx, Tensor& dz, Tensor* dw) override {
     cpu::gated_rmsnorm_backward(x, z, w, rstd, dy, dx, dz, dw);
+  }
+
+  // ---- mixture of experts: backend/cpu/moe_ops.cpp ---------------------------------------------
+  void moe_router_forward(Stream, const Tensor& logits, int64_t top_k, bool normalize, Tensor& probs,
+                          Tensor& topk_index, Tensor& topk_weight) override {
+    cpu::moe_router_forward(logits, top_k, normalize, probs, topk_index, topk_weight);
+  }
+  void moe_router_backward(Stream, const Tensor& probs, const Tensor& topk_index, const Tensor& d_topk_weight,
+                           bool normalize, const Tensor& aux_grad, const Tensor& token_doc, Tensor& dlogits) override {
+    cpu::moe_router_backward(probs, topk_index, d_topk_weight, normalize, aux_grad, token_doc, dlogits);
+  }
+  void moe_router_statistics(Stream, const Tensor& probs, const Tensor& topk_index, const Tensor& token_doc,
+                             Tensor& counts, Tensor& prob_sums) override {
+    cpu::moe_router_statistics(probs, topk_index, token_doc, counts, prob_sums);
+  }
+  void moe_permute(Stream, const Tensor& topk_index, int64_t num_experts, Tensor& rows_token, Tensor& row_of_slot,
+                   Tensor& offsets) override {
+    cpu::moe_permute(topk_index, num_experts, rows_token, row_of_slot, offsets);
+  }
+  void moe_combine(Stream, const Tensor& y, const Tensor& row_of_slot, const Tensor& topk_index,
+                   const Tensor& topk_weight, Tensor& out) override {
+    cpu::moe_combine(y, row_of_slot, topk_index, topk_weight, out);
+  }
+  void moe_combine_backward(Stream, const Tensor& dout, const Tensor& y, const Tensor& row_of_slot,
+                            const Tensor& topk_weight, Tensor& dy, Tensor& d_topk_weight) override {
+    cpu::moe_combine_backward(dout, y, row_of_slot, topk_weight, dy, d_topk_weight);
   }
 
   void cross_entropy(Stream, Tensor& logits, const Tensor& targets, const Tensor& weights, double loss_scale,

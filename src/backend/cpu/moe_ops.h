@@ -1,0 +1,25 @@
+// The CPU backend's mixture-of-experts ops (backend/backend.h, "mixture of experts"), implemented
+// here and forwarded to by the CpuBackend class. F32 and F64 compute tensors, stat tensors F32 or
+// F64; every sum accumulates in double.
+#pragma once
+
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace spindle::cpu {
+
+void moe_router_forward(const Tensor& logits, int64_t top_k, bool normalize, Tensor& probs, Tensor& topk_index,
+                        Tensor& topk_weight);
+void moe_router_backward(const Tensor& probs, const Tensor& topk_index, const Tensor& d_topk_weight, bool normalize,
+                         const Tensor& aux_grad, const Tensor& token_doc, Tensor& dlogits);
+void moe_router_statistics(const Tensor& probs, const Tensor& topk_index, const Tensor& token_doc, Tensor& counts,
+                           Tensor& prob_sums);
+void moe_permute(const Tensor& topk_index, int64_t num_experts, Tensor& rows_token, Tensor& row_of_slot,
+                 Tensor& offsets);
+void moe_combine(const Tensor& y, const Tensor& row_of_slot, const Tensor& topk_index, const Tensor& topk_weight,
+                 Tensor& out);
+void moe_combine_backward(const Tensor& dout, const Tensor& y, const Tensor& row_of_slot, const Tensor& topk_weight,
+                          Tensor& dy, Tensor& d_topk_weight);
+
+}  // namespace spindle::cpu

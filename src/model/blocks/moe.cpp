@@ -1,0 +1,197 @@
+#include "model/blocks/moe.h"
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "model/router_aux_loss.h"
+
+namespace spindle {
+
+namespace {
+
+// Each expert's block of routed rows, on the host: this model code runs every expert as its own
+// Linear over a row range, so it reads the E + 1 offsets once per layer call (a device→host copy).
+// The offsets stay a device tensor in the op interface; a backend with grouped GEMMs that take
+// device offsets can run the experts without this read.
+void read_expert_rows(Backend& be, Stream st, MoeActivations& a) {
+  std::vector<int32_t> offsets(static_cast<size_t>(a.offsets.numel()));
+  be.copy_to_host(st, a.offsets, offsets.data());
+  a.expert_rows.assign(offsets.begin(), offsets.end());
+}
+
+}  // namespace
+
+MixtureOfExperts::MixtureOfExperts(ParameterSink& sink, const ModelConfig& c, const std::string& layer_prefix)
+    : experts_(c.moe.num_experts),
+      top_k_(c.moe.experts_per_token),
+      width_(c.moe.expert_intermediate_size),
+      hidden_(c.hidden_size),
+      normalize_(c.moe.norm_topk_prob) {
+  SPINDLE_CHECK(experts_ > 0 && top_k_ > 0 && top_k_ <= experts_ && width_ > 0, "MoE layer of {}: {} experts, k {}",
+                layer_prefix, experts_, top_k_);
+  const std::string pre = layer_prefix + "mlp.";
+  const int64_t h = c.hidden_size;
+  // Every token multiplies the router; an expert sees k/E of the tokens on average.
+  const double share = static_cast<double>(top_k_) / static_cast<double>(experts_);
+  router_ = sink.add_linear({"gate", pre + "gate", experts_, h, false, false});
+  gate_.reserve(static_cast<size_t>(experts_));
+  up_.reserve(static_cast<size_t>(experts_));
+  down_.reserve(static_cast<size_t>(experts_));
+  for (int64_t e = 0; e < experts_; ++e) {
+    const std::string expert = fmt::format("{}experts.{}.", pre, e);
+    gate_.push_back(sink.add_linear({"experts.gate_proj", expert + "gate_proj", width_, h, false, false, share}));
+    up_.push_back(sink.add_linear({"experts.up_proj", expert + "up_proj", width_, h, false, false, share}));
+    down_.push_back(sink.add_linear({"experts.down_proj", expert + "down_proj", h, width_, false, false, share}));
+  }
+  // transformers 5's layout of the same weights: every expert's gate then up rows, and every down.
+  PackedTensor gate_up{pre + "experts.gate_up_proj", Shape{experts_, 2 * width_, h}, {}};
+  PackedTensor down{pre + "experts.down_proj", Shape{experts_, h, width_}, {}};
+  for (int64_t e = 0; e < experts_; ++e) {
+    gate_up.parts.push_back(gate_[e].weight);
+    gate_up.parts.push_back(up_[e].weight);
+    down.parts.push_back(down_[e].weight);
+  }
+  sink.add_packed(std::move(gate_up));
+  sink.add_packed(std::move(down));
+}
+
+std::vector<Parameter*> MixtureOfExperts::parameters() const {
+  std::vector<Parameter*> out;
+  append_parameters(out, router_);
+  for (int64_t e = 0; e < experts_; ++e)
+    for (const Linear* lin : {&gate_[e], &up_[e], &down_[e]}) append_parameters(out, *lin);
+  return out;
+}
+
+std::vector<Linear*> MixtureOfExperts::linears() {
+  std::vector<Linear*> out{&router_};
+  for (int64_t e = 0; e < experts_; ++e)
+    for (Linear* lin : {&gate_[e], &up_[e], &down_[e]}) out.push_back(lin);
+  return out;
+}
+
+void MixtureOfExperts::allocate(Backend& be, DType dt, int64_t t, ActivationNeeds needs,
+                                FeedForwardActivations& f) const {
+  MoeActivations& a = f.moe;
+  const int64_t n = t * top_k_;
+  if (needs.intermediates && !(a.probs.defined() && a.probs.dim(0) == t)) {
+    const DType st = stat_dtype(dt);
+    a.probs = be.empty(Shape{t, experts_}, st);
+    a.topk_index = be.empty(Shape{t, top_k_}, DType::I32);
+    a.topk_weight = be.empty(Shape{t, top_k_}, st);
+    a.rows_token = be.empty(Shape{n}, DType::I32);
+    a.row_of_slot = be.empty(Shape{n}, DType::I32);
+    a.offsets = be.empty(Shape{experts_ + 1}, DType::I32);
+    a.gate = be.empty(Shape{n, width_}, dt);
+    a.up = be.empty(Shape{n, width_}, dt);
+    router_.allocate(be, a.router, t, dt);
+    // Per-expert LoRA intermediates depend on the routing: sized in forward.
+    a.gate_proj.resize(static_cast<size_t>(experts_));
+    a.up_proj.resize(static_cast<size_t>(experts_));
+    a.down_proj.resize(static_cast<size_t>(experts_));
+  }
+  if (needs.product && !(a.act.defined() && a.act.dim(0) == n)) a.act = be.empty(Shape{n, width_}, dt);
+}
+
+void MixtureOfExperts::run_down(Backend& be, Stream st, const MoeActivations& a, const Tensor& act, Tensor& y,
+                                std::vector<LinearActivations>& down) const {
+  for (int64_t e = 0; e < experts_; ++e) {
+    const int64_t begin = a.expert_rows[e], end = a.expert_rows[e + 1];
+    if (begin == end) continue;
+    down_[e].allocate(be, down[e], end - begin, y.dtype());
+    Tensor ye = y.rows(begin, end);
+    down_[e].forward(be, st, act.rows(begin, end), ye, down[e]);
+  }
+}
+
+void MixtureOfExperts::forward(const LayerContext& ctx, const Tensor& xn, FeedForwardActivations& f,
+                               Tensor& out) const {
+  MoeActivations& a = f.moe;
+  Backend& be = ctx.backend;
+  const Stream st = ctx.stream;
+  const DType dt = ctx.dtype;
+  const int64_t t = ctx.tokens(), n = t * top_k_;
+  // Router: logits in the activation dtype, softmax and top-k at the stat precision.
+  Tensor logits = be.empty(Shape{t, experts_}, dt);
+  router_.forward(be, st, xn, logits, a.router);
+  be.moe_router_forward(st, logits, top_k_, normalize_, a.probs, a.topk_index, a.topk_weight);
+  if (ctx.router_aux && ctx.router_aux->collecting()) ctx.router_aux->add(st, a.probs, a.topk_index, ctx.batch.doc_ids);
+  be.moe_permute(st, a.topk_index, experts_, a.rows_token, a.row_of_slot, a.offsets);
+  read_expert_rows(be, st, a);
+
+  Tensor x = be.empty(Shape{n, hidden_}, dt);  // [N, H] the routed rows' inputs
+  be.gather_rows(st, xn, a.rows_token, x);
+  for (int64_t e = 0; e < experts_; ++e) {
+    const int64_t begin = a.expert_rows[e], end = a.expert_rows[e + 1];
+    if (begin == end) continue;
+    const Tensor xe = x.rows(begin, end);
+    Tensor ge = a.gate.rows(begin, end), ue = a.up.rows(begin, end);
+    gate_[e].allocate(be, a.gate_proj[e], end - begin, dt);
+    up_[e].allocate(be, a.up_proj[e], end - begin, dt);
+    gate_[e].forward(be, st, xe, ge, a.gate_proj[e]);
+    up_[e].forward(be, st, xe, ue, a.up_proj[e]);
+  }
+  // A kept layer does not keep act (see MoeActivations): it lives until the down projections.
+  Tensor act = a.act.defined() ? a.act : be.empty(a.gate.shape(), dt);
+  be.swiglu_forward(st, a.gate, a.up, act);
+  Tensor y = be.empty(Shape{n, hidden_}, dt);  // [N, H] the experts' outputs before weighting
+  run_down(be, st, a, act, y, a.down_proj);
+  be.moe_combine(st, y, a.row_of_slot, a.topk_index, a.topk_weight, out);
+}
+
+void MixtureOfExperts::backward(const LayerContext& ctx, const Tensor& xn, const FeedForwardActivations& f,
+                                const Tensor& dout, Tensor& dxn) const {
+  const MoeActivations& a = f.moe;
+  Backend& be = ctx.backend;
+  const Stream st = ctx.stream;
+  const DType dt = ctx.dtype;
+  const int64_t t = ctx.tokens(), n = t * top_k_;
+  // act and the experts' outputs again, from the kept gate and up: the forward's kernels on the
+  // same inputs, so they are the forward's values (the weights' gradient needs the outputs).
+  Tensor act = a.act;
+  if (!act.defined()) {
+    act = be.empty(a.gate.shape(), dt);
+    be.swiglu_forward(st, a.gate, a.up, act);
+  }
+  Tensor y = be.empty(Shape{n, hidden_}, dt);
+  std::vector<LinearActivations> down(static_cast<size_t>(experts_));
+  run_down(be, st, a, act, y, down);
+
+  Tensor dy = be.empty(Shape{n, hidden_}, dt);
+  Tensor d_weight = be.empty(Shape{t, top_k_}, stat_dtype(dt));
+  be.moe_combine_backward(st, dout, y, a.row_of_slot, a.topk_weight, dy, d_weight);
+  y = Tensor();
+  Tensor d_act = be.empty(Shape{n, width_}, dt);
+  for (int64_t e = 0; e < experts_; ++e) {
+    const int64_t begin = a.expert_rows[e], end = a.expert_rows[e + 1];
+    if (begin == end) continue;
+    Tensor de = d_act.rows(begin, end);
+    down_[e].backward(be, st, act.rows(begin, end), dy.rows(begin, end), down[e], &de, false);
+  }
+  dy = Tensor();
+  Tensor d_gate = be.empty(d_act.shape(), dt), d_up = be.empty(d_act.shape(), dt);
+  be.swiglu_backward(st, a.gate, a.up, d_act, d_gate, d_up);
+  d_act = Tensor();
+
+  Tensor x = be.empty(Shape{n, hidden_}, dt);  // the routed rows' inputs, gathered again
+  be.gather_rows(st, xn, a.rows_token, x);
+  Tensor dx = be.empty(Shape{n, hidden_}, dt);
+  for (int64_t e = 0; e < experts_; ++e) {
+    const int64_t begin = a.expert_rows[e], end = a.expert_rows[e + 1];
+    if (begin == end) continue;
+    const Tensor xe = x.rows(begin, end);
+    Tensor dxe = dx.rows(begin, end);
+    gate_[e].backward(be, st, xe, d_gate.rows(begin, end), a.gate_proj[e], &dxe, false);
+    up_[e].backward(be, st, xe, d_up.rows(begin, end), a.up_proj[e], &dxe, true);
+  }
+
+  // Router: the routing weights' gradient (and the load-balancing loss's) through top-k and softmax.
+  Tensor aux;
+  if (ctx.router_aux && ctx.router_aux->ready()) aux = ctx.router_aux->probability_gradient();
+  Tensor d_logits = be.empty(Shape{t, experts_}, dt);
+  be.moe_router_backward(st, a.probs, a.topk_index, d_weight, normalize_, aux, ctx.batch.doc_ids, d_logits);
+  router_.backward(be, st, xn, d_logits, a.router, &dxn, false);
+  be.scatter_add_rows(st, dx, a.rows_token, dxn);
+}
+
+}  // namespace spindle

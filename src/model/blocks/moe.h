@@ -1,0 +1,47 @@
+// A mixture-of-experts feed-forward (qwen3_moe's Qwen3MoeSparseMoeBlock): a router picks k of E
+// SwiGLU experts per token and the output is their routing-weighted sum,
+//
+//   p = softmax(xn·W_gᵀ) (stat precision),  top-k of p (renormalised when norm_topk_prob) = w,
+//   out[t] = Σ_j w[t, j] · down_e(silu(gate_e(xn[t])) · up_e(xn[t])),  e = the j-th expert of t.
+//
+// The experts run as grouped work over a permutation of the (token, slot) pairs sorted by expert,
+// each expert's rows one contiguous block: gather, per-expert projections (Linears, so FSDP, export
+// and FLOP counts see every expert), weighted sum back per token. Backward also carries the
+// routing weights' gradient through the top-k and the softmax into the router, and the
+// load-balancing loss's gradient when the step has one (model/router_aux_loss.h).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "model/block.h"
+
+namespace spindle {
+
+class MixtureOfExperts final : public FeedForward {
+ public:
+  // Parameters "<prefix>mlp.gate.weight" [E, H] (the router) and, per expert e,
+  // "<prefix>mlp.experts.<e>.{gate,up}_proj.weight" [I, H] and "….down_proj.weight" [H, I].
+  MixtureOfExperts(ParameterSink& sink, const ModelConfig& config, const std::string& layer_prefix);
+
+  FeedForwardKind kind() const override { return FeedForwardKind::MixtureOfExperts; }
+  void allocate(Backend& backend, DType dtype, int64_t tokens, ActivationNeeds needs,
+                FeedForwardActivations& a) const override;
+  void forward(const LayerContext& ctx, const Tensor& xn, FeedForwardActivations& a, Tensor& out) const override;
+  void backward(const LayerContext& ctx, const Tensor& xn, const FeedForwardActivations& a, const Tensor& dout,
+                Tensor& dxn) const override;
+  std::vector<Parameter*> parameters() const override;
+  std::vector<Linear*> linears() override;
+
+ private:
+  // out [N, H] (overwritten) = down_e(act) on each expert's block of routed rows.
+  void run_down(Backend& backend, Stream stream, const MoeActivations& a, const Tensor& act, Tensor& y,
+                std::vector<LinearActivations>& down) const;
+
+  int64_t experts_, top_k_, width_, hidden_;
+  bool normalize_;
+  Linear router_;                       // [E, H]
+  std::vector<Linear> gate_, up_, down_;  // [E] each: [I, H], [I, H], [H, I]
+};
+
+}  // namespace spindle
