@@ -20,7 +20,7 @@ tokens (all its targets fall on the first rank), and rows whose later shards hav
 The qlora part runs LoRA over 4-bit (bitsandbytes NF4/FP4) base weights, quantised at load or read
 from a folder bitsandbytes saved, with FSDP sharding the packed bytes and absmax.
 
-usage: parity_matrix.py SPINDLE ROOT PART   (PART: sp2, sp4, sp8, dp, variants, lora, qlora, sft, errors)
+usage: parity_matrix.py SPINDLE ROOT PART   (PART: sp2, sp4, sp8, dp, variants, lora, qlora, moe, sft, errors)
 """
 import json
 import os
@@ -30,7 +30,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
-from tiny_model import config, write_model  # noqa: E402
+from tiny_model import config, qwen3_moe_config, write_model  # noqa: E402
 
 spindle, root, part = sys.argv[1], sys.argv[2], sys.argv[3]
 work = tempfile.mkdtemp(prefix=f"spindle-parity-{part}-")
@@ -58,6 +58,9 @@ def make_data(path, loss_scale, vocab=64, seed=2):
 
 model = os.path.join(work, "model")
 write_model(model, config())
+# qwen3_moe: layers 0 and 2 route each token to 2 of 4 experts, layer 1 is dense.
+moe_model = os.path.join(work, "moe")
+write_model(moe_model, qwen3_moe_config())
 data_scaled = os.path.join(work, "scaled.jsonl")
 data_plain = os.path.join(work, "plain.jsonl")
 make_data(data_scaled, True)
@@ -89,8 +92,12 @@ def check(name, sp=1, ulysses=None, ring=None, dp=1, accum=2, packing=True, scal
         return False
     r = json.loads(lines[-1].split("] ", 1)[-1])
     ok = out.returncode == 0 and r["passed"] and r["num_items"] > 0
+    aux = ""
+    if "--router-aux-loss-coef" in extra:  # the aux loss must have been computed, on both sides
+        ok &= "aux_loss_single" in r and r["aux_loss_single"] > 0
+        aux = f", aux loss {r.get('aux_loss_single', float('nan')):.6f} rel {r.get('aux_loss_relative_error', 1):.1e}"
     print(f"{'ok  ' if ok else 'FAIL'} {name}: dp {r['dp']} sp {r['sp']} (u{r['ulysses']} r{r['ring']}) "
-          f"rows {r['rows']} targets {r['num_items']}: loss rel {r['loss_relative_error']:.1e}, "
+          f"rows {r['rows']} targets {r['num_items']}: loss rel {r['loss_relative_error']:.1e}{aux}, "
           f"worst grad rel {r['max_grad_relative_error']:.1e} ({r['worst_tensor']})")
     return ok
 
@@ -199,6 +206,28 @@ elif part == "sft":
                       f"targets {x['num_items']} vs {y['num_items']}")
         print(f"{'ok  ' if ok else 'FAIL'} {name}")
         results.append(ok)
+elif part == "moe":
+    # qwen3_moe with the router load-balancing loss, whose statistics are global over the step: every
+    # sp shard, dp replica and micro-batch (grad-accum 2 computes them in a forward pass of their own;
+    # grad-accum 1, inside the one micro-batch's step). Routing is per token, so every strategy shards
+    # it alike; the experts and routers are FSDP-sharded like any weight.
+    aux = ["--full", "--router-aux-loss-coef", "0.05"]
+    results.append(check("moe sp1 dp2", dp=2, model_dir=moe_model, extra=aux))
+    for dp in (1, 2):
+        results.append(check(f"moe ulysses sp2 dp{dp}", sp=2, ulysses=2, dp=dp, model_dir=moe_model, extra=aux))
+        results.append(check(f"moe ring sp2 dp{dp}", sp=2, ring=2, dp=dp, model_dir=moe_model, extra=aux))
+    results.append(check("moe ulysses sp4 (KV heads replicated)", sp=4, ulysses=4, model_dir=moe_model, extra=aux))
+    results.append(check("moe ring sp4", sp=4, ring=4, model_dir=moe_model, extra=aux))
+    results.append(check("moe hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=moe_model, extra=aux))
+    results.append(check("moe hybrid u2 x r2 grad-accum 1", sp=4, ulysses=2, ring=2, accum=1, model_dir=moe_model,
+                         extra=aux))
+    results.append(check("moe ring sp2 dp2 grad-accum 1 --no-fsdp", sp=2, ring=2, dp=2, accum=1, model_dir=moe_model,
+                         extra=aux + ["--no-fsdp"]))
+    results.append(check("moe ulysses sp2 recompute all, f64", sp=2, ulysses=2, model_dir=moe_model,
+                         extra=aux + ["--recompute", "all"], dtype="f64"))
+    # LoRA on what PEFT adapts in qwen3_moe (attention, the dense layer's MLP), experts frozen.
+    results.append(check("moe LoRA ring sp2 dp2", sp=2, ring=2, dp=2, model_dir=moe_model,
+                         extra=["--lora-rank", "4", "--router-aux-loss-coef", "0.05"]))
 elif part == "errors":
     # A wrong mesh is an error naming the flags, before anything is allocated.
     for args, expect in ((["--nproc-per-node", "2", "--sp", "3"], "--sp"),
