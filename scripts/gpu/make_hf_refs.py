@@ -12,11 +12,15 @@ The loss is docs/design.md §2.2: Σ loss_scale·CE over supervised targets / nu
 document d's position i predicts labels[i+1] of the same document. Each document is run on its own, so
 the reference needs no packing support from transformers: packing must reproduce it exactly.
 
-Gated DeltaNet cases (qwen3_5) give every DeltaNet head a slow decay (slow_deltanet_decay): a state
-leaking from one packed document into the next would then change the loss well beyond rounding.
+Mixture-of-experts cases (qwen3_moe) train with the router load-balancing loss: expected.safetensors then
+also holds aux_loss (F64[1]), transformers' load_balancing_loss_func over the raw router logits of every
+document and MoE layer at once (the whole step, as spindle defines it), and the gradients are those of
+loss + router_aux_loss_coef · aux_loss. Their routers are decisive (no top-k near-tie on any token) so that
+F32 rounding cannot change a routing decision between the two implementations.
 
-Usage: python3 make_hf_refs.py OUT_DIR
+Usage: python3 make_hf_refs.py [OUT_DIR | --out OUT_DIR] [--only CASE[,CASE...]]
 """
+import argparse
 import json
 import os
 import sys
@@ -24,11 +28,17 @@ import zlib
 
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 torch.manual_seed(0)
 torch.use_deterministic_algorithms(True)
-OUT = sys.argv[1] if len(sys.argv) > 1 else "testdata/hf"
+_parser = argparse.ArgumentParser()
+_parser.add_argument("out_dir", nargs="?", default=None)
+_parser.add_argument("--out", default=None)
+_parser.add_argument("--only", default=None, help="comma-separated case names (default: every case)")
+ARGS = _parser.parse_args()
+OUT = ARGS.out or ARGS.out_dir or "testdata/hf"
+ONLY = set(ARGS.only.split(",")) if ARGS.only else None
 
 VOCAB = 96
 
@@ -73,22 +83,125 @@ def reference(model, docs, trainable):
     return out, float(total)
 
 
-def slow_deltanet_decay(model):
-    """Gated DeltaNet heads (linear_attn.A_log) with exp(A_log) in [1e-3, 3e-3]: their per-token decay
-    exp(-exp(A_log)·softplus(a + dt_bias)) stays above 0.99, so their state lasts the whole document
-    (transformers draws exp(A_log) from [0.01, 16], whose fast decays forget within a few tokens)."""
+class RouterLogits:
+    """Raw router logits of every MoE layer (x·W_gᵀ, differentiable), recorded by forward hooks on the
+    routers; in transformers 5 the router module's own first output is its softmax, not the logits."""
+
+    def __init__(self, model):
+        self.logits = []
+        self.handles = [m.register_forward_hook(self.hook) for n, m in model.named_modules()
+                        if n.endswith("mlp.gate") and hasattr(m, "weight")]
+        assert self.handles, "no MoE router found"
+
+    def hook(self, module, inputs, output):
+        x = inputs[0]
+        self.logits.append(torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), module.weight))
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def reference_moe(model, docs, trainable, config):
+    """reference() plus the router load-balancing loss over all documents and MoE layers together."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qm
+    model.zero_grad(set_to_none=True)
+    num_items = sum(sum(1 for t in d["labels"][1:] if t != -100) for d in docs)
+    routers = RouterLogits(model)
+    parts, all_logits = [], []
+    for d in docs:
+        ids = torch.tensor([d["input_ids"]])
+        logits = model(input_ids=ids).logits[0].float()
+        all_logits.append(logits.detach())
+        labels = torch.tensor(d["labels"][1:])
+        scale = torch.tensor(d["loss_scale"][1:], dtype=torch.float32)
+        mask = labels != -100
+        if mask.any():
+            ce = torch.nn.functional.cross_entropy(logits[:-1][mask], labels[mask], reduction="none")
+            parts.append((ce * scale[mask]).sum() / num_items)
+    routers.close()
+    aux = qm.load_balancing_loss_func(tuple(routers.logits), config.num_experts, config.num_experts_per_tok, None)
+    ce_total = torch.stack(parts).sum()
+    (ce_total + config.router_aux_loss_coef * aux).backward()
+    out = {
+        "loss": ce_total.detach().double().reshape(1),
+        "aux_loss": aux.detach().double().reshape(1),
+        "num_items": torch.tensor([num_items], dtype=torch.int64),
+        "logits": torch.cat(all_logits).contiguous(),
+    }
+    for name, p in trainable:
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        out["grad." + name] = g.detach().float().contiguous()
+    return out, float(ce_total)
+
+
+def router_margin(model, docs, k):
+    """The smallest gap between a token's k-th and (k+1)-th router probability, over every MoE layer."""
+    model.eval()
+    routers = RouterLogits(model)
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("linear_attn.A_log"):
-                p.copy_(torch.empty_like(p).uniform_(1e-3, 3e-3).log())
+        for d in docs:
+            model(input_ids=torch.tensor([d["input_ids"]]))
+    routers.close()
+    margin = float("inf")
+    for logits in routers.logits:
+        top = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True).values
+        margin = min(margin, float((top[:, k - 1] - top[:, k]).min()))
+    return margin
+
+
+def make_routers_decisive(model, docs, config, seed):
+    """Router weights large enough that routing is far from uniform, redrawn until no token has a
+    top-k near-tie (margin below 1e-3) in any MoE layer."""
+    rng = torch.Generator().manual_seed(seed + 1)
+    for attempt in range(50):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("mlp.gate.weight"):
+                    p.copy_(0.3 * torch.randn(p.shape, generator=rng))
+        margin = router_margin(model, docs, config.num_experts_per_tok)
+        if margin > 1e-3:
+            print(f"  routers decisive after {attempt + 1} draw(s): smallest top-k margin {margin:.2e}")
+            return margin
+    raise SystemExit("no decisive router draw found")
+
+
+def expert_layout(folder):
+    """How save_pretrained wrote the routed experts: per expert (mlp.experts.N.*_proj.weight) or fused."""
+    names = list(load_file(os.path.join(folder, "model.safetensors")).keys())
+    if any(".mlp.experts.gate_up_proj" in n for n in names):
+        return "fused"
+    if any(".mlp.experts.0.gate_proj.weight" in n for n in names):
+        return "per_expert"
+    return "unknown"
+
+
+def hf_aux_loss_note(model, docs, config):
+    """What transformers' own forward reports as aux_loss for the first document, against
+    load_balancing_loss_func on its raw router logits: equal unless the model feeds the function
+    probabilities (a softmax applied twice)."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qm
+    ids = torch.tensor([docs[0]["input_ids"]])
+    routers = RouterLogits(model)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, labels=ids, output_router_logits=True)
+    finally:
+        routers.close()
+    own = float(out.aux_loss) if getattr(out, "aux_loss", None) is not None else None
+    raw = float(qm.load_balancing_loss_func(tuple(routers.logits), config.num_experts, config.num_experts_per_tok))
+    first = out.router_logits[0] if getattr(out, "router_logits", None) else None
+    probabilities = bool(first is not None and torch.allclose(first.float().sum(-1), torch.ones(first.shape[0])))
+    return {"model_aux_loss": own, "aux_loss_from_raw_logits": raw, "router_output_is_probabilities": probabilities}
 
 
 def write_case(name, config, legacy_rope=None, lora=None):
+    if ONLY is not None and name not in ONLY:
+        return
     seed = zlib.crc32(name.encode())
     rng = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
-    slow_deltanet_decay(model)
     # Norm weights are ones at init: randomize them so their gradients and scaling are exercised.
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -96,9 +209,22 @@ def write_case(name, config, legacy_rope=None, lora=None):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif "bias" in n:
                 p.copy_(0.1 * torch.randn_like(p))
+    moe = getattr(config, "model_type", "") == "qwen3_moe"
+    docs = documents(rng)
+    notes = {}
+    if moe:
+        model.eval()  # routing as the reference computes it (no training-mode router noise)
+        notes["smallest_router_margin"] = make_routers_decisive(model, docs, config, seed)
     folder = os.path.join(OUT, name)
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
+    if moe:
+        notes["expert_layout"] = expert_layout(folder)
+        try:
+            notes.update(hf_aux_loss_note(model, docs, config))
+        except Exception as e:  # informative only: the references do not depend on it
+            notes["hf_aux_loss_note_error"] = repr(e)[:300]
+        print(f"  {notes}")
     if legacy_rope is not None:
         # Rewrite the rope settings in the transformers-4 spelling, so both spellings are tested.
         path = os.path.join(folder, "config.json")
@@ -111,27 +237,42 @@ def write_case(name, config, legacy_rope=None, lora=None):
     if lora is not None:
         import peft
 
-        lora = dict(lora)
-        lora_std = lora.pop("init_std", 0.3)  # of every A and B entry
         model = peft.get_peft_model(model, peft.LoraConfig(**lora))
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n or "lora_A" in n:
-                    p.copy_(lora_std * torch.randn_like(p))
+        if moe and "target_parameters" not in lora and any("experts" in n for n, _ in model.named_parameters()
+                                                            if "lora_" in n):
+            # Per-expert modules matched the MLP names: adapt the attention only (spindle adapts no expert).
+            lora = dict(lora, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+            model = peft.get_peft_model(model.unload(), peft.LoraConfig(**lora))
+            notes["lora_targets_narrowed"] = True
+        for attempt in range(50):
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if "lora_B" in n or "lora_A" in n:
+                        p.copy_(0.3 * torch.randn_like(p))
+            # The adapters move the routers' inputs: their decisions must stay clear of ties too.
+            if not moe:
+                break
+            notes["smallest_router_margin"] = router_margin(model, docs, config.num_experts_per_tok)
+            if notes["smallest_router_margin"] > 1e-3:
+                break
+        else:
+            raise SystemExit(f"{name}: no LoRA draw keeps the routers decisive")
         model.save_pretrained(os.path.join(folder, "adapter"))
         # Gradient names as the adapter file spells them (no adapter name).
         trainable = [(n.replace(".default", ""), p) for n, p in model.named_parameters() if p.requires_grad]
     model.eval()  # no dropout; LoRA dropout is 0 anyway
 
-    docs = documents(rng)
     with open(os.path.join(folder, "data.jsonl"), "w") as f:
         for d in docs:
             f.write(json.dumps(d) + "\n")
-    tensors, loss = reference(model, docs, trainable)
+    tensors, loss = reference_moe(model, docs, trainable, config) if moe else reference(model, docs, trainable)
     save_file(tensors, os.path.join(folder, "expected.safetensors"))
-    json.dump({"loss": loss, "num_items": int(tensors["num_items"][0]), "transformers": transformers.__version__,
-               "torch": torch.__version__, "trainable": [n for n, _ in trainable]},
-              open(os.path.join(folder, "expected.json"), "w"), indent=1)
+    summary = {"loss": loss, "num_items": int(tensors["num_items"][0]), "transformers": transformers.__version__,
+               "torch": torch.__version__, "trainable": [n for n, _ in trainable]}
+    if moe:
+        import peft
+        summary.update(aux_loss=float(tensors["aux_loss"][0]), peft=peft.__version__, **notes)
+    json.dump(summary, open(os.path.join(folder, "expected.json"), "w"), indent=1)
     print(f"{name}: loss {loss:.8f} num_items {int(tensors['num_items'][0])} tensors {len(tensors)}")
 
 
@@ -160,21 +301,23 @@ def main():
                          "original_max_position_embeddings": 64}},
                lora=dict(r=8, lora_alpha=4, lora_dropout=0.0, use_rslora=True,
                          target_modules=["q_proj", "v_proj", "down_proj"]))
-    # qwen3_5, text-only (Qwen3_5ForCausalLM): gated DeltaNet, gated attention, gated DeltaNet; two value
-    # heads per key head of another width; attention heads of 16 with RoPE on their first 4 dims.
-    qwen3_5 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                   rms_norm_eps=1e-5, layer_types=["linear_attention", "full_attention", "linear_attention"],
-                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
-                   linear_conv_kernel_dim=4,
-                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
-    write_case("qwen3_5", transformers.Qwen3_5TextConfig(**qwen3_5, tie_word_embeddings=False))
-    write_case("qwen3_5_lora", transformers.Qwen3_5TextConfig(**qwen3_5, tie_word_embeddings=True),
-               # Adapters of std 0.1: at 0.3 they saturate β = σ(b) on some tokens, and the F32 gradients
-               # then carry rounding of 1e-4 relative (F32 against F64 in spindle), the parity tolerance.
-               lora=dict(r=4, lora_alpha=8, lora_dropout=0.0, init_std=0.1,
-                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
-                                         "in_proj_b", "in_proj_a", "out_proj", "gate_proj", "up_proj", "down_proj"]))
+
+    # qwen3_moe: layers 0 and 2 MoE (top-2 of 4 experts, renormalised), layer 1 dense (mlp_only_layers);
+    # the load-balancing loss on, with a coefficient large enough to show in every gradient.
+    qwen3_moe = transformers.Qwen3MoeConfig(**{**common, "hidden_size": 48, "num_hidden_layers": 3}, head_dim=16,
+                                            tie_word_embeddings=False, moe_intermediate_size=32, num_experts=4,
+                                            num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                                            mlp_only_layers=[1], output_router_logits=True, router_aux_loss_coef=0.1,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    write_case("qwen3_moe", qwen3_moe)
+    write_case("qwen3_moe_lora", qwen3_moe, lora=dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    # PEFT's LoRA on the fused expert tensors (target_parameters): how PEFT lays out such adapters.
+    try:
+        write_case("qwen3_moe_expert_lora", qwen3_moe,
+                   lora=dict(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj"],
+                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    except Exception as e:  # an older PEFT, or experts that are not fused
+        print(f"qwen3_moe_expert_lora: not written: {e!r}"[:600])
 
 
 if __name__ == "__main__":

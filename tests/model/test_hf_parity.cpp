@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include "backend/backend.h"
@@ -14,6 +15,7 @@
 #include "io/checkpoint.h"
 #include "io/load_tensor.h"
 #include "model/decoder.h"
+#include "model/router_aux_loss.h"
 
 using namespace spindle;
 using namespace spindle::test;
@@ -25,10 +27,13 @@ std::string case_dir(const std::string& name) { return std::string(SPINDLE_SOURC
 struct Reference {
   io::Checkpoint expected;
   double loss;
+  std::optional<double> aux_loss;  // MoE cases: the router load-balancing loss
   int64_t num_items;
   explicit Reference(const std::string& dir) : expected(dir + "/expected.safetensors") {
     auto cpu = make_cpu_backend();
     loss = to_host(*cpu, io::load_tensor(*cpu, expected.require("loss", Shape{1}), DType::F64))[0];
+    if (expected.find("aux_loss"))
+      aux_loss = to_host(*cpu, io::load_tensor(*cpu, expected.require("aux_loss", Shape{1}), DType::F64))[0];
     std::vector<int64_t> n(1);
     const io::TensorRecord& rec = expected.require("num_items", Shape{1});
     std::memcpy(n.data(), rec.data, 8);
@@ -39,6 +44,7 @@ struct Reference {
 struct StepResult {
   double loss = 0;
   int64_t num_items = 0;
+  std::optional<double> aux_loss;
 };
 
 // Loads the case's model (and adapter), packs its documents into rows of `max_length`, and runs one
@@ -56,23 +62,60 @@ StepResult run_case(Backend& be, ModelWeights& weights, const std::string& dir, 
   // Two micro-batches (the rows split in halves) whose gradients add up: accumulation is exact.
   const size_t half = rows.size() / 2;
   std::vector<PackedRow> first(rows.begin(), rows.begin() + half), second(rows.begin() + half, rows.end());
+  const double scale = 1.0 / static_cast<double>(num_items);
+  // MoE models train with the router load-balancing loss their config asks for, its statistics over
+  // both micro-batches: a forward-only pass first, as StepRunner does for several micro-batches.
+  std::unique_ptr<RouterAuxLoss> aux;
+  if (const double coefficient = router_aux_loss_coefficient(weights.config, -1); coefficient > 0) {
+    aux = std::make_unique<RouterAuxLoss>(be, weights.config, weights.dtype, coefficient);
+    int64_t tokens = 0;
+    for (const PackedRow& r : rows)
+      for (int32_t doc : r.doc_ids) tokens += doc >= 0;
+    aux->begin_step(tokens, nullptr);
+    decoder.set_router_aux_loss(aux.get());
+    Tensor discard = be.zeros(Shape{1}, stat_dtype(weights.dtype));
+    for (auto* part : {&first, &second})
+      if (!part->empty()) decoder.step(make_micro_batch(be, *part, weights.dtype), scale, discard, false);
+    aux->finish_statistics();
+  }
   for (auto* part : {&first, &second}) {
     if (part->empty()) continue;
     MicroBatch batch = make_micro_batch(be, *part, weights.dtype);
-    decoder.step(batch, 1.0 / static_cast<double>(num_items), loss, true);
+    decoder.step(batch, scale, loss, true);
   }
-  return {to_host(be, loss)[0], num_items};
+  StepResult result{to_host(be, loss)[0], num_items, std::nullopt};
+  if (aux) result.aux_loss = aux->value();
+  return result;
+}
+
+// The reference gradient of `p`: under its own name, or its slice of a packed tensor (transformers
+// 5 keeps routed experts fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]).
+std::vector<double> reference_gradient(Backend& be, const ModelWeights& weights, const Reference& ref,
+                                       const Parameter& p) {
+  if (const io::TensorRecord* rec = ref.expected.find("grad." + p.name))
+    return to_host(be, io::load_tensor(be, *rec, DType::F64));
+  for (const PackedTensor& packed : weights.packed_tensors()) {
+    int64_t offset = 0;
+    for (const Parameter* part : packed.parts) {
+      if (part == &p) {
+        const io::TensorRecord* rec = ref.expected.find("grad." + packed.name);
+        if (!rec) return {};
+        const std::vector<double> whole = to_host(be, io::load_tensor(be, *rec, DType::F64));
+        return {whole.begin() + offset, whole.begin() + offset + p.value.numel()};
+      }
+      offset += part->value.numel();
+    }
+  }
+  return {};
 }
 
 void expect_gradients_match(Backend& be, ModelWeights& weights, const Reference& ref, double tol) {
   int checked = 0;
   for (Parameter& p : weights.parameters()) {
     if (!p.trainable) continue;
-    const io::TensorRecord* rec = ref.expected.find("grad." + p.name);
-    ASSERT_NE(rec, nullptr) << "no reference gradient for " << p.name;
-    Tensor want = io::load_tensor(be, *rec, DType::F64);
-    ASSERT_EQ(want.shape(), p.grad.shape()) << p.name;
-    const double err = relative_error(to_host(be, p.grad), to_host(be, want));
+    const std::vector<double> want = reference_gradient(be, weights, ref, p);
+    ASSERT_EQ(static_cast<int64_t>(want.size()), p.grad.numel()) << "no reference gradient of its size for " << p.name;
+    const double err = relative_error(to_host(be, p.grad), want);
     EXPECT_LE(err, tol) << p.name;
     ++checked;
   }
@@ -100,6 +143,8 @@ TEST_P(HfParity, LossAndEveryGradientMatchTransformers) {
   StepResult run = run_case(*be, weights, dir, 32, {});
   EXPECT_EQ(run.num_items, ref.num_items);
   EXPECT_NEAR(run.loss, ref.loss, 1e-5 * std::fabs(ref.loss));
+  ASSERT_EQ(run.aux_loss.has_value(), ref.aux_loss.has_value());
+  if (ref.aux_loss) EXPECT_NEAR(*run.aux_loss, *ref.aux_loss, 1e-5 * std::fabs(*ref.aux_loss));
   expect_gradients_match(*be, weights, ref, 1e-4);
 }
 
@@ -115,6 +160,7 @@ TEST_P(HfParity, RecomputedLayersAndOtherPackingsGiveTheSameResult) {
   options.logits_budget_bytes = 512;  // a few rows per logits chunk
   StepResult run = run_case(*be, weights, dir, 64, options);
   EXPECT_NEAR(run.loss, ref.loss, 1e-5 * std::fabs(ref.loss));
+  if (ref.aux_loss) EXPECT_NEAR(*run.aux_loss, *ref.aux_loss, 1e-5 * std::fabs(*ref.aux_loss));
   expect_gradients_match(*be, weights, ref, 1e-4);
 }
 
@@ -161,6 +207,5 @@ TEST_P(HfParity, PerTokenCrossEntropyMatchesTransformersLogits) {
   for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 2e-5 * std::max(1.0, std::fabs(want[i]))) << i;
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, HfParity, ::testing::Values("llama", "qwen2", "qwen3", "qwen2_lora", "llama_rslora"));
-// Gated DeltaNet and gated attention layers (qwen3_5, text-only; slow-decay DeltaNet heads).
-INSTANTIATE_TEST_SUITE_P(Qwen35, HfParity, ::testing::Values("qwen3_5", "qwen3_5_lora"));
+INSTANTIATE_TEST_SUITE_P(Models, HfParity, ::testing::Values("llama", "qwen2", "qwen3", "qwen2_lora", "llama_rslora",
+                                                                "qwen3_moe"));
