@@ -12,6 +12,9 @@ The loss is docs/design.md §2.2: Σ loss_scale·CE over supervised targets / nu
 document d's position i predicts labels[i+1] of the same document. Each document is run on its own, so
 the reference needs no packing support from transformers: packing must reproduce it exactly.
 
+Gated DeltaNet cases (qwen3_5) give every DeltaNet head a slow decay (slow_deltanet_decay): a state
+leaking from one packed document into the next would then change the loss well beyond rounding.
+
 Mixture-of-experts cases (qwen3_moe) train with the router load-balancing loss: expected.safetensors then
 also holds aux_loss (F64[1]), transformers' load_balancing_loss_func over the raw router logits of every
 document and MoE layer at once (the whole step, as spindle defines it), and the gradients are those of
@@ -195,6 +198,16 @@ def hf_aux_loss_note(model, docs, config):
     return {"model_aux_loss": own, "aux_loss_from_raw_logits": raw, "router_output_is_probabilities": probabilities}
 
 
+def slow_deltanet_decay(model):
+    """Gated DeltaNet heads (linear_attn.A_log) with exp(A_log) in [1e-3, 3e-3]: their per-token decay
+    exp(-exp(A_log)·softplus(a + dt_bias)) stays above 0.99, so their state lasts the whole document
+    (transformers draws exp(A_log) from [0.01, 16], whose fast decays forget within a few tokens)."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("linear_attn.A_log"):
+                p.copy_(torch.empty_like(p).uniform_(1e-3, 3e-3).log())
+
+
 def write_case(name, config, legacy_rope=None, lora=None):
     if ONLY is not None and name not in ONLY:
         return
@@ -202,6 +215,7 @@ def write_case(name, config, legacy_rope=None, lora=None):
     rng = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    slow_deltanet_decay(model)
     # Norm weights are ones at init: randomize them so their gradients and scaling are exercised.
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -237,6 +251,8 @@ def write_case(name, config, legacy_rope=None, lora=None):
     if lora is not None:
         import peft
 
+        lora = dict(lora)
+        lora_std = lora.pop("init_std", 0.3)  # of every A and B entry
         model = peft.get_peft_model(model, peft.LoraConfig(**lora))
         if moe and "target_parameters" not in lora and any("experts" in n for n, _ in model.named_parameters()
                                                             if "lora_" in n):
@@ -248,7 +264,7 @@ def write_case(name, config, legacy_rope=None, lora=None):
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     if "lora_B" in n or "lora_A" in n:
-                        p.copy_(0.3 * torch.randn_like(p))
+                        p.copy_(lora_std * torch.randn_like(p))
             # The adapters move the routers' inputs: their decisions must stay clear of ties too.
             if not moe:
                 break
@@ -318,6 +334,22 @@ def main():
                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
     except Exception as e:  # an older PEFT, or experts that are not fused
         print(f"qwen3_moe_expert_lora: not written: {e!r}"[:600])
+
+    # qwen3_5, text-only (Qwen3_5ForCausalLM): gated DeltaNet, gated attention, gated DeltaNet; two value
+    # heads per key head of another width; attention heads of 16 with RoPE on their first 4 dims.
+    qwen3_5 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                   rms_norm_eps=1e-5, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                   linear_conv_kernel_dim=4,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    write_case("qwen3_5", transformers.Qwen3_5TextConfig(**qwen3_5, tie_word_embeddings=False))
+    write_case("qwen3_5_lora", transformers.Qwen3_5TextConfig(**qwen3_5, tie_word_embeddings=True),
+               # Adapters of std 0.1: at 0.3 they saturate β = σ(b) on some tokens, and the F32 gradients
+               # then carry rounding of 1e-4 relative (F32 against F64 in spindle), the parity tolerance.
+               lora=dict(r=4, lora_alpha=8, lora_dropout=0.0, init_std=0.1,
+                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
+                                         "in_proj_b", "in_proj_a", "out_proj", "gate_proj", "up_proj", "down_proj"]))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 
 
 def config(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -55,10 +55,50 @@ def is_moe_layer(c, layer):
     return layer not in c.get("mlp_only_layers", []) and (layer + 1) % c.get("decoder_sparse_step", 1) == 0
 
 
+def qwen3_5_config(**overrides):
+    """qwen3_5 (text-only) as tests/support/tiny_model.h's tiny_qwen3_5(): gated DeltaNet, gated attention,
+    gated DeltaNet; DeltaNet 2 key heads and 4 value heads of 8, conv kernel 4; RoPE on half the head."""
+    c = dict(model_type="qwen3_5_text", num_hidden_layers=3,
+             layer_types=["linear_attention", "full_attention", "linear_attention"], linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+             partial_rotary_factor=0.5)
+    c.update(overrides)
+    return config(**c)
+
+
+def deltanet_tensors(c, p):
+    """(name, shape, kind) of a gated DeltaNet layer's mixer (qwen3_5 "linear_attention" layers); A_log and
+    dt_bias drawn as biases (zero: exp(A_log) = 1)."""
+    h = c["hidden_size"]
+    key = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    heads, value = c["linear_num_value_heads"], c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    a = p + "linear_attn."
+    return [(a + "in_proj_qkv.weight", (2 * key + value, h), "matrix"), (a + "in_proj_z.weight", (value, h), "matrix"),
+            (a + "in_proj_b.weight", (heads, h), "matrix"), (a + "in_proj_a.weight", (heads, h), "matrix"),
+            (a + "conv1d.weight", (2 * key + value, 1, c["linear_conv_kernel_dim"]), "matrix"),
+            (a + "dt_bias", (heads,), "bias"), (a + "A_log", (heads,), "bias"),
+            (a + "norm.weight", (c["linear_value_head_dim"],), "norm"), (a + "out_proj.weight", (h, value), "matrix")]
+
+
 def layer_tensors(c, layer):
     """(name, shape, kind) of one decoder layer, kind "matrix", "bias" or "norm"."""
     h, inter, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    if c["model_type"] == "qwen3_5_text":
+        p = f"model.layers.{layer}."
+        if c["layer_types"][layer] == "linear_attention":
+            mixer = deltanet_tensors(c, p)
+        else:  # gated attention: q_proj holds each head's query and gate rows; (1 + w) q/k norms
+            mixer = [(p + "self_attn.q_proj.weight", (2 * q, h), "matrix"),
+                     (p + "self_attn.k_proj.weight", (kv, h), "matrix"),
+                     (p + "self_attn.v_proj.weight", (kv, h), "matrix"),
+                     (p + "self_attn.o_proj.weight", (h, q), "matrix"),
+                     (p + "self_attn.q_norm.weight", (d,), "norm"), (p + "self_attn.k_norm.weight", (d,), "norm")]
+        return mixer + [(p + "mlp.gate_proj.weight", (inter, h), "matrix"),
+                        (p + "mlp.up_proj.weight", (inter, h), "matrix"),
+                        (p + "mlp.down_proj.weight", (h, inter), "matrix"),
+                        (p + "input_layernorm.weight", (h,), "norm"),
+                        (p + "post_attention_layernorm.weight", (h,), "norm")]
     qkv_bias = c["model_type"] == "qwen2" or c.get("attention_bias", False)
     o_bias = c["model_type"] != "qwen2" and c.get("attention_bias", False)
     p = f"model.layers.{layer}."
