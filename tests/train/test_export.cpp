@@ -19,6 +19,7 @@
 #include "io/write_safetensors.h"
 #include "model/batch.h"
 #include "model/decoder.h"
+#include "plan/dry_backend.h"
 #include "support/tiny_model.h"
 #include "train/export.h"
 
@@ -747,4 +748,18 @@ TEST(HfModelExport, RoutedExpertsAreSavedInTheLayoutTheCheckpointHad) {
   }
   for (const std::string& name : names_of(per_expert_in))
     EXPECT_EQ(values_of(*be, per_expert_out, name), values_of(*be, per_expert_in, name)) << name;
+}
+
+TEST(HfModelExport, MixtureOfExpertsModelsAreRefusedOffTheCpuBeforeAnyWeightIsBuilt) {
+  // A backend that models a GPU (spindle plan's): the MoE ops have no CUDA kernels yet.
+  plan::DryBackend gpu(Device{DeviceKind::CUDA, 0}, 512);
+  try {
+    ModelWeights::random(gpu, tiny_qwen3_moe().config(), DType::BF16, 1);
+    ADD_FAILURE() << "qwen3_moe was built on a CUDA backend";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("qwen3_moe runs on the CPU backend for now"), std::string::npos) << message;
+    EXPECT_NE(message.find("mixture-of-experts"), std::string::npos) << message;
+    EXPECT_NE(message.find("use --device cpu"), std::string::npos) << message;
+  }
 }
