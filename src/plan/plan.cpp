@@ -171,6 +171,13 @@ PlanReport run_plan(const PlanOptions& o) {
   PlanReport rep;
   rep.options = o;
   rep.config = ModelConfig::from_file(o.model);
+  // How many tokens each expert receives depends on the router's choices, which a step that computes
+  // nothing does not make: refuse rather than print a number that is not the engine's.
+  for (int64_t l = 0; l < rep.config.num_layers; ++l)
+    if (rep.config.layer_kind(l).feed_forward == FeedForwardKind::MixtureOfExperts)
+      fail("spindle plan does not model mixture-of-experts layers yet ({} layer {}): their buffers depend on "
+           "the routing; measure the peak with `spindle bench --json` instead",
+           rep.config.model_type, l);
   const DType dtype = plan_dtype(o);
   if (dtype == DType::BF16 && o.device != "cuda") fail("--dtype bf16 is the CUDA backend's; the CPU computes in f32 or f64");
   if (dtype == DType::F64 && o.device == "cuda") fail("--dtype f64 runs on the CPU backend only (--device cpu)");

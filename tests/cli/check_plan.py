@@ -61,6 +61,13 @@ with open(os.path.join(hybrid, "config.json"), "w") as f:
 cases += [("qwen3_5 (DeltaNet + gated attention) LoRA, recompute all", hybrid, 96, ["--recompute", "all"], (1, [])),
           ("qwen3_5 full, keep-attention", hybrid, 64, ["--full", "--recompute", "keep-attention"], (1, []))]
 
+MOE = tempfile.mkdtemp(prefix="spindle-plan-moe-")
+with open(os.path.join(MOE, "config.json"), "w") as f:
+    json.dump({"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+               "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-5,
+               "hidden_act": "silu"}, f)
+
 failures = []
 for name, model, seq, extra, mesh in cases:
     path = os.path.join(hf, model)
@@ -75,9 +82,10 @@ for name, model, seq, extra, mesh in cases:
 
 for bad, needle in ((["--world", "3", "--sp", "2"], "--sp"), (["--seq", "0"], "--seq"),
                     (["--device", "tpu"], "--device"), (["--dtype", "bf16", "--device", "cpu"], "bf16"),
-                    (["--dtype", "f64"], "f64"), (["--recompute", "none", "--recompute-layers", "1"],
+                    (["--dtype", "f64"], "f64"), (["--model", MOE], "mixture-of-experts"), (["--recompute", "none", "--recompute-layers", "1"],
                                                   "--recompute-layers")):
-    p = subprocess.run([spindle, "plan", "--model", os.path.join(hf, "qwen2")] + bad,
+    model = [] if "--model" in bad else ["--model", os.path.join(hf, "qwen2")]
+    p = subprocess.run([spindle, "plan"] + model + bad,
                        capture_output=True, text=True, timeout=60)
     ok = p.returncode != 0 and needle in p.stderr and "Traceback" not in p.stderr
     print(f"{'ok  ' if ok else 'FAIL'} refuses {' '.join(bad)}: {p.stderr.strip().splitlines()[-1] if p.stderr else ''}")
