@@ -37,8 +37,6 @@ class DryBackend final : public Backend {
   const std::map<std::string, int64_t>& peak_by_phase() const { return peak_by_phase_; }
   // The phase in which the peak was reached (the one whose allocation reached it).
   const std::string& peak_phase() const { return peak_phase_; }
-  // Live bytes per phase now.
-  const std::map<std::string, int64_t>& live_by_phase() const { return live_by_phase_; }
 
   std::string name() const override { return "plan"; }
   Device device() const override { return device_; }
