@@ -95,6 +95,13 @@ class DryBackend final : public Backend {
   void gated_delta_rule_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                  const Tensor&, double, int64_t, const Tensor&, Tensor&, Tensor&, Tensor&, Tensor&,
                                  Tensor&) override {}
+  void gated_delta_rule_forward_states(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                       const Tensor&, const Tensor&, double, int64_t, const Tensor&, Tensor&,
+                                       Tensor&) override {}
+  void gated_delta_rule_backward_states(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                        const Tensor&, const Tensor&, double, int64_t, const Tensor&, const Tensor&,
+                                        const Tensor&, Tensor&, Tensor&, Tensor&, Tensor&, Tensor&,
+                                        Tensor&) override {}
   void gated_rmsnorm_forward(Stream, const Tensor&, const Tensor&, const Tensor&, double, Tensor&, Tensor&) override {}
   void gated_rmsnorm_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                               Tensor&, Tensor&, Tensor*) override {}

@@ -17,6 +17,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/quant4_ops.h"
 #include "backend/cpu/gated_delta_ops.h"
+#include "backend/cpu/gated_delta_state_ops.h"
 #include "backend/cpu/moe_ops.h"
 #include "core/error.h"
 
@@ -685,6 +686,20 @@ class CpuBackend final : public Backend {
                                  const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dg,
                                  Tensor& dbeta) override {
     cpu::gated_delta_rule_backward(q, k, v, g, beta, doc_ids, scale, chunk_size, dout, dq, dk, dv, dg, dbeta);
+  }
+  void gated_delta_rule_forward_states(Stream, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                       const Tensor& beta, const Tensor& run_ids, double scale, int64_t chunk_size,
+                                       const Tensor& initial_states, Tensor& out, Tensor& final_states) override {
+    cpu::gated_delta_rule_forward_states(q, k, v, g, beta, run_ids, scale, chunk_size, initial_states, out,
+                                         final_states);
+  }
+  void gated_delta_rule_backward_states(Stream, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                        const Tensor& beta, const Tensor& run_ids, double scale, int64_t chunk_size,
+                                        const Tensor& initial_states, const Tensor& dout,
+                                        const Tensor& d_final_states, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dg,
+                                        Tensor& dbeta, Tensor& d_initial_states) override {
+    cpu::gated_delta_rule_backward_states(q, k, v, g, beta, run_ids, scale, chunk_size, initial_states, dout,
+                                          d_final_states, dq, dk, dv, dg, dbeta, d_initial_states);
   }
   void gated_rmsnorm_forward(Stream, const Tensor& x, const Tensor& z, const Tensor& w, double eps, Tensor& y,
                              Tensor& rstd) override {
