@@ -367,6 +367,18 @@ class Backend {
     (void)stream, (void)dout, (void)y, (void)row_of_slot, (void)topk_weight, (void)dy, (void)d_topk_weight;
     fail("moe_combine_backward is not implemented on the {} backend", name());
   }
+  // A shared expert's gate (qwen3_5_moe): out[t] += σ(gate[t])·shared[t] for out, shared [T, H] and
+  // gate [T, 1] (one logit per token). The backward overwrites d_shared [T, H] = σ(gate[t])·dout[t]
+  // and d_gate [T, 1] = σ'(gate[t])·⟨dout[t], shared[t]⟩.
+  virtual void shared_expert_gate_forward(Stream stream, const Tensor& shared, const Tensor& gate, Tensor& out) {
+    (void)stream, (void)shared, (void)gate, (void)out;
+    fail("shared_expert_gate_forward is not implemented on the {} backend", name());
+  }
+  virtual void shared_expert_gate_backward(Stream stream, const Tensor& shared, const Tensor& gate, const Tensor& dout,
+                                           Tensor& d_shared, Tensor& d_gate) {
+    (void)stream, (void)shared, (void)gate, (void)dout, (void)d_shared, (void)d_gate;
+    fail("shared_expert_gate_backward is not implemented on the {} backend", name());
+  }
 
   // ---- loss ------------------------------------------------------------------------------------
   // Cross-entropy on a chunk of logits [N, V] (weights: stat dtype, F32 or F64), in place: logits become

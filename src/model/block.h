@@ -119,9 +119,17 @@ struct MoeActivations {
   std::vector<LinearActivations> gate_proj, up_proj, down_proj;  // [E] (LoRA intermediates)
 };
 
+// The shared expert's gate of a MoE layer that has one (blocks/shared_expert_moe.h); the shared
+// expert itself keeps its record in FeedForwardActivations::swiglu.
+struct SharedExpertGateActivations {
+  Tensor logit;  // [T, 1] shared_expert_gate(xn), before the sigmoid
+  LinearActivations gate;
+};
+
 struct FeedForwardActivations {
   SwigluActivations swiglu;
   MoeActivations moe;
+  SharedExpertGateActivations shared_gate;
 };
 
 // Which tensors an allocate call provides (a kept layer: all; a recomputed layer's record: the

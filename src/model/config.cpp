@@ -98,7 +98,10 @@ ModelConfig ModelConfig::from_json(const json& file, const std::string& source) 
   const json& j = section.empty() ? file : file[section];
   c.vocab_size = require_int(j, "vocab_size", source);
   c.hidden_size = require_int(j, "hidden_size", source);
-  c.intermediate_size = require_int(j, "intermediate_size", source);
+  // Families whose every MLP is a mixture of experts (qwen3_5_moe) have no intermediate_size: it is
+  // required below only when a layer has a dense MLP.
+  if (j.contains("intermediate_size") && !j["intermediate_size"].is_null())
+    c.intermediate_size = require_int(j, "intermediate_size", source);
   c.num_layers = require_int(j, "num_hidden_layers", source);
   c.num_heads = require_int(j, "num_attention_heads", source);
   c.num_kv_heads = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null()
@@ -133,6 +136,10 @@ ModelConfig ModelConfig::from_json(const json& file, const std::string& source) 
          c.rotary_dim(), c.head_dim, c.rope.partial_rotary_factor);
   SPINDLE_CHECK(static_cast<int64_t>(c.layer_kinds.size()) == c.num_layers, "{}: family {} gave {} layer kinds for {} layers",
                 source, c.model_type, c.layer_kinds.size(), c.num_layers);
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    if (c.layer_kind(l).feed_forward == FeedForwardKind::SwiGLU && c.intermediate_size <= 0)
+      fail("{}: missing \"intermediate_size\"; is this a Hugging Face config.json? (layer {} has a dense MLP)",
+           source, l);
   return c;
 }
 

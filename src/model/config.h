@@ -31,11 +31,14 @@ struct LinearAttentionConfig {
   int64_t chunk_size = 64;      // tokens per chunk of the delta rule (not in config.json)
 };
 
-// Routed experts (qwen3_moe): what a MixtureOfExperts feed-forward reads. Zero experts: no MoE layer.
+// Routed experts (qwen3_moe, qwen3_5_moe): what a MixtureOfExperts feed-forward reads. Zero experts: no MoE layer.
 struct MoeConfig {
   int64_t num_experts = 0;               // E
   int64_t experts_per_token = 0;         // k (num_experts_per_tok)
   int64_t expert_intermediate_size = 0;  // I (moe_intermediate_size)
+  // qwen3_5_moe: every MoE layer also has a shared expert, a SwiGLU MLP of this width that every
+  // token passes through, scaled by σ(shared_expert_gate(x)) (blocks/shared_expert_moe.h); 0: none.
+  int64_t shared_expert_intermediate_size = 0;
   bool norm_topk_prob = false;           // renormalise the k routing weights to sum to 1
   // HF adds router_aux_loss_coef × the load-balancing loss to the loss when output_router_logits is
   // true (model/router_aux_loss.h); both as config.json gives them.

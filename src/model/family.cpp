@@ -6,6 +6,7 @@
 #include "model/families/dense.h"
 #include "model/families/qwen3_moe.h"
 #include "model/families/qwen3_5.h"
+#include "model/families/qwen3_5_moe.h"
 
 namespace spindle {
 
@@ -19,6 +20,11 @@ constexpr std::string_view kQwen3MoeCpuOnly =
     "its mixture-of-experts layers have no CUDA kernels yet (the router's top-k, the permutation of tokens by "
     "expert, the weighted combine)";
 
+constexpr std::string_view kQwen35MoeCpuOnly =
+    "its gated DeltaNet, gated attention and mixture-of-experts layers have no CUDA kernels yet (partial RoPE, the "
+    "output gate, the causal conv, the chunked delta rule, the router's top-k, the permutation of tokens by expert, "
+    "the weighted combine, the shared expert's gate)";
+
 const ModelFamily kFamilies[] = {
     {"llama", "model.", read_llama_config},
     {"qwen2", "model.", read_qwen2_config},
@@ -28,6 +34,11 @@ const ModelFamily kFamilies[] = {
     // text-only Qwen3_5ForCausalLM folder.
     {"qwen3_5", "model.language_model.", read_qwen3_5_config, "text_config", {"model.visual.", "mtp."}, kQwen35CpuOnly},
     {"qwen3_5_text", "model.", read_qwen3_5_config, {}, {"model.visual.", "mtp."}, kQwen35CpuOnly},
+    // Qwen3.5-MoE / Qwen3.6 (the same layers, every feed-forward routed experts plus a shared expert):
+    // the multimodal checkpoint's text tower, and the text-only Qwen3_5MoeForCausalLM folder.
+    {"qwen3_5_moe", "model.language_model.", read_qwen3_5_moe_config, "text_config", {"model.visual.", "mtp."},
+     kQwen35MoeCpuOnly},
+    {"qwen3_5_moe_text", "model.", read_qwen3_5_moe_config, {}, {"model.visual.", "mtp."}, kQwen35MoeCpuOnly},
 };
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "model/blocks/gated_deltanet.h"
 #include "model/blocks/moe.h"
 #include "model/blocks/self_attention.h"
+#include "model/blocks/shared_expert_moe.h"
 #include "model/blocks/swiglu_mlp.h"
 #include "model/family.h"
 #include "model/norm.h"
@@ -29,7 +30,9 @@ std::unique_ptr<FeedForward> make_feed_forward(FeedForwardKind kind, ParameterSi
                                                const std::string& prefix) {
   switch (kind) {
     case FeedForwardKind::SwiGLU: return std::make_unique<SwigluMlp>(sink, c, prefix, c.intermediate_size);
-    case FeedForwardKind::MixtureOfExperts: return std::make_unique<MixtureOfExperts>(sink, c, prefix);
+    case FeedForwardKind::MixtureOfExperts:
+      if (c.moe.shared_expert_intermediate_size > 0) return std::make_unique<SharedExpertMoe>(sink, c, prefix);
+      return std::make_unique<MixtureOfExperts>(sink, c, prefix);
   }
   fail("unknown feed-forward kind");
 }

@@ -105,6 +105,9 @@ class DryBackend final : public Backend {
   void gated_rmsnorm_forward(Stream, const Tensor&, const Tensor&, const Tensor&, double, Tensor&, Tensor&) override {}
   void gated_rmsnorm_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                               Tensor&, Tensor&, Tensor*) override {}
+  // A shared expert's sigmoid gate (qwen3_5_moe).
+  void shared_expert_gate_forward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
+  void shared_expert_gate_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
   // 4-bit base weights (QLoRA).
   void dequantize_4bit(Stream, const Tensor&, const Tensor&, int64_t, Quant4Type, Tensor&) override {}
   void dequantize_absmax(Stream, const Tensor&, const Tensor&, const Tensor&, int64_t, double, Tensor&) override {}

@@ -2,6 +2,7 @@
 
 #include <fstream>
 #include <map>
+#include <set>
 
 #include "backend/op_test_util.h"
 #include "core/error.h"
@@ -25,10 +26,46 @@ nlohmann::json TinyModel::config_json() const {
   // transformers picks the model class by this name; a preset of another family names its own in `extra`.
   static const std::map<std::string, std::string> kArchitectures = {
       {"llama", "LlamaForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"}, {"qwen3", "Qwen3ForCausalLM"},
-      {"qwen3_moe", "Qwen3MoeForCausalLM"}, {"qwen3_5_text", "Qwen3_5ForCausalLM"}};
+      {"qwen3_moe", "Qwen3MoeForCausalLM"}, {"qwen3_5_text", "Qwen3_5ForCausalLM"},
+      {"qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"}};
   if (auto it = kArchitectures.find(model_type); it != kArchitectures.end()) j["architectures"] = {it->second};
+  // Every qwen3_5_moe MLP is a mixture of experts: its config has no dense width (transformers
+  // refuses the attribute).
+  if (model_type == "qwen3_5_moe_text") j.erase("intermediate_size");
   j.update(extra);
   return j;
+}
+
+TinyModel tiny_qwen3_5_moe() {
+  TinyModel m = tiny_qwen3_5();
+  m.model_type = "qwen3_5_moe_text";
+  m.extra.update({{"num_experts", 4},
+                  {"num_experts_per_tok", 2},
+                  {"moe_intermediate_size", 12},
+                  {"shared_expert_intermediate_size", 16},
+                  {"output_router_logits", false},
+                  {"router_aux_loss_coef", 0.001}});
+  return m;
+}
+
+nlohmann::json multimodal_config_json(const TinyModel& text) {
+  static const std::map<std::string, std::pair<std::string, std::string>> kMultimodal = {
+      {"qwen3_5_text", {"qwen3_5", "Qwen3_5ForConditionalGeneration"}},
+      {"qwen3_5_moe_text", {"qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"}}};
+  const auto it = kMultimodal.find(text.model_type);
+  if (it == kMultimodal.end()) fail("{} has no multimodal checkpoint layout", text.model_type);
+  nlohmann::json inner = text.config_json();
+  inner.erase("architectures");
+  inner.erase("tie_word_embeddings");  // the outer model ties
+  return {{"model_type", it->second.first},
+          {"architectures", {it->second.second}},
+          {"tie_word_embeddings", text.tie_word_embeddings},
+          {"image_token_id", text.vocab_size - 4},
+          {"video_token_id", text.vocab_size - 3},
+          {"text_config", inner},
+          {"vision_config",
+           {{"model_type", it->second.first + "_vision"}, {"depth", 1}, {"hidden_size", 4}, {"num_heads", 1},
+            {"out_hidden_size", text.hidden_size}}}};
 }
 
 TinyModel tiny_qwen3_moe() {
@@ -110,6 +147,33 @@ void write_json(const std::filesystem::path& dir, const nlohmann::json& config) 
 }  // namespace
 
 void write_config(const std::filesystem::path& dir, const TinyModel& model) { write_json(dir, model.config_json()); }
+
+void write_model_folder(const std::filesystem::path& dir, const nlohmann::json& config_json, uint64_t seed, double scale,
+                        const FolderLayout& layout) {
+  nlohmann::json config = config_json;
+  config["torch_dtype"] = "float32";  // what the weights below are stored in
+  write_json(dir, config);
+  auto backend = make_cpu_backend(1);
+  ModelWeights weights =
+      random_weights(*backend, ModelConfig::from_json(config, dir.string()), DType::F32, seed, scale);
+  io::NamedTensors tensors = layout.extra;
+  std::set<const Parameter*> packed;
+  if (layout.fused_experts)
+    for (const PackedTensor& p : weights.packed_tensors()) {
+      Tensor whole = backend->empty(p.shape, DType::F32);
+      int64_t offset = 0;
+      for (const Parameter* part : p.parts) {
+        Tensor slice = whole.flat(offset, part->value.numel());
+        backend->copy(backend->default_stream(), part->value, slice);
+        offset += part->value.numel();
+        packed.insert(part);
+      }
+      tensors.emplace_back(p.name, whole);
+    }
+  for (const Parameter& p : weights.parameters())
+    if (!packed.count(&p)) tensors.emplace_back(p.name, p.value);
+  io::write_safetensors((dir / "model.safetensors").string(), tensors, *backend, {{"format", "pt"}});
+}
 
 void write_model_folder(const std::filesystem::path& dir, const TinyModel& model, uint64_t seed, double scale) {
   nlohmann::json config = model.config_json();

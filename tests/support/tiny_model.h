@@ -16,6 +16,7 @@
 #include <random>
 #include <string>
 
+#include "io/write_safetensors.h"
 #include "model/weights.h"
 
 namespace spindle::test {
@@ -23,7 +24,7 @@ namespace spindle::test {
 // Defaults: the tiny GQA llama the sequence-parallel and FSDP tests train (4 query heads over 2 KV
 // heads, so Ulysses 4 replicates KV heads). Tests override the fields their tolerances were set on.
 struct TinyModel {
-  std::string model_type = "llama";  // llama | qwen2 | qwen3 | qwen3_moe (presets below)
+  std::string model_type = "llama";  // llama | qwen2 | qwen3 | qwen3_moe | qwen3_5_text | qwen3_5_moe_text (presets below)
   int64_t vocab_size = 64;
   int64_t hidden_size = 32;
   int64_t intermediate_size = 48;
@@ -52,6 +53,16 @@ TinyModel tiny_qwen3_moe();
 // head), conv kernel 4; attention 4 query heads over 2 KV heads of 8, RoPE on the first 4 dims.
 TinyModel tiny_qwen3_5();
 
+// qwen3_5_moe (text-only Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text): tiny_qwen3_5()'s layers,
+// each with a mixture of experts (4 experts of width 12, 2 per token, always renormalised) and a
+// shared expert of width 16 behind its sigmoid gate; output_router_logits off.
+TinyModel tiny_qwen3_5_moe();
+
+// The multimodal checkpoint's config.json around a text-only preset (qwen3_5_text or
+// qwen3_5_moe_text): model_type qwen3_5 / qwen3_5_moe, the text model under text_config, a tiny
+// vision_config, tie_word_embeddings at the top level.
+nlohmann::json multimodal_config_json(const TinyModel& text);
+
 // Random weights (ModelWeights::random, deterministic in `seed`) with every tensor but the norms
 // multiplied by `scale`: tests scale the 0.02 initialisation up so that attention is far from
 // uniform and every path carries a visible gradient.
@@ -75,6 +86,17 @@ void add_lora_with_random_b(Backend& backend, ModelWeights& weights, const LoraC
 // A Hugging Face model folder at `dir`: config.json and model.safetensors (F32) holding
 // random_weights(config, seed, scale), for tests that need a model on disk.
 void write_model_folder(const std::filesystem::path& dir, const TinyModel& model, uint64_t seed, double scale = 1.0);
+// How write_model_folder lays a checkpoint out beyond the decoder's own tensors.
+struct FolderLayout {
+  // Routed experts as transformers 5 keeps them and Qwen3.5/3.6-MoE checkpoints store them
+  // (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]) instead of per expert.
+  bool fused_experts = false;
+  io::NamedTensors extra;  // tensors outside the decoder (a vision tower, mtp.*), written as given
+};
+// A model folder for any config.json (a multimodal one included): random_weights(config, seed,
+// scale) under their checkpoint names in `layout`.
+void write_model_folder(const std::filesystem::path& dir, const nlohmann::json& config, uint64_t seed, double scale,
+                        const FolderLayout& layout);
 // config.json alone, unchecked, for what reads only the architecture (the launcher's mesh check,
 // bench's synthetic weights) or must refuse it.
 void write_config(const std::filesystem::path& dir, const TinyModel& model);

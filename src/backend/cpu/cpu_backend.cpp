@@ -19,6 +19,7 @@
 #include "backend/cpu/gated_delta_ops.h"
 #include "backend/cpu/gated_delta_state_ops.h"
 #include "backend/cpu/moe_ops.h"
+#include "backend/cpu/shared_expert_ops.h"
 #include "core/error.h"
 
 namespace spindle {
@@ -734,6 +735,14 @@ class CpuBackend final : public Backend {
   void moe_combine_backward(Stream, const Tensor& dout, const Tensor& y, const Tensor& row_of_slot,
                             const Tensor& topk_weight, Tensor& dy, Tensor& d_topk_weight) override {
     cpu::moe_combine_backward(dout, y, row_of_slot, topk_weight, dy, d_topk_weight);
+  }
+  // A shared expert's sigmoid gate: backend/cpu/shared_expert_ops.cpp
+  void shared_expert_gate_forward(Stream, const Tensor& shared, const Tensor& gate, Tensor& out) override {
+    cpu::shared_expert_gate_forward(shared, gate, out);
+  }
+  void shared_expert_gate_backward(Stream, const Tensor& shared, const Tensor& gate, const Tensor& dout,
+                                   Tensor& d_shared, Tensor& d_gate) override {
+    cpu::shared_expert_gate_backward(shared, gate, dout, d_shared, d_gate);
   }
 
   void cross_entropy(Stream, Tensor& logits, const Tensor& targets, const Tensor& weights, double loss_scale,

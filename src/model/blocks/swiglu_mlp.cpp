@@ -2,9 +2,10 @@
 
 namespace spindle {
 
-SwigluMlp::SwigluMlp(ParameterSink& sink, const ModelConfig& c, const std::string& layer_prefix, int64_t width)
+SwigluMlp::SwigluMlp(ParameterSink& sink, const ModelConfig& c, const std::string& layer_prefix, int64_t width,
+                     const std::string& module)
     : width_(width) {
-  const std::string pre = layer_prefix + "mlp.";
+  const std::string pre = layer_prefix + module + ".";
   const int64_t h = c.hidden_size;
   gate_ = sink.add_linear({"gate_proj", pre + "gate_proj", width, h, false});
   up_ = sink.add_linear({"up_proj", pre + "up_proj", width, h, false});
@@ -39,6 +40,20 @@ void SwigluMlp::forward(const LayerContext& ctx, const Tensor& xn, FeedForwardAc
   Tensor act = a.act.defined() ? a.act : be.empty(a.gate.shape(), a.gate.dtype());
   be.swiglu_forward(st, a.gate, a.up, act);
   down_.forward(be, st, act, out, a.down_proj);
+}
+
+void SwigluMlp::recompute_output(const LayerContext& ctx, const FeedForwardActivations& f, Tensor& out) const {
+  const SwigluActivations& a = f.swiglu;
+  Backend& be = ctx.backend;
+  const Stream st = ctx.stream;
+  Tensor act = a.act;
+  if (!act.defined()) {
+    act = be.empty(a.gate.shape(), ctx.dtype);
+    be.swiglu_forward(st, a.gate, a.up, act);
+  }
+  LinearActivations down;  // its LoRA intermediate again; the record's stays for backward
+  down_.allocate(be, down, ctx.tokens(), ctx.dtype);
+  down_.forward(be, st, act, out, down);
 }
 
 void SwigluMlp::backward(const LayerContext& ctx, const Tensor& xn, const FeedForwardActivations& f,

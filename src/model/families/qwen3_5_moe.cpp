@@ -1,0 +1,49 @@
+#include "model/families/qwen3_5_moe.h"
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "model/config.h"
+#include "model/families/qwen3_5.h"
+
+namespace spindle {
+
+namespace {
+
+int64_t positive_int_or(const nlohmann::json& j, const char* key, int64_t fallback, const std::string& source) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  if (!j[key].is_number_integer() || j[key].get<int64_t>() <= 0)
+    fail("{}: \"{}\" must be a positive integer, got {}", source, key, j[key].dump());
+  return j[key].get<int64_t>();
+}
+
+}  // namespace
+
+void read_qwen3_5_moe_config(const nlohmann::json& j, ModelConfig& c, const std::string& source) {
+  read_qwen3_5_config(j, c, source);
+  MoeConfig& moe = c.moe;
+  // Defaults of transformers' Qwen3_5MoeTextConfig (the 35B-A3B's sizes).
+  moe.num_experts = positive_int_or(j, "num_experts", 256, source);
+  moe.experts_per_token = positive_int_or(j, "num_experts_per_tok", 8, source);
+  moe.expert_intermediate_size = positive_int_or(j, "moe_intermediate_size", 512, source);
+  moe.shared_expert_intermediate_size = positive_int_or(j, "shared_expert_intermediate_size", 512, source);
+  if (moe.experts_per_token > moe.num_experts)
+    fail("{}: num_experts_per_tok {} is more than num_experts {}: each token picks its experts among num_experts",
+         source, moe.experts_per_token, moe.num_experts);
+  moe.norm_topk_prob = true;  // Qwen3_5MoeTopKRouter renormalises unconditionally
+  moe.output_router_logits = false;
+  if (j.contains("output_router_logits") && !j["output_router_logits"].is_null()) {
+    if (!j["output_router_logits"].is_boolean())
+      fail("{}: \"output_router_logits\" must be true or false, got {}", source, j["output_router_logits"].dump());
+    moe.output_router_logits = j["output_router_logits"].get<bool>();
+  }
+  moe.router_aux_loss_coef = 0.001;
+  if (j.contains("router_aux_loss_coef") && !j["router_aux_loss_coef"].is_null()) {
+    if (!j["router_aux_loss_coef"].is_number() || j["router_aux_loss_coef"].get<double>() < 0)
+      fail("{}: \"router_aux_loss_coef\" must be a number >= 0, got {}", source, j["router_aux_loss_coef"].dump());
+    moe.router_aux_loss_coef = j["router_aux_loss_coef"].get<double>();
+  }
+  for (LayerKind& kind : c.layer_kinds) kind.feed_forward = FeedForwardKind::MixtureOfExperts;
+}
+
+}  // namespace spindle
