@@ -11,6 +11,7 @@
 // after it.
 #include "backend/cuda/cuda_backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -22,6 +23,7 @@
 
 #include "backend/cuda/attention_cudnn.h"
 #include "backend/cuda/context.h"
+#include "backend/cuda/gated_delta.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/kernels.h"
 #include "core/error.h"
@@ -417,6 +419,206 @@ class CudaBackend final : public Backend {
                           static_cast<int>(out.dim(2)));
   }
 
+  // ---- gated attention and gated DeltaNet (gated_ops.cu, gated_delta.cu) --------------------------
+  void copy_columns(Stream stream, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
+                    int64_t width) override {
+    require_device(src, "copy_columns");
+    require_same(src, dst, "copy_columns");
+    SPINDLE_CHECK(src.rank() == 2 && dst.rank() == 2 && src.dim(0) == dst.dim(0) && src_col >= 0 && dst_col >= 0 &&
+                      width >= 0 && src_col + width <= src.dim(1) && dst_col + width <= dst.dim(1),
+                  "copy_columns: [{}, {}) of {} into column {} of {}", src_col, src_col + width, src.describe(),
+                  dst_col, dst.describe());
+    cuda::copy_columns(s(stream), src.data(), src.dim(1), src_col, dst.data(), dst.dim(1), dst_col, src.dim(0), width,
+                       dtype_size(src.dtype()));
+  }
+
+  void rope_partial(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq, int64_t rotary_dim,
+                    int sign) override {
+    require_compute(x, "rope_partial");
+    require_i32(positions, "rope_partial");
+    require_device(inv_freq, "rope_partial");
+    SPINDLE_CHECK(x.rank() == 3 && rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= x.dim(2) &&
+                      inv_freq.dtype() == DType::F32 && inv_freq.numel() == rotary_dim / 2 &&
+                      positions.numel() == x.dim(0),
+                  "rope_partial: x {} positions {} inv_freq {} rotary_dim {}", x.describe(), positions.describe(),
+                  inv_freq.describe(), rotary_dim);
+    cuda::rope_partial(s(stream), x.data(), x.dtype(), x.dim(0), x.dim(1), x.dim(2), rotary_dim,
+                       positions.data_as<int32_t>(), inv_freq.data_as<float>(), sign);
+  }
+
+  void sigmoid_gate_forward(Stream stream, const Tensor& x, const Tensor& gate, Tensor& out) override {
+    require_compute(x, "sigmoid_gate_forward");
+    require_same(x, gate, "sigmoid_gate_forward");
+    require_same(x, out, "sigmoid_gate_forward");
+    SPINDLE_CHECK(gate.numel() == x.numel() && out.numel() == x.numel(), "sigmoid_gate_forward: {} {} {}",
+                  x.describe(), gate.describe(), out.describe());
+    cuda::sigmoid_gate_forward(s(stream), x.data(), gate.data(), out.data(), x.dtype(), x.numel());
+  }
+
+  void sigmoid_gate_backward(Stream stream, const Tensor& x, const Tensor& gate, const Tensor& dout, Tensor& dx,
+                             Tensor& dgate) override {
+    require_compute(x, "sigmoid_gate_backward");
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&gate, &dout, &dx, &dgate}) {
+      require_same(x, *t, "sigmoid_gate_backward");
+      SPINDLE_CHECK(t->numel() == x.numel(), "sigmoid_gate_backward: {} vs {}", t->describe(), x.describe());
+    }
+    cuda::sigmoid_gate_backward(s(stream), x.data(), gate.data(), dout.data(), dx.data(), dgate.data(), x.dtype(),
+                                x.numel());
+  }
+
+  void causal_conv1d_silu_forward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& doc_ids,
+                                  Tensor& y) override {
+    require_compute(x, "causal_conv1d_silu_forward");
+    require_same(x, y, "causal_conv1d_silu_forward");
+    require_compute(w, "causal_conv1d_silu_forward weight");
+    require_i32(doc_ids, "causal_conv1d_silu_forward");
+    SPINDLE_CHECK(x.rank() == 2 && y.shape() == x.shape() && w.rank() >= 1 && w.dim(0) == x.dim(1) &&
+                      w.numel() % x.dim(1) == 0 && doc_ids.numel() == x.dim(0),
+                  "causal_conv1d_silu_forward: x {} w {} doc_ids {} y {}", x.describe(), w.describe(),
+                  doc_ids.describe(), y.describe());
+    cuda::causal_conv1d_silu_forward(s(stream), x.data(), w.data(), w.dtype(), doc_ids.data_as<int32_t>(), y.data(),
+                                     x.dtype(), x.dim(0), x.dim(1), x.dim(1) ? w.numel() / x.dim(1) : 0);
+  }
+
+  void causal_conv1d_silu_backward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& doc_ids,
+                                   const Tensor& dy, Tensor& dx, Tensor* dw) override {
+    require_compute(x, "causal_conv1d_silu_backward");
+    require_same(x, dy, "causal_conv1d_silu_backward");
+    require_same(x, dx, "causal_conv1d_silu_backward");
+    require_compute(w, "causal_conv1d_silu_backward weight");
+    if (dw) require_same(w, *dw, "causal_conv1d_silu_backward dw");
+    require_i32(doc_ids, "causal_conv1d_silu_backward");
+    SPINDLE_CHECK(x.rank() == 2 && dy.shape() == x.shape() && dx.shape() == x.shape() && w.rank() >= 1 &&
+                      w.dim(0) == x.dim(1) && w.numel() % x.dim(1) == 0 && doc_ids.numel() == x.dim(0) &&
+                      (!dw || dw->shape() == w.shape()),
+                  "causal_conv1d_silu_backward: x {} w {} dy {} dx {}", x.describe(), w.describe(), dy.describe(),
+                  dx.describe());
+    cuda::causal_conv1d_silu_backward(s(stream), x.data(), w.data(), w.dtype(), doc_ids.data_as<int32_t>(), dy.data(),
+                                      dx.data(), dw ? dw->data() : nullptr, x.dtype(), x.dim(0), x.dim(1),
+                                      x.dim(1) ? w.numel() / x.dim(1) : 0);
+  }
+
+  void l2norm_forward(Stream stream, const Tensor& x, double eps, Tensor& y, Tensor& rstd) override {
+    require_compute(x, "l2norm_forward");
+    require_same(x, y, "l2norm_forward");
+    SPINDLE_CHECK(x.rank() >= 1 && y.shape() == x.shape(), "l2norm_forward: x {} y {}", x.describe(), y.describe());
+    const int64_t c = x.dim(x.rank() - 1), rows = c ? x.numel() / c : 0;
+    require_stat(rstd, rows, "l2norm_forward rstd");
+    cuda::l2norm_forward(s(stream), x.data(), y.data(), rstd.data_as<float>(), x.dtype(), rows, c,
+                         static_cast<float>(eps));
+  }
+
+  void l2norm_backward(Stream stream, const Tensor& y, const Tensor& rstd, const Tensor& dy, Tensor& dx) override {
+    require_compute(y, "l2norm_backward");
+    require_same(y, dy, "l2norm_backward");
+    require_same(y, dx, "l2norm_backward");
+    SPINDLE_CHECK(y.rank() >= 1 && dy.shape() == y.shape() && dx.shape() == y.shape(),
+                  "l2norm_backward: y {} dy {} dx {}", y.describe(), dy.describe(), dx.describe());
+    const int64_t c = y.dim(y.rank() - 1), rows = c ? y.numel() / c : 0;
+    require_stat(rstd, rows, "l2norm_backward rstd");
+    cuda::l2norm_backward(s(stream), y.data(), rstd.data_as<float>(), dy.data(), dx.data(), y.dtype(), rows, c);
+  }
+
+  void gated_delta_gates_forward(Stream stream, const Tensor& a, const Tensor& b, const Tensor& a_log,
+                                 const Tensor& dt_bias, Tensor& g, Tensor& beta) override {
+    require_compute(a, "gated_delta_gates_forward");
+    require_same(a, b, "gated_delta_gates_forward");
+    require_same(a, beta, "gated_delta_gates_forward beta");
+    require_compute(a_log, "gated_delta_gates_forward A_log");
+    require_same(a_log, dt_bias, "gated_delta_gates_forward dt_bias");
+    const int64_t heads = a_log.numel(), tokens = heads ? a.numel() / heads : 0;
+    SPINDLE_CHECK(tokens * heads == a.numel() && b.numel() == a.numel() && dt_bias.numel() == heads &&
+                      beta.numel() == a.numel(),
+                  "gated_delta_gates_forward: a {} b {} A_log {} dt_bias {} beta {}", a.describe(), b.describe(),
+                  a_log.describe(), dt_bias.describe(), beta.describe());
+    require_stat(g, a.numel(), "gated_delta_gates_forward g");
+    cuda::gated_delta_gates_forward(s(stream), a.data(), b.data(), a_log.data(), dt_bias.data(), a_log.dtype(),
+                                    g.data_as<float>(), beta.data(), a.dtype(), tokens, heads);
+  }
+
+  void gated_delta_gates_backward(Stream stream, const Tensor& a, const Tensor& beta, const Tensor& a_log,
+                                  const Tensor& dt_bias, const Tensor& g, const Tensor& dg, const Tensor& dbeta,
+                                  Tensor& da, Tensor& db, Tensor* da_log, Tensor* ddt_bias) override {
+    require_compute(a, "gated_delta_gates_backward");
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&beta, &dbeta, &da, &db})
+      require_same(a, *t, "gated_delta_gates_backward");
+    require_compute(a_log, "gated_delta_gates_backward A_log");
+    require_same(a_log, dt_bias, "gated_delta_gates_backward dt_bias");
+    if (da_log) require_same(a_log, *da_log, "gated_delta_gates_backward dA_log");
+    if (ddt_bias) require_same(a_log, *ddt_bias, "gated_delta_gates_backward ddt_bias");
+    const int64_t heads = a_log.numel(), tokens = heads ? a.numel() / heads : 0;
+    SPINDLE_CHECK(tokens * heads == a.numel() && beta.numel() == a.numel() && dbeta.numel() == a.numel() &&
+                      da.numel() == a.numel() && db.numel() == a.numel() && dt_bias.numel() == heads &&
+                      (!da_log || da_log->numel() == heads) && (!ddt_bias || ddt_bias->numel() == heads),
+                  "gated_delta_gates_backward: a {} A_log {} dt_bias {}", a.describe(), a_log.describe(),
+                  dt_bias.describe());
+    require_stat(g, a.numel(), "gated_delta_gates_backward g");
+    require_stat(dg, a.numel(), "gated_delta_gates_backward dg");
+    cuda::gated_delta_gates_backward(s(stream), a.data(), beta.data(), a_log.data(), dt_bias.data(), a_log.dtype(),
+                                     g.data_as<float>(), dg.data_as<float>(), dbeta.data(), da.data(), db.data(),
+                                     da_log ? da_log->data() : nullptr, ddt_bias ? ddt_bias->data() : nullptr,
+                                     a.dtype(), tokens, heads);
+  }
+
+  void gated_delta_rule_forward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                const Tensor& beta, const Tensor& doc_ids, double scale, int64_t chunk_size,
+                                Tensor& out) override {
+    const cuda::DeltaRuleShape sh = delta_rule_shape(q, k, v, g, beta, doc_ids, chunk_size, "gated_delta_rule_forward");
+    require_same(q, out, "gated_delta_rule_forward out");
+    SPINDLE_CHECK(out.shape() == v.shape(), "gated_delta_rule_forward: out {} for v {}", out.describe(), v.describe());
+    cuda::gated_delta_rule_forward(s(stream), sh, q.dtype(), q.data(), k.data(), v.data(), g.data_as<float>(),
+                                   beta.data(), doc_ids.data_as<int32_t>(), static_cast<float>(scale), out.data());
+  }
+
+  void gated_delta_rule_backward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                 const Tensor& beta, const Tensor& doc_ids, double scale, int64_t chunk_size,
+                                 const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dg,
+                                 Tensor& dbeta) override {
+    const cuda::DeltaRuleShape sh =
+        delta_rule_shape(q, k, v, g, beta, doc_ids, chunk_size, "gated_delta_rule_backward");
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &dq, &dk, &dv, &dbeta})
+      require_same(q, *t, "gated_delta_rule_backward");
+    SPINDLE_CHECK(dout.shape() == v.shape() && dq.shape() == q.shape() && dk.shape() == k.shape() &&
+                      dv.shape() == v.shape() && dbeta.numel() == beta.numel(),
+                  "gated_delta_rule_backward: dout {} dq {} dk {} dv {} dbeta {}", dout.describe(), dq.describe(),
+                  dk.describe(), dv.describe(), dbeta.describe());
+    require_stat(dg, g.numel(), "gated_delta_rule_backward dg");
+    cuda::gated_delta_rule_backward(s(stream), sh, q.dtype(), q.data(), k.data(), v.data(), g.data_as<float>(),
+                                    beta.data(), doc_ids.data_as<int32_t>(), static_cast<float>(scale), dout.data(),
+                                    dq.data(), dk.data(), dv.data(), dg.data_as<float>(), dbeta.data());
+  }
+
+  void gated_rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& z, const Tensor& w, double eps, Tensor& y,
+                             Tensor& rstd) override {
+    require_compute(x, "gated_rmsnorm_forward");
+    require_same(x, z, "gated_rmsnorm_forward");
+    require_same(x, y, "gated_rmsnorm_forward");
+    require_compute(w, "gated_rmsnorm_forward weight");
+    const int64_t c = w.numel(), rows = c ? x.numel() / c : 0;
+    SPINDLE_CHECK(rows * c == x.numel() && z.numel() == x.numel() && y.numel() == x.numel(),
+                  "gated_rmsnorm_forward: x {} z {} w {} y {}", x.describe(), z.describe(), w.describe(),
+                  y.describe());
+    require_stat(rstd, rows, "gated_rmsnorm_forward rstd");
+    cuda::gated_rmsnorm_forward(s(stream), x.data(), z.data(), w.data(), w.dtype(), y.data(), rstd.data_as<float>(),
+                                x.dtype(), rows, c, static_cast<float>(eps));
+  }
+
+  void gated_rmsnorm_backward(Stream stream, const Tensor& x, const Tensor& z, const Tensor& w, const Tensor& rstd,
+                              const Tensor& dy, Tensor& dx, Tensor& dz, Tensor* dw) override {
+    require_compute(x, "gated_rmsnorm_backward");
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&z, &dy, &dx, &dz})
+      require_same(x, *t, "gated_rmsnorm_backward");
+    require_compute(w, "gated_rmsnorm_backward weight");
+    if (dw) require_same(w, *dw, "gated_rmsnorm_backward dw");
+    const int64_t c = w.numel(), rows = c ? x.numel() / c : 0;
+    SPINDLE_CHECK(rows * c == x.numel() && z.numel() == x.numel() && dy.numel() == x.numel() &&
+                      dx.numel() == x.numel() && dz.numel() == x.numel() && (!dw || dw->numel() == c),
+                  "gated_rmsnorm_backward: x {} w {}", x.describe(), w.describe());
+    require_stat(rstd, rows, "gated_rmsnorm_backward rstd");
+    cuda::gated_rmsnorm_backward(s(stream), x.data(), z.data(), w.data(), w.dtype(), rstd.data_as<float>(), dy.data(),
+                                 dx.data(), dz.data(), dw ? dw->data() : nullptr, x.dtype(), rows, c);
+  }
+
   // ---- 4-bit weights (quant4.cu) ------------------------------------------------------------------
   void dequantize_4bit(Stream stream, const Tensor& packed, const Tensor& absmax, int64_t blocksize, Quant4Type type,
                        Tensor& w) override {
@@ -558,6 +760,35 @@ class CudaBackend final : public Backend {
     require_device(t, what);
     if (t.dtype() != DType::F32) fail("{}: statistics are F32 on the CUDA backend, got {}", what, t.describe());
     SPINDLE_CHECK(t.numel() == numel, "{}: {} elements expected, got {}", what, numel, t.describe());
+  }
+
+  // The delta rule's shapes (backend.h): q, k [T, Hk, dk], v [T, Hv, dv], beta [T, Hv] of one compute
+  // dtype, g F32 [T, Hv], doc_ids I32 [T]. Chunks longer than the kernels' 64 tokens run as 64:
+  // the result does not depend on the chunk size beyond rounding.
+  cuda::DeltaRuleShape delta_rule_shape(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                        const Tensor& beta, const Tensor& doc_ids, int64_t chunk_size,
+                                        const char* what) const {
+    require_compute(q, what);
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &beta}) require_same(q, *t, what);
+    require_i32(doc_ids, what);
+    SPINDLE_CHECK(q.rank() == 3 && k.shape() == q.shape() && v.rank() == 3 && v.dim(0) == q.dim(0),
+                  "{}: q {} k {} v {}", what, q.describe(), k.describe(), v.describe());
+    SPINDLE_CHECK(q.dim(1) > 0 && v.dim(1) % q.dim(1) == 0, "{}: {} value heads are not a multiple of {} key heads",
+                  what, v.dim(1), q.dim(1));
+    if (q.dim(2) > cuda::kDeltaRuleMaxDim || v.dim(2) > cuda::kDeltaRuleMaxDim)
+      fail("{}: key head dim {} and value head dim {} must be at most {} on the CUDA backend", what, q.dim(2),
+           v.dim(2), cuda::kDeltaRuleMaxDim);
+    SPINDLE_CHECK(chunk_size >= 1, "{}: chunk size {} must be positive", what, chunk_size);
+    const int64_t t = q.dim(0), hv = v.dim(1);
+    SPINDLE_CHECK(beta.numel() == t * hv && doc_ids.numel() == t, "{}: beta {} doc_ids {} for {} tokens of {} heads",
+                  what, beta.describe(), doc_ids.describe(), t, hv);
+    require_stat(g, t * hv, what);
+    return {t,
+            static_cast<int>(q.dim(1)),
+            static_cast<int>(hv),
+            static_cast<int>(q.dim(2)),
+            static_cast<int>(v.dim(2)),
+            static_cast<int>(std::min<int64_t>(chunk_size, cuda::kDeltaRuleMaxChunk))};
   }
 
   cuda::AttentionShape attn_shape(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionMask& mask) const {

@@ -1,0 +1,69 @@
+// Launchers of the gated-attention and gated-DeltaNet kernels (gated_ops.cu, gated_delta.cu). Like
+// kernels.h: raw device pointers and the op's stream; cuda_backend.cpp checks shapes and dtypes
+// against backend.h first. `io` is the compute dtype (F32 or BF16: storage only, F32 arithmetic);
+// statistics (rstd, g, dg) are F32; `wt` is the dtype of a weight (conv, norm, A_log, dt_bias),
+// F32 or BF16 independently of io.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "core/dtype.h"
+
+namespace spindle::cuda {
+
+// ---- gated_ops.cu -------------------------------------------------------------------------------
+// dst[r, dst_col + j] = src[r, src_col + j], j < width; elements of elem_bytes (2, 4 or 8).
+void copy_columns(cudaStream_t s, const void* src, int64_t src_cols, int64_t src_col, void* dst, int64_t dst_cols,
+                  int64_t dst_col, int64_t rows, int64_t width, size_t elem_bytes);
+// x [tokens, heads, d]: the first rotary_dim dims of each head rotated (pairs i, i + rotary_dim/2).
+void rope_partial(cudaStream_t s, void* x, DType io, int64_t tokens, int64_t heads, int64_t d, int64_t rotary_dim,
+                  const int32_t* pos, const float* inv_freq, int sign);
+void sigmoid_gate_forward(cudaStream_t s, const void* x, const void* gate, void* out, DType io, int64_t n);
+void sigmoid_gate_backward(cudaStream_t s, const void* x, const void* gate, const void* dout, void* dx, void* dgate,
+                           DType io, int64_t n);
+// x, y [tokens, channels]; w [channels, width] of dtype wt; doc_ids I32 [tokens]; dw (null: frozen) +=.
+void causal_conv1d_silu_forward(cudaStream_t s, const void* x, const void* w, DType wt, const int32_t* doc_ids,
+                                void* y, DType io, int64_t tokens, int64_t channels, int64_t width);
+void causal_conv1d_silu_backward(cudaStream_t s, const void* x, const void* w, DType wt, const int32_t* doc_ids,
+                                 const void* dy, void* dx, void* dw, DType io, int64_t tokens, int64_t channels,
+                                 int64_t width);
+// x, y [rows, c]; rstd F32 [rows].
+void l2norm_forward(cudaStream_t s, const void* x, void* y, float* rstd, DType io, int64_t rows, int64_t c, float eps);
+void l2norm_backward(cudaStream_t s, const void* y, const float* rstd, const void* dy, void* dx, DType io,
+                     int64_t rows, int64_t c);
+// a, b, beta, da, db [tokens, heads] (io); g, dg F32 [tokens, heads]; a_log, dt_bias and their
+// gradients (null: frozen, else +=) [heads] of dtype wt.
+void gated_delta_gates_forward(cudaStream_t s, const void* a, const void* b, const void* a_log, const void* dt_bias,
+                               DType wt, float* g, void* beta, DType io, int64_t tokens, int64_t heads);
+void gated_delta_gates_backward(cudaStream_t s, const void* a, const void* beta, const void* a_log,
+                                const void* dt_bias, DType wt, const float* g, const float* dg, const void* dbeta,
+                                void* da, void* db, void* da_log, void* ddt_bias, DType io, int64_t tokens,
+                                int64_t heads);
+// x, z, y [rows, c] (io); w [c] (wt); rstd F32 [rows]; dw (null: frozen) += (wt).
+void gated_rmsnorm_forward(cudaStream_t s, const void* x, const void* z, const void* w, DType wt, void* y,
+                           float* rstd, DType io, int64_t rows, int64_t c, float eps);
+void gated_rmsnorm_backward(cudaStream_t s, const void* x, const void* z, const void* w, DType wt, const float* rstd,
+                            const void* dy, void* dx, void* dz, void* dw, DType io, int64_t rows, int64_t c);
+
+// ---- gated_delta.cu: the chunked gated delta rule ------------------------------------------------
+struct DeltaRuleShape {
+  int64_t tokens;
+  int key_heads, value_heads;  // value head h reads key head h / (value_heads / key_heads)
+  int dk, dv;                  // at most kDeltaRuleMaxDim each
+  int chunk;                   // tokens per chunk, at most kDeltaRuleMaxChunk
+};
+constexpr int kDeltaRuleMaxDim = 128;
+constexpr int kDeltaRuleMaxChunk = 64;
+// q, k [T, Hk, dk]; v, out [T, Hv, dv]; beta [T, Hv] (io); g F32 [T, Hv]; doc_ids I32 [T].
+void gated_delta_rule_forward(cudaStream_t s, const DeltaRuleShape& sh, DType io, const void* q, const void* k,
+                              const void* v, const float* g, const void* beta, const int32_t* doc_ids, float scale,
+                              void* out);
+// dq, dk, dv, dbeta (io) and dg (F32) overwritten.
+void gated_delta_rule_backward(cudaStream_t s, const DeltaRuleShape& sh, DType io, const void* q, const void* k,
+                               const void* v, const float* g, const void* beta, const int32_t* doc_ids, float scale,
+                               const void* dout, void* dq, void* dk, void* dv, float* dg, void* dbeta);
+
+}  // namespace spindle::cuda
