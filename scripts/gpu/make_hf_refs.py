@@ -15,11 +15,17 @@ the reference needs no packing support from transformers: packing must reproduce
 Gated DeltaNet cases (qwen3_5) give every DeltaNet head a slow decay (slow_deltanet_decay): a state
 leaking from one packed document into the next would then change the loss well beyond rounding.
 
-Mixture-of-experts cases (qwen3_moe) train with the router load-balancing loss: expected.safetensors then
+Mixture-of-experts cases (qwen3_moe; qwen3_5_moe when its text config has output_router_logits) train with
+the router load-balancing loss: expected.safetensors then
 also holds aux_loss (F64[1]), transformers' load_balancing_loss_func over the raw router logits of every
 document and MoE layer at once (the whole step, as spindle defines it), and the gradients are those of
 loss + router_aux_loss_coef · aux_loss. Their routers are decisive (no top-k near-tie on any token) so that
 F32 rounding cannot change a routing decision between the two implementations.
+
+qwen3_5_moe is the multimodal Qwen3_5MoeForConditionalGeneration (a tiny vision tower, fused experts as the
+released checkpoints hold them, text model under model.language_model.); the vision tower is frozen (spindle
+never trains it) and model.safetensors also gets a few mtp.* tensors, which transformers ignores on load and
+spindle carries into a saved full model. qwen3_5_moe_text is the text-only Qwen3_5MoeForCausalLM.
 
 Usage: python3 make_hf_refs.py [OUT_DIR | --out OUT_DIR] [--only CASE[,CASE...]]
 """
@@ -55,6 +61,11 @@ def documents(rng):
         scale = [float(x) for x in torch.randint(1, 5, (length,), generator=rng) / 2.0]
         docs.append({"input_ids": ids, "labels": labels, "loss_scale": scale})
     return docs
+
+
+def text_config(config):
+    """The decoder's config: a multimodal config's text_config, or the config itself."""
+    return getattr(config, "text_config", None) or config
 
 
 def reference(model, docs, trainable):
@@ -108,6 +119,7 @@ class RouterLogits:
 def reference_moe(model, docs, trainable, config):
     """reference() plus the router load-balancing loss over all documents and MoE layers together."""
     from transformers.models.qwen3_moe import modeling_qwen3_moe as qm
+    config = text_config(config)
     model.zero_grad(set_to_none=True)
     num_items = sum(sum(1 for t in d["labels"][1:] if t != -100) for d in docs)
     routers = RouterLogits(model)
@@ -184,6 +196,7 @@ def hf_aux_loss_note(model, docs, config):
     load_balancing_loss_func on its raw router logits: equal unless the model feeds the function
     probabilities (a softmax applied twice)."""
     from transformers.models.qwen3_moe import modeling_qwen3_moe as qm
+    config = text_config(config)
     ids = torch.tensor([docs[0]["input_ids"]])
     routers = RouterLogits(model)
     try:
@@ -208,13 +221,28 @@ def slow_deltanet_decay(model):
                 p.copy_(torch.empty_like(p).uniform_(1e-3, 3e-3).log())
 
 
-def write_case(name, config, legacy_rope=None, lora=None):
+def add_mtp_tensors(folder, hidden):
+    """Multi-token-prediction tensors as the released checkpoints carry them (transformers ignores ^mtp.*
+    on load): appended to model.safetensors for spindle to carry over unchanged."""
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(7)
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen).to(torch.bfloat16)
+    tensors["mtp.norm.weight"] = torch.randn(hidden, generator=gen).to(torch.bfloat16)
+    tensors["mtp.layers.0.mlp.shared_expert_gate.weight"] = torch.randn(1, hidden, generator=gen).to(torch.bfloat16)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def write_case(name, config, legacy_rope=None, lora=None, model_class=None):
     if ONLY is not None and name not in ONLY:
         return
     seed = zlib.crc32(name.encode())
     rng = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    if model_class is not None:  # a multimodal checkpoint (AutoModelForCausalLM may pick its text-only class)
+        model = model_class._from_config(config, attn_implementation="eager").float()
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
     slow_deltanet_decay(model)
     # Norm weights are ones at init: randomize them so their gradients and scaling are exercised.
     with torch.no_grad():
@@ -223,15 +251,20 @@ def write_case(name, config, legacy_rope=None, lora=None):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif "bias" in n:
                 p.copy_(0.1 * torch.randn_like(p))
-    moe = getattr(config, "model_type", "") == "qwen3_moe"
+    moe = getattr(config, "model_type", "") in ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
+    # The load-balancing loss as the config asks for it (spindle adds it when output_router_logits is set).
+    aux_on = moe and bool(getattr(text_config(config), "output_router_logits", False))
     docs = documents(rng)
     notes = {}
     if moe:
         model.eval()  # routing as the reference computes it (no training-mode router noise)
-        notes["smallest_router_margin"] = make_routers_decisive(model, docs, config, seed)
+        notes["smallest_router_margin"] = make_routers_decisive(model, docs, text_config(config), seed)
     folder = os.path.join(OUT, name)
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
+    multimodal = any(n.startswith("model.visual.") for n, _ in model.named_parameters())
+    if multimodal:
+        add_mtp_tensors(folder, text_config(config).hidden_size)
     if moe:
         notes["expert_layout"] = expert_layout(folder)
         try:
@@ -247,7 +280,11 @@ def write_case(name, config, legacy_rope=None, lora=None):
         cfg.update(legacy_rope)
         json.dump(cfg, open(path, "w"), indent=2)
 
-    trainable = list(model.named_parameters())
+    # The vision tower is not spindle's to train: frozen, and no gradient of it is a reference.
+    for n, p in model.named_parameters():
+        if n.startswith("model.visual."):
+            p.requires_grad_(False)
+    trainable = [(n, p) for n, p in model.named_parameters() if not n.startswith("model.visual.")]
     if lora is not None:
         import peft
 
@@ -268,7 +305,7 @@ def write_case(name, config, legacy_rope=None, lora=None):
             # The adapters move the routers' inputs: their decisions must stay clear of ties too.
             if not moe:
                 break
-            notes["smallest_router_margin"] = router_margin(model, docs, config.num_experts_per_tok)
+            notes["smallest_router_margin"] = router_margin(model, docs, text_config(config).num_experts_per_tok)
             if notes["smallest_router_margin"] > 1e-3:
                 break
         else:
@@ -281,13 +318,15 @@ def write_case(name, config, legacy_rope=None, lora=None):
     with open(os.path.join(folder, "data.jsonl"), "w") as f:
         for d in docs:
             f.write(json.dumps(d) + "\n")
-    tensors, loss = reference_moe(model, docs, trainable, config) if moe else reference(model, docs, trainable)
+    tensors, loss = reference_moe(model, docs, trainable, config) if aux_on else reference(model, docs, trainable)
     save_file(tensors, os.path.join(folder, "expected.safetensors"))
     summary = {"loss": loss, "num_items": int(tensors["num_items"][0]), "transformers": transformers.__version__,
                "torch": torch.__version__, "trainable": [n for n, _ in trainable]}
     if moe:
         import peft
-        summary.update(aux_loss=float(tensors["aux_loss"][0]), peft=peft.__version__, **notes)
+        summary.update(peft=peft.__version__, **notes)
+        if aux_on:
+            summary["aux_loss"] = float(tensors["aux_loss"][0])
     json.dump(summary, open(os.path.join(folder, "expected.json"), "w"), indent=1)
     print(f"{name}: loss {loss:.8f} num_items {int(tensors['num_items'][0])} tensors {len(tensors)}")
 
@@ -350,6 +389,33 @@ def main():
                lora=dict(r=4, lora_alpha=8, lora_dropout=0.0, init_std=0.1,
                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
                                          "in_proj_b", "in_proj_a", "out_proj", "gate_proj", "up_proj", "down_proj"]))
+
+    # qwen3_5_moe (Qwen3.5-MoE / Qwen3.6): qwen3_5's three layers, each feed-forward routed experts (top-2 of 4,
+    # always renormalised, fused as the released checkpoints store them) plus a shared expert behind its
+    # sigmoid gate. The multimodal checkpoint with a tiny vision tower, the load-balancing loss on; its LoRA
+    # case (aux off) on the attention, DeltaNet, shared-expert and gate projections with nonzero B; and the
+    # text-only Qwen3_5MoeForCausalLM.
+    moe_text = {k: v for k, v in qwen3_5.items() if k != "intermediate_size"}
+    moe_text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                    output_router_logits=True, router_aux_loss_coef=0.1,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                     "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, in_channels=3, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16)
+
+    def qwen3_5_moe_config(**text_overrides):
+        return transformers.Qwen3_5MoeConfig(text_config={**moe_text, **text_overrides}, vision_config=vision,
+                                             tie_word_embeddings=False, image_token_id=VOCAB - 4,
+                                             video_token_id=VOCAB - 3, vision_start_token_id=VOCAB - 2,
+                                             vision_end_token_id=VOCAB - 1)
+
+    multimodal = transformers.Qwen3_5MoeForConditionalGeneration
+    write_case("qwen3_5_moe", qwen3_5_moe_config(), model_class=multimodal)
+    write_case("qwen3_5_moe_lora", qwen3_5_moe_config(output_router_logits=False), model_class=multimodal,
+               lora=dict(r=4, lora_alpha=8, lora_dropout=0.0, init_std=0.1,
+                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
+                                         "out_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate"]))
+    write_case("qwen3_5_moe_text", transformers.Qwen3_5MoeTextConfig(**moe_text, tie_word_embeddings=False))
 
 
 if __name__ == "__main__":
