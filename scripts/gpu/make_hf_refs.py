@@ -169,16 +169,19 @@ def make_routers_decisive(model, docs, config, seed):
     """Router weights large enough that routing is far from uniform, redrawn until no token has a
     top-k near-tie (margin below 1e-3) in any MoE layer."""
     rng = torch.Generator().manual_seed(seed + 1)
+    margins = []
     for attempt in range(50):
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if n.endswith("mlp.gate.weight"):
                     p.copy_(0.3 * torch.randn(p.shape, generator=rng))
         margin = router_margin(model, docs, config.num_experts_per_tok)
+        margins.append(margin)
         if margin > 1e-3:
             print(f"  routers decisive after {attempt + 1} draw(s): smallest top-k margin {margin:.2e}")
             return margin
-    raise SystemExit("no decisive router draw found")
+    raise SystemExit(f"no decisive router draw found; smallest top-k margins of the draws: "
+                     f"{' '.join(f'{m:.1e}' for m in margins)}")
 
 
 def expert_layout(folder):
