@@ -256,9 +256,10 @@ BenchReport run_bench(const BenchOptions& options, const std::function<void(cons
 
   // BF16 storage with F32 accumulation on CUDA (the product); F32 on the CPU reference.
   const DType dtype = backend->device().kind == DeviceKind::CUDA ? DType::BF16 : DType::F32;
-  ModelWeights weights = ModelWeights::random(*backend, report.config, dtype, options.seed);
-  weights.quantize_projections(*backend,
-                               parse_quantize_options(options.quantize, options.double_quant, options.quant_block_size));
+  // --quantize: each projection is quantised as it is drawn, so the dense model never exists on the device.
+  ModelWeights weights =
+      ModelWeights::random(*backend, report.config, dtype, options.seed,
+                           parse_quantize_options(options.quantize, options.double_quant, options.quant_block_size));
   if (options.full) {
     weights.train_all(*backend);
   } else {

@@ -167,7 +167,7 @@ bool quantizable_projection(const std::string& module) {
 
 QuantizedLoader::QuantizedLoader(Backend& backend, const io::Checkpoint& checkpoint, const std::string& model_path,
                                  const QuantizeOptions& options)
-    : backend_(backend), checkpoint_(checkpoint), source_(model_path), options_(options) {
+    : backend_(backend), checkpoint_(&checkpoint), source_(model_path), options_(options) {
   stored_ = read_stored_quantization(model_path);
   if (stored_ && options_.active())
     fail("{} is already quantised by bitsandbytes ({}{}); it loads as stored: drop --quantize", model_path,
@@ -180,16 +180,19 @@ QuantizedLoader::QuantizedLoader(Backend& backend, const io::Checkpoint& checkpo
              model_path, name);
 }
 
+QuantizedLoader::QuantizedLoader(Backend& backend, const QuantizeOptions& options, DenseWeightSource source)
+    : backend_(backend), dense_source_(std::move(source)), source_("random weights"), options_(options) {}
+
 void QuantizedLoader::on_linear(const LinearSpec& spec, Parameter& weight,
                                 const std::function<Parameter&(const std::string&)>& add) {
   if (!active() || !quantizable_projection(spec.module)) return;
   if (stored_) {
-    const bool in_file = checkpoint_.find(spec.prefix + kQuantStateKey + "nf4") ||
-                         checkpoint_.find(spec.prefix + kQuantStateKey + "fp4");
+    const bool in_file = checkpoint_->find(spec.prefix + kQuantStateKey + "nf4") ||
+                         checkpoint_->find(spec.prefix + kQuantStateKey + "fp4");
     if (!in_file) return;  // kept dense in the file (llm_int8_skip_modules): loaded as it is
     quantized_[spec.prefix] = {format_of(stored_->type), read_stored(spec, weight, add)};
   } else {
-    if (!checkpoint_.find(weight.name))
+    if (checkpoint_ && !checkpoint_->find(weight.name))
       fail("{}: {} is not a tensor of the checkpoint (a fused expert tensor?); --quantize reads each projection's "
            "own weight, so this checkpoint cannot be quantised at load yet",
            source_, weight.name);
@@ -200,11 +203,20 @@ void QuantizedLoader::on_linear(const LinearSpec& spec, Parameter& weight,
 
 QuantizedWeight QuantizedLoader::quantize_dense(const LinearSpec& spec, Parameter& weight,
                                                 const std::function<Parameter&(const std::string&)>& add) {
-  weight.value = Tensor();  // the dense matrix allocated for it is not needed: free it first
   const int64_t n = spec.out * spec.in;
-  auto host = make_cpu_backend(0);  // 0: leaves the process's thread count alone
-  const Tensor dense = io::load_tensor(*host, checkpoint_.require(weight.name, Shape{spec.out, spec.in}), DType::F32);
-  const HostQuantized q = quantize_host(dense.data_as<float>(), n, options_);
+  HostQuantized q;
+  if (checkpoint_) {
+    weight.value = Tensor();  // the dense matrix allocated for it is not needed: free it first
+    auto host = make_cpu_backend(0);  // 0: leaves the process's thread count alone
+    const Tensor dense = io::load_tensor(*host, checkpoint_->require(weight.name, Shape{spec.out, spec.in}), DType::F32);
+    q = quantize_host(dense.data_as<float>(), n, options_);
+  } else {
+    const std::vector<float> dense = dense_source_(spec, weight);
+    weight.value = Tensor();
+    SPINDLE_CHECK(static_cast<int64_t>(dense.size()) == n, "{}: {} dense values for [{}, {}]", spec.prefix,
+                  dense.size(), spec.out, spec.in);
+    q = quantize_host(dense.data(), n, options_);
+  }
   if (!dynamic_map_.defined() && options_.double_quant)
     dynamic_map_ = upload(backend_, quant4::dynamic_map(), Shape{256}, DType::F32);
   QuantizedWeight qw = install(backend_, q, options_, weight, spec.prefix, dynamic_map_, add);
@@ -221,7 +233,7 @@ QuantizedWeight QuantizedLoader::read_stored(const LinearSpec& spec, Parameter& 
   const int64_t n = spec.out * spec.in;
   const std::string type = quant4::type_name(stored_->type);
   const std::string where = fmt::format("{}: {}.weight", source_, pre);
-  const io::TensorRecord* state = checkpoint_.find(pre + kQuantStateKey + type);
+  const io::TensorRecord* state = checkpoint_->find(pre + kQuantStateKey + type);
   if (!state)
     fail("{} is stored as {} but config.json's quantization_config says {}", where,
          type == "nf4" ? "fp4" : "nf4", type);
@@ -252,7 +264,7 @@ QuantizedWeight QuantizedLoader::read_stored(const LinearSpec& spec, Parameter& 
   QuantizedWeight qw;
   qw.blocksize = blocksize;
   const int64_t blocks = quant4::num_blocks(n, blocksize);
-  const io::TensorRecord* packed_record = checkpoint_.find(weight.name);
+  const io::TensorRecord* packed_record = checkpoint_->find(weight.name);
   if (!packed_record) fail("{} is missing: its quant_state is there, its packed data are not", where);
   const io::TensorRecord& packed = *packed_record;
   // Any storage dtype (uint8, or bfloat16/float16/float32 for FSDP) holds the same bytes: never values.
@@ -263,7 +275,7 @@ QuantizedWeight QuantizedLoader::read_stored(const LinearSpec& spec, Parameter& 
   weight.value = upload(backend_, packed.data, Shape{(n + 1) / 2}, DType::U8);
 
   auto tensor = [&](const std::string& suffix, DType dtype_, int64_t count) -> const io::TensorRecord& {
-    const io::TensorRecord* r = checkpoint_.find(pre + ".weight." + suffix);
+    const io::TensorRecord* r = checkpoint_->find(pre + ".weight." + suffix);
     if (!r) fail("{}: {}.weight.{} is missing (bitsandbytes writes it with every 4-bit weight)", where, pre, suffix);
     if (r->dtype != dtype_ || r->shape.numel() != count)
       fail("{}: {}.weight.{} is {} {}, expected {} with {} elements", where, pre, suffix, r->stored_dtype,
@@ -309,7 +321,8 @@ void QuantizedLoader::bind(const std::vector<Linear*>& linears) const {
 }
 
 void QuantizedLoader::check_all_used() const {
-  for (const std::string& name : checkpoint_.names()) {
+  if (!checkpoint_) return;
+  for (const std::string& name : checkpoint_->names()) {
     const size_t at = name.find(kQuantStateKey);
     if (at == std::string::npos) continue;
     const std::string prefix = name.substr(0, at);

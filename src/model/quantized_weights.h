@@ -52,14 +52,20 @@ std::optional<StoredQuantization> read_stored_quantization(const std::string& mo
 // Whether a projection is one bitsandbytes would quantise (every decoder projection but a router).
 bool quantizable_projection(const std::string& module);
 
-// Builds the quantised projections while ModelWeights::load creates the layers: each projection's
-// dense weight parameter is replaced, right after it is declared, by the packed bytes and absmax read
-// from a 4-bit checkpoint or quantised on the host from the dense one, so no more than one dense
-// matrix exists at a time.
+// A projection's dense weight as F32 host values [out·in], exactly as the model dtype holds them.
+using DenseWeightSource = std::function<std::vector<float>(const LinearSpec& spec, Parameter& weight)>;
+
+// Builds the quantised projections while ModelWeights::load (or ::random) creates the layers: each
+// projection's dense weight parameter is replaced, right after it is declared, by the packed bytes
+// and absmax read from a 4-bit checkpoint or quantised on the host from the dense one, so no more
+// than one dense matrix exists at a time and the device never holds the dense model.
 class QuantizedLoader {
  public:
   QuantizedLoader(Backend& backend, const io::Checkpoint& checkpoint, const std::string& model_path,
                   const QuantizeOptions& options);
+  // Weights that come from no checkpoint (spindle bench's random ones): `source` makes each
+  // quantisable projection's dense values when it is declared.
+  QuantizedLoader(Backend& backend, const QuantizeOptions& options, DenseWeightSource source);
   bool active() const { return options_.active() || stored_.has_value(); }
 
   // `weight` is the projection's dense weight parameter, just added; `add` appends a parameter.
@@ -79,7 +85,8 @@ class QuantizedLoader {
                               const std::function<Parameter&(const std::string&)>& add);
 
   Backend& backend_;
-  const io::Checkpoint& checkpoint_;
+  const io::Checkpoint* checkpoint_ = nullptr;  // null: the values come from dense_source_
+  DenseWeightSource dense_source_;
   std::string source_;  // for errors
   QuantizeOptions options_;
   std::optional<StoredQuantization> stored_;

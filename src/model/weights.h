@@ -43,8 +43,11 @@ class ModelWeights {
   static ModelWeights load(Backend& backend, const ModelConfig& config, const io::Checkpoint& checkpoint, DType dtype,
                            const QuantizeOptions& quantize = {});
   // Random weights (uniform with standard deviation 0.02; norms 1), deterministic in `seed`, for
-  // tests and benchmarks on synthetic models.
-  static ModelWeights random(Backend& backend, const ModelConfig& config, DType dtype, uint64_t seed);
+  // tests and benchmarks on synthetic models. With `quantize`, each projection is drawn and
+  // quantised as it is declared (the bytes quantize_projections would make from the same dense
+  // weights), so the dense model never exists on the backend: a 72B model initialises on one GPU.
+  static ModelWeights random(Backend& backend, const ModelConfig& config, DType dtype, uint64_t seed,
+                             const QuantizeOptions& quantize = {});
   // Parameters allocated but never written: for `spindle plan`, whose backend holds no memory.
   static ModelWeights uninitialized(Backend& backend, const ModelConfig& config, DType dtype);
 
@@ -63,7 +66,8 @@ class ModelWeights {
 
   // Full fine-tuning: every base parameter trainable.
   void train_all(Backend& backend);
-  // Quantises the dense projections in memory to 4 bits (random weights of `spindle bench`, tests).
+  // Quantises the dense projections in memory to 4 bits (tests; needs the dense model in memory
+  // first, which random(..., quantize) avoids).
   void quantize_projections(Backend& backend, const QuantizeOptions& options);
   bool has_quantized_projections() const;
   void zero_grads(Backend& backend);
