@@ -6,6 +6,10 @@
 # these lengths). Writes ${OUT:-out}/max_context_<gpus>gpu_<seq>.txt.
 #   GPUS=1 SEQ=512k (default; ≈ 4 minutes)   GPUS=2 SEQ=1024k MESH="--sp 2" (≈ 8 minutes)
 # One invocation per setting (each under 10 minutes; TIMEOUT=seconds, default 590).
+# Activation offload (docs/memory.md): MODEL=7b OFFLOAD=activations SEQ=512k runs the Qwen2.5-7B row
+#   (recompute all: each layer's 3.5 GiB input in pinned host memory, 95 GiB for 27 layers; keep-attention
+#   would double that, more than the host's 128 GiB). `spindle plan`'s prediction for the same run is
+#   written first (<tag>_plan.txt) so the measured peak and host bytes sit beside it.
 set -uo pipefail
 root=$PWD
 stage=${BUNDLE_DIR:-$root/build-bundle}
@@ -18,6 +22,11 @@ fi
 gpus=${GPUS:-1}
 launch=()
 [[ $gpus -gt 1 ]] && launch=(--nproc-per-node "$gpus")
-timeout ${TIMEOUT:-590} "$stage/bin/spindle" bench "${launch[@]}" ${MESH:-} --device cuda --model "$root/configs/qwen2.5-1.5b.json" \
-  --seq "${SEQ:-512k}" --lora-rank 16 --recompute all --warmup 0 --steps 1 --profile-steps 0 2>&1 | grep -vE '^\[rank [1-9]' \
-  | tee "$out/max_context_${gpus}gpu_${SEQ:-512k}.txt" | tail -8
+model="$root/configs/qwen2.5-${MODEL:-1.5b}.json"
+tag="max_context_${gpus}gpu_${SEQ:-512k}${MODEL:+_$MODEL}${OFFLOAD:+_offload}"
+settings=(--recompute "${RECOMPUTE:-all}" --offload "${OFFLOAD:-none}")
+"$stage/bin/spindle" plan --world "$gpus" ${MESH:-} --device cuda --model "$model" --seq "${SEQ:-512k}" --lora-rank 16 \
+  --bench-step "${settings[@]}" --device-memory 139.8GiB > "$out/${tag}_plan.txt" 2>&1
+timeout ${TIMEOUT:-590} "$stage/bin/spindle" bench "${launch[@]}" ${MESH:-} --device cuda --model "$model" \
+  --seq "${SEQ:-512k}" --lora-rank 16 "${settings[@]}" --warmup 0 --steps 1 --profile-steps 0 --json-file "$out/${tag}.json" \
+  2>&1 | grep -vE '^\[rank [1-9]' | tee "$out/${tag}.txt" | tail -8

@@ -50,6 +50,10 @@ struct MemoryStats {
   int64_t peak_reserved_bytes = 0;
   int64_t device_used_bytes = 0;     // device memory in use by everyone (CUDA context, cuBLAS, NCCL, other processes)
   int64_t device_total_bytes = 0;
+  // Host memory in live tensors from empty_host (activation offload) and its high-water mark since
+  // start or reset_peak_memory(); not part of the fields above.
+  int64_t host_allocated_bytes = 0;
+  int64_t peak_host_allocated_bytes = 0;
 };
 
 // The two 4-bit codes of bitsandbytes' weight format (docs/qlora.md): NormalFloat4 and FP4.
@@ -100,6 +104,26 @@ class Backend {
   virtual void fill(Stream stream, Tensor& t, double value) = 0;
   virtual MemoryStats memory_stats() = 0;
   virtual void reset_peak_memory() = 0;  // peaks restart from the current values
+
+  // ---- host memory, for activation offload (--offload activations, model/decoder.h) -----------
+  // A tensor in host memory that copy_host_device moves to and from this backend's tensors. CUDA:
+  // page-locked (pinned) memory, cached for reuse, so copies are DMA beside compute; CPU: an
+  // allocation outside the tensor bytes it reports as allocated (its "device"), so the offload's
+  // saving is measurable there. Counted in MemoryStats::host_allocated_bytes.
+  virtual Tensor empty_host(Shape shape, DType dtype) {
+    (void)shape, (void)dtype;
+    fail("host tensors (activation offload) are not implemented on the {} backend", name());
+  }
+  // dst = src, same dtype and element count, one of them from empty_host and the other from
+  // empty, enqueued on `stream` (CUDA: asynchronous). Both must stay alive, and unused by other
+  // streams, until the stream that frees them has waited for `stream` (stream_wait).
+  virtual void copy_host_device(Stream stream, const Tensor& src, Tensor& dst) {
+    (void)stream, (void)src, (void)dst;
+    fail("host copies (activation offload) are not implemented on the {} backend", name());
+  }
+  // The queue for those copies: beside compute and beside comm_stream's collectives on CUDA (a
+  // copy engine of its own); ordered with the others by stream_wait only.
+  virtual Stream copy_stream() { return comm_stream(); }
 
   // ---- elementwise and reductions ------------------------------------------------------------
   virtual void scale(Stream stream, Tensor& x, double alpha) = 0;                      // x *= alpha

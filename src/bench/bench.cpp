@@ -44,7 +44,12 @@ void validate(const BenchOptions& o) {
   if (o.steps < 1) fail("--steps must be at least 1, got {}", o.steps);
   if (o.warmup < 0 || o.profile_steps < 0) fail("--warmup and --profile-steps cannot be negative");
   if (!o.full && o.lora_rank <= 0) fail("--lora-rank must be positive (or use --full), got {}", o.lora_rank);
-  check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
+  if (o.recompute == "auto") {
+    if (!o.choose_recompute) fail("--recompute auto is chosen by the spindle command line (spindle bench)");
+  } else {
+    check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
+    parse_offload(o.offload, parse_recompute_mode(o.recompute));
+  }
   if (o.sp < 0 || o.ulysses < 0 || o.ring < 0) fail("--sp, --ulysses and --ring must be positive");
   if (o.doc_length < 0 || o.doc_length == 1)
     fail("--doc-length {}: a document needs at least 2 tokens (0: one document per step)", o.doc_length);
@@ -121,7 +126,11 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   batch.row_one_causal_document = whole_row_causal;  // as StepRunner::run sets it
 
   const RecomputeMode recompute = parse_recompute_mode(o.recompute);
-  const DecoderOptions decoder_options = recompute_options(recompute, config.num_layers, o.recompute_layers);
+  DecoderOptions decoder_options = recompute_options(recompute, config.num_layers, o.recompute_layers);
+  decoder_options.offload = parse_offload(o.offload, recompute);
+  r.recompute = o.recompute;
+  r.recompute_layers = o.recompute_layers;
+  r.offload = decoder_options.offload;
   Stream stream = backend.default_stream();
   Tensor loss = backend.zeros(Shape{1}, stat_dtype(dtype));
 
@@ -289,7 +298,9 @@ BenchReport run_bench(const BenchOptions& options, const std::function<void(cons
       if (seq % parallel::sequence_multiple(mesh) != 0)
         fail("--seq {} is not a multiple of {}, which --sp {} (ulysses {} x ring {}) needs", seq,
              parallel::sequence_multiple(mesh), mesh.sp, mesh.ulysses, mesh.ring);
-      run_length(*backend, weights, options, device, report.peak_tflops, par, r);
+      BenchOptions chosen = options;  // --recompute auto: this length's setting
+      if (options.recompute == "auto") options.choose_recompute(seq, chosen);
+      run_length(*backend, weights, chosen, device, report.peak_tflops, par, r);
     } catch (const Error& e) {
       if (!is_out_of_memory(e)) throw;
       r.error = e.what();
@@ -349,6 +360,12 @@ std::string format_report(const BenchReport& rep) {
                      r.tokens_per_s, mean, r.model_tflops, mfu, r.executed_tflops,
                      gib(r.memory.peak_allocated_bytes), gib(r.memory.peak_reserved_bytes),
                      gib(r.memory.device_used_bytes), r.loss);
+    if (r.offload || o.recompute == "auto")
+      s += fmt::format("{:>8}  recompute {}{}{}\n", "", r.recompute,
+                       r.recompute_layers >= 0 ? fmt::format(" on the first {} layers", r.recompute_layers) : "",
+                       r.offload ? fmt::format(", activations offloaded: {} of host memory at the peak",
+                                               gib(r.memory.peak_host_allocated_bytes))
+                                 : "");
   }
   bool any_split = false;
   for (const BenchResult& r : rep.results) any_split |= r.split_measured;
@@ -433,6 +450,10 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
     x["peak_reserved_bytes"] = r.memory.peak_reserved_bytes;
     x["device_used_bytes"] = r.memory.device_used_bytes;
     x["device_total_bytes"] = r.memory.device_total_bytes;
+    x["recompute"] = r.recompute;  // as run (auto: the choice)
+    x["recompute_layers"] = r.recompute_layers;
+    x["offload"] = r.offload ? "activations" : "none";
+    x["offload_host_bytes"] = r.memory.peak_host_allocated_bytes;  // host memory of offload at its peak
     if (r.split_measured) {
       auto& split = x["split_ms"];
       for (int c = 0; c < static_cast<int>(OpCategory::kCount); ++c)

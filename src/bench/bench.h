@@ -29,6 +29,10 @@ struct BenchOptions {
   int64_t quant_block_size = 64;
   std::string recompute = "all";       // none | all | keep-attention (RecomputeMode)
   int64_t recompute_layers = -1;       // the first N layers recompute; the others keep all (-1: every layer)
+  std::string offload = "none";        // none | activations: recomputed layers' kept tensors in host memory
+  // --recompute auto: called before each length runs with the options to fill in (recompute,
+  // recompute_layers, offload), from `spindle plan`'s choice (plan/auto_recompute.h).
+  std::function<void(int64_t seq, BenchOptions& chosen)> choose_recompute;
   int warmup = 2, steps = 3;
   int profile_steps = 1;               // extra steps through the timing decorator (0: no split)
   int op_table_rows = 0;               // the text report lists the profiled step's N most costly ops
@@ -53,6 +57,9 @@ struct BenchResult {
   double model_tflops = 0, executed_tflops = 0, mfu = 0;
   double model_flops = 0, executed_flops = 0;
   MemoryStats memory;                  // after the timed steps; peaks since the first timed step
+  std::string recompute;               // the setting this length ran with (auto: the one chosen)
+  int64_t recompute_layers = -1;
+  bool offload = false;
   bool split_measured = false;
   // Per step, by OpCategory: attention, gemm, communication (on the compute stream), other ops,
   // overlapped communication (on another stream; not part of idle = step − the first four).

@@ -79,6 +79,12 @@ class TimedBackend final : public Backend {
   void fill(Stream stream, Tensor& t, double value) override;
   MemoryStats memory_stats() override { return inner_.memory_stats(); }
   void reset_peak_memory() override { inner_.reset_peak_memory(); }
+  // Activation offload's copies run on their own stream beside the ops; they are not timed as ops.
+  Tensor empty_host(Shape shape, DType dtype) override { return inner_.empty_host(shape, dtype); }
+  void copy_host_device(Stream stream, const Tensor& src, Tensor& dst) override {
+    inner_.copy_host_device(stream, src, dst);
+  }
+  Stream copy_stream() override { return inner_.copy_stream(); }
 
   void scale(Stream stream, Tensor& x, double alpha) override;
   void axpy(Stream stream, double alpha, const Tensor& x, Tensor& y) override;

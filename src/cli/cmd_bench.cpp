@@ -9,6 +9,7 @@
 #include "cli/commands.h"
 #include "comm/process_group.h"
 #include "core/error.h"
+#include "plan/auto_recompute.h"
 #include "train/setup.h"
 
 namespace spindle::cli {
@@ -20,6 +21,7 @@ struct BenchArgs {
   std::string seq = "32768";
   bool json = false;
   std::string json_file;
+  std::string device_memory;
 };
 
 int run_bench_command(BenchArgs& args) {
@@ -43,6 +45,36 @@ int run_bench_command(BenchArgs& args) {
     }
   };
   const bool main_rank = group.rank == 0;  // every rank runs the sweep; rank 0 reports
+  if (args.options.recompute == "auto") {
+    // Each length's setting from the plan of this run, before the length allocates anything.
+    const int64_t device_bytes = args.device_memory.empty()
+                                     ? plan::machine_device_memory(args.options.device, args.options.device_index)
+                                     : plan::parse_memory_size(args.device_memory);
+    const bench::BenchOptions& o = args.options;
+    args.options.choose_recompute = [o, device_bytes, group, main_rank](int64_t seq, bench::BenchOptions& chosen) {
+      plan::PlanOptions p;
+      p.model = o.model;
+      p.doc_length = o.doc_length;
+      p.lora_rank = o.full ? 0 : o.lora_rank;
+      p.lora_alpha = o.lora_alpha;
+      p.full = o.full;
+      p.quantize = o.quantize;
+      p.double_quant = o.double_quant;
+      p.quant_block_size = o.quant_block_size;
+      p.optimizer = false;  // bench's step has no optimizer state
+      p.device = o.device;
+      p.world = group.world_size;
+      p.sp = o.sp;
+      p.ulysses = o.ulysses;
+      p.ring = o.ring;
+      const plan::AutoChoice choice = plan::choose_recompute(p, seq, device_bytes, o.offload == "activations");
+      chosen.recompute = choice.setting.recompute;
+      chosen.recompute_layers = choice.setting.recompute_layers;
+      chosen.offload = choice.setting.offload ? "activations" : "none";
+      if (main_rank)
+        std::fprintf(stderr, "bench: seq %lld: %s\n", static_cast<long long>(seq), choice.summary(0).c_str());
+    };
+  }
   const bench::BenchReport report = bench::run_bench(
       args.options, main_rank ? std::function<void(const bench::BenchReport&)>(on_result) : nullptr);
   if (!main_rank) return 0;
@@ -104,9 +136,17 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
   add_quantize_options(cmd, o.quantize, o.double_quant, o.quant_block_size);
   cmd->add_option("--recompute", o.recompute,
                   "recompute layer activations in backward: none (keep all), all (keep only layer inputs) or "
-                  "keep-attention (also keep attention outputs: no second attention forward)")
-      ->check(CLI::IsMember({"none", "all", "keep-attention"}))
+                  "keep-attention (also keep attention outputs: no second attention forward), or auto (the fastest "
+                  "that fits the device, from spindle plan; docs/memory.md)")
+      ->check(CLI::IsMember({"none", "all", "keep-attention", "auto"}))
       ->capture_default_str();
+  cmd->add_option("--offload", o.offload,
+                  "none, or activations: recomputed layers' inputs (and kept attention) in host memory, copied "
+                  "beside compute (docs/memory.md)")
+      ->capture_default_str();
+  cmd->add_option("--device-memory", args->device_memory,
+                  "with --recompute auto: the memory per device to fit (bytes, or 80GiB; default: the GPU's, or "
+                  "the machine's RAM with --device cpu)");
   cmd->add_option("--recompute-layers", o.recompute_layers,
                   "apply --recompute to the first N layers only; the others keep every activation (-1: all)")
       ->capture_default_str();

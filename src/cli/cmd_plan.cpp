@@ -6,6 +6,8 @@
 #include <string>
 
 #include "cli/commands.h"
+#include "model/recompute.h"
+#include "plan/auto_recompute.h"
 #include "plan/plan.h"
 
 namespace spindle::cli {
@@ -17,14 +19,57 @@ struct PlanArgs {
   std::string seq = "32768";
   bool json = false;
   bool bench_step = false;
+  std::string offload = "none";
+  std::string device_memory;
 };
 
 int run_plan_command(PlanArgs& args) {
   args.options.seq_lengths = parse_sequence_lengths(args.seq);
   if (args.bench_step) args.options.optimizer = false;
-  const plan::PlanReport report = plan::run_plan(args.options);
-  if (args.json) std::printf("%s\n", plan::plan_json(report).dump(2).c_str());
-  else std::printf("%s", plan::format_plan(report).c_str());
+  args.options.offload = args.offload == "activations";
+  if (args.offload != "none" && args.offload != "activations") parse_offload(args.offload, RecomputeMode::All);
+  int64_t device_bytes = 0;
+  if (!args.device_memory.empty()) {
+    device_bytes = plan::parse_memory_size(args.device_memory);
+    args.options.device_memory_gib = static_cast<double>(device_bytes) / (int64_t{1} << 30);
+  }
+  if (args.options.recompute != "auto") {
+    const plan::PlanReport report = plan::run_plan(args.options);
+    if (args.json) std::printf("%s\n", plan::plan_json(report).dump(2).c_str());
+    else std::printf("%s", plan::format_plan(report).c_str());
+    return 0;
+  }
+  // What sft and bench would choose for each length, then that length's plan.
+  if (device_bytes == 0) device_bytes = plan::machine_device_memory(args.options.device, 0);
+  nlohmann::ordered_json doc;
+  for (int64_t seq : args.options.seq_lengths) {
+    const plan::AutoChoice choice = plan::choose_recompute(args.options, seq, device_bytes, args.options.offload);
+    plan::PlanOptions chosen = args.options;
+    chosen.seq_lengths = {seq};
+    chosen.recompute = choice.setting.recompute;
+    chosen.recompute_layers = choice.setting.recompute_layers;
+    chosen.offload = choice.setting.offload;
+    const plan::PlanReport report = plan::run_plan(chosen);
+    if (args.json) {
+      nlohmann::ordered_json j = plan::plan_json(report);
+      if (doc.is_null()) {
+        doc = j;
+        doc["recompute"] = "auto";
+        doc["device_memory_bytes"] = device_bytes;
+        doc["usable_memory_bytes"] = choice.usable_bytes;
+        doc["results"] = nlohmann::ordered_json::array();
+      }
+      nlohmann::ordered_json r = j["results"][0];
+      r["recompute_chosen"] = choice.setting.recompute;
+      r["recompute_layers_chosen"] = choice.setting.recompute_layers;
+      r["offload_chosen"] = choice.setting.offload ? "activations" : "none";
+      doc["results"].push_back(r);
+    } else {
+      std::printf("seq %lld: %s\n", static_cast<long long>(seq), choice.summary(report.config.num_layers).c_str());
+      std::printf("%s\n", plan::format_plan(report).c_str());
+    }
+  }
+  if (args.json) std::printf("%s\n", doc.dump(2).c_str());
   return 0;
 }
 
@@ -41,8 +86,12 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--lora-rank", o.lora_rank, "LoRA rank on every projection")->capture_default_str();
   cmd->add_option("--lora-alpha", o.lora_alpha, "LoRA alpha")->capture_default_str();
   cmd->add_flag("--full", o.full, "full fine-tuning instead of LoRA");
-  cmd->add_option("--recompute", o.recompute, "none, all or keep-attention (as sft)")->capture_default_str();
+  add_quantize_options(cmd, o.quantize, o.double_quant, o.quant_block_size);
+  cmd->add_option("--recompute", o.recompute, "none, all, keep-attention or auto (the fastest that fits --device-memory, as sft and bench choose)")->capture_default_str();
   cmd->add_option("--recompute-layers", o.recompute_layers, "apply --recompute to the first N layers only (-1: all)")
+      ->capture_default_str();
+  cmd->add_option("--offload", args->offload,
+                  "none, or activations: recomputed layers' inputs (and kept attention) in host memory")
       ->capture_default_str();
   cmd->add_flag("--bench-step", args->bench_step,
                 "leave out the optimizer state, as `spindle bench`'s step does (to compare with its peak)");
@@ -54,7 +103,9 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--sp", o.sp, "sequence-parallel degree (default 1)");
   cmd->add_option("--ulysses", o.ulysses, "Ulysses part of --sp (default: the largest the heads allow)");
   cmd->add_option("--ring", o.ring, "ring part of --sp (default: sp / ulysses)");
-  cmd->add_option("--device-memory", o.device_memory_gib, "GiB per device: say whether the peak fits");
+  cmd->add_option("--device-memory", args->device_memory,
+                  "memory per device (bytes, or 80GiB, 512MiB): say whether the peak fits; with --recompute auto "
+                  "the budget (default: the GPU's, or the machine's RAM with --device cpu)");
   cmd->add_flag("--json", args->json, "print one JSON document instead of the table");
   commands.push_back({cmd, [args] { return run_plan_command(*args); }});
 }

@@ -11,6 +11,9 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "model/config.h"
+#include "parallel/mesh.h"
+#include "plan/auto_recompute.h"
 #include "train/setup.h"
 #include "train/trainer.h"
 
@@ -146,8 +149,16 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--recompute", c.recompute,
                   "activation checkpointing: none (keep every activation), all (keep layer inputs, recompute "
                   "layers in backward) or keep-attention (as all, but keep each layer's attention output: "
-                  "no second attention forward)")
+                  "no second attention forward), or auto (sft: the fastest setting whose planned peak fits the "
+                  "device, docs/memory.md)")
       ->capture_default_str();
+  cmd->add_option("--offload", c.offload,
+                  "none, or activations: recomputed layers' inputs (and kept attention outputs) go to host memory "
+                  "during forward and come back ahead of backward (docs/memory.md)")
+      ->capture_default_str();
+  cmd->add_option("--device-memory", c.device_memory,
+                  "with --recompute auto: the memory per device to fit (bytes, or 80GiB; default: the GPU's, or the "
+                  "machine's RAM on the CPU)");
   cmd->add_option("--recompute-layers", c.recompute_layers,
                   "apply --recompute to the first N layers only; the others keep every activation (faster, more "
                   "memory; -1: all layers)")
@@ -171,6 +182,44 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
 }
 
 
+// --recompute auto: the fastest setting whose plan (rows of --max-length tokens, this job's mesh,
+// the AdamW state) fits the device, written into the config before anything is allocated.
+void resolve_auto_recompute(TrainConfig& config) {
+  config.validate();
+  if (config.no_fsdp && process_group_from_environment().world_size > 1)
+    fail("--recompute auto plans sharded (FSDP) runs; with --no-fsdp choose --recompute none, all or keep-attention");
+  const ProcessGroupInfo process = process_group_from_environment();
+  const ComputeDevice device = choose_device(config, process);
+  plan::PlanOptions p;
+  p.model = config.model;
+  p.seq_lengths = {config.max_length};
+  p.lora_rank = config.full ? 0 : config.lora_rank;
+  p.lora_alpha = config.lora_alpha;
+  p.full = config.full;
+  p.quantize = config.quantize;
+  p.double_quant = config.double_quant;
+  p.quant_block_size = config.quant_block_size;
+  p.device = device.cuda ? "cuda" : "cpu";
+  p.dtype = config.dtype;
+  p.world = process.world_size;
+  p.dp = config.dp;
+  p.sp = config.sp;
+  p.ulysses = config.ulysses;
+  p.ring = config.ring;
+  const int64_t device_bytes = config.device_memory.empty() ? plan::machine_device_memory(p.device, device.index)
+                                                            : plan::parse_memory_size(config.device_memory);
+  const ModelConfig model = ModelConfig::from_file(config.model);
+  const parallel::MeshConfig mesh = parallel::resolve_mesh(config.mesh_flags(), process.world_size,
+                                                           static_cast<int>(model.num_heads),
+                                                           static_cast<int>(model.num_kv_heads));
+  const int64_t seq = parallel::padded_length(config.max_length, mesh);  // the longest row, as the loader pads it
+  const plan::AutoChoice choice = plan::choose_recompute(p, seq, device_bytes, config.offload == "activations");
+  config.recompute = choice.setting.recompute;
+  config.recompute_layers = choice.setting.recompute_layers;
+  config.offload = choice.setting.offload ? "activations" : "none";
+  if (process.rank == 0) std::fprintf(stderr, "%s\n", choice.summary(0).c_str());
+}
+
 void add_sft_command(CLI::App& app, CommandList& commands) {
   auto config = std::make_shared<TrainConfig>();
   auto config_file = std::make_shared<std::string>();
@@ -179,7 +228,9 @@ void add_sft_command(CLI::App& app, CommandList& commands) {
   add_train_options(cmd, *config);
   commands.push_back({cmd,
                       [config] {
-                        const TrainSummary summary = run_sft(*config);
+                        TrainConfig resolved = *config;
+                        if (resolved.recompute == "auto") resolve_auto_recompute(resolved);
+                        const TrainSummary summary = run_sft(resolved);
                         return summary.steps > 0 ? 0 : 1;
                       },
                       [config](int world_size) {

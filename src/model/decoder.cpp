@@ -52,6 +52,18 @@ void check_recompute_layers(RecomputeMode mode, int64_t recompute_layers) {
          recompute_layers);
 }
 
+bool parse_offload(const std::string& value, RecomputeMode mode) {
+  if (value == "none") return false;
+  if (value != "activations")
+    fail("--offload must be none or activations, got \"{}\" (activations: recomputed layers keep their inputs in "
+         "host memory, docs/memory.md)",
+         value);
+  if (mode == RecomputeMode::None)
+    fail("--offload activations moves what recomputed layers keep to host memory: it needs --recompute all or "
+         "keep-attention (or auto), not none");
+  return true;
+}
+
 DecoderOptions recompute_options(RecomputeMode mode, int64_t num_layers, int64_t recompute_layers) {
   check_recompute_layers(mode, recompute_layers);
   if (recompute_layers > num_layers)
@@ -76,6 +88,39 @@ Decoder::Decoder(Backend& backend, ModelWeights& weights, DecoderOptions options
   std::vector<float> inv = rope_inverse_frequencies(c);
   inv_freq_ = backend_.empty(Shape{static_cast<int64_t>(inv.size())}, DType::F32);
   backend_.copy_from_host(stream_, inv.data(), inv_freq_);
+}
+
+std::vector<Tensor*> Decoder::offloaded_tensors(LayerActivations& a) {
+  // A recomputed layer's record holds x_in and, when kept, its mixer's core (Mixer::use_kept_core:
+  // attention's attn and lse, DeltaNet's core); every other member is undefined there.
+  std::vector<Tensor*> out;
+  for (Tensor* t : {&a.x_in, &a.mixer.attention.attn, &a.mixer.attention.lse, &a.mixer.gated_deltanet.core})
+    if (t->defined()) out.push_back(t);
+  return out;
+}
+
+void Decoder::offload_layer(LayerActivations& a, std::vector<Tensor>& in_flight) {
+  const Stream copy = backend_.copy_stream();
+  backend_.stream_wait(copy, stream_);  // written on the default stream
+  for (Tensor* t : offloaded_tensors(a)) {
+    Tensor host = backend_.empty_host(t->shape(), t->dtype());
+    backend_.copy_host_device(copy, *t, host);
+    in_flight.push_back(std::move(*t));
+    *t = std::move(host);
+  }
+}
+
+void Decoder::fetch_layer(LayerActivations& a, std::vector<Tensor>& in_flight) {
+  const Stream copy = backend_.copy_stream();
+  const std::vector<Tensor*> slots = offloaded_tensors(a);
+  std::vector<Tensor> device;
+  for (Tensor* t : slots) device.push_back(backend_.empty(t->shape(), t->dtype()));
+  backend_.stream_wait(copy, stream_);  // allocated in the default stream's order
+  for (size_t i = 0; i < slots.size(); ++i) {
+    backend_.copy_host_device(copy, *slots[i], device[i]);
+    in_flight.push_back(std::move(*slots[i]));
+    *slots[i] = std::move(device[i]);
+  }
 }
 
 LayerActivations Decoder::scratch_view(LayerActivations& scratch, const LayerActivations& layer, int64_t l,
@@ -110,6 +155,15 @@ Tensor Decoder::forward(const MicroBatch& batch, bool keep, std::vector<LayerAct
                                 acts[l]);
   };
   const LayerContext ctx = context(batch);
+  // Offloaded layers' device copies stay alive until the default stream has waited for their copy
+  // (the next layer's forward runs meanwhile).
+  auto offloads = [&](int64_t l) { return keep && options_.offload && recompute(l) && l + 1 < layers; };
+  std::vector<Tensor> copying;
+  auto copies_done = [&] {
+    if (copying.empty()) return;
+    be.stream_wait(st, be.copy_stream());
+    copying.clear();
+  };
   if (layers) allocate_layer(0);
   before_forward(ParameterUnit::embedding());
   be.embedding_forward(st, batch.input_ids, weights_.embed->value, layers ? acts[0].x_in : x_final);
@@ -127,7 +181,10 @@ Tensor Decoder::forward(const MicroBatch& batch, bool keep, std::vector<LayerAct
     weights_.layers[l].forward(ctx, *a, out, /*run_core=*/true);
     after_forward(ParameterUnit::layer_unit(l));
     if (!keep) acts[l].x_in = Tensor();  // evaluation keeps nothing behind it
+    copies_done();  // the previous layer's, enqueued before this layer's forward
+    if (offloads(l)) offload_layer(acts[l], copying);
   }
+  copies_done();
   return x_final;
 }
 
@@ -235,8 +292,22 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   after_backward(head);
   // The layers' backward needs the step's router statistics (one collective when not yet done).
   if (router_aux_) router_aux_->finish_statistics();
+  // Offloaded layers (see forward) come back one layer ahead: layer l−1's copy runs during layer l's
+  // backward; the host copies stay alive until the default stream has waited for it.
+  auto offloaded = [&](int64_t l) { return options_.offload && recompute(l) && l + 1 < layers; };
+  std::vector<bool> fetched(static_cast<size_t>(layers), false);
+  std::vector<Tensor> fetching;
   for (int64_t l = layers - 1; l >= 0; --l) {
     before_backward(ParameterUnit::layer_unit(l));
+    if (offloaded(l)) {
+      if (!fetched[l]) fetch_layer(acts[l], fetching);
+      be.stream_wait(st, be.copy_stream());
+      fetching.clear();
+    }
+    if (l > 0 && offloaded(l - 1)) {
+      fetch_layer(acts[l - 1], fetching);
+      fetched[l - 1] = true;
+    }
     LayerActivations view;
     const LayerActivations* a = &acts[l];
     if (recompute(l)) {

@@ -67,6 +67,13 @@ struct DecoderOptions {
   // stat-dtype elements per recomputed attention layer (SelfAttentionActivations::attn, lse).
   // Ignored for layers that are not recomputed.
   bool keep_attention = false;
+  // Activation offload (--offload activations): what a recomputed layer keeps (its input and, with
+  // keep_attention, its mixer's core) is copied to host memory (Backend::empty_host) on the
+  // backend's copy stream once the layer's forward has run, and copied back one layer ahead of the
+  // backward that reads it, so the device holds about three layers' worth instead of every
+  // layer's. The last layer's stay (its backward comes first). Losses and gradients are
+  // bit-identical with and without (the copies are exact). Ignored for kept layers.
+  bool offload = false;
   // Upper bound of the logits chunk of the fused LM-head loss. 256 MiB is 883 rows of Qwen2.5's
   // 151936-word vocabulary in bf16: the chunk's two GEMMs ran at 620 TFLOP/s with 64 MiB (220
   // rows) on an H200, against ~780 for large ones.
@@ -110,6 +117,15 @@ class Decoder {
   // the layer's kept x_in, and its kept mixer core when kept_core.
   LayerActivations scratch_view(LayerActivations& scratch, const LayerActivations& layer, int64_t layer_index,
                                 int64_t tokens, bool kept_core);
+  // Offload (DecoderOptions::offload): the device tensors a recomputed layer keeps, in a fixed
+  // order (x_in, then its mixer's kept core), that are defined.
+  static std::vector<Tensor*> offloaded_tensors(LayerActivations& a);
+  // Copies layer `l`'s kept tensors to new host tensors (slots then refer to them) on the copy
+  // stream; the device tensors go to `in_flight`, to be released after the default stream waits.
+  void offload_layer(LayerActivations& a, std::vector<Tensor>& in_flight);
+  // Brings them back into new device tensors (slots refer to those); the host tensors go to
+  // `in_flight` likewise.
+  void fetch_layer(LayerActivations& a, std::vector<Tensor>& in_flight);
   // The hook calls of one step without any compute: a rank with no token keeps the collectives
   // of its peers' hooks matched.
   void hooks_without_tokens(bool backward);

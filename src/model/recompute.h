@@ -19,5 +19,8 @@ RecomputeMode parse_recompute_mode(const std::string& value, const std::string& 
 const char* recompute_mode_name(RecomputeMode mode);
 // --recompute-layers: -1 (every layer) or N >= 0, and only with a mode that recomputes.
 void check_recompute_layers(RecomputeMode mode, int64_t recompute_layers);
+// --offload: "none" (false) or "activations" (true: DecoderOptions::offload); anything else, or
+// activations with a mode that recomputes nothing, throws an Error naming the option.
+bool parse_offload(const std::string& value, RecomputeMode mode);
 
 }  // namespace spindle

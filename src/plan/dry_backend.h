@@ -52,6 +52,11 @@ class DryBackend final : public Backend {
   void fill(Stream, Tensor&, double) override {}
   MemoryStats memory_stats() override;
   void reset_peak_memory() override;
+  // Activation offload: host tensors count apart from the device's (no phases: they are all offload).
+  Tensor empty_host(Shape shape, DType dtype) override;
+  void copy_host_device(Stream, const Tensor&, Tensor&) override {}
+  int64_t host_live_bytes() const { return host_live_; }
+  int64_t host_peak_bytes() const { return host_peak_; }
 
   void scale(Stream, Tensor&, double) override {}
   void axpy(Stream, double, const Tensor&, Tensor&) override {}
@@ -125,6 +130,7 @@ class DryBackend final : public Backend {
   int64_t live_ = 0, peak_ = 0;
   std::map<std::string, int64_t> live_by_phase_, peak_by_phase_;
   std::string peak_phase_;
+  int64_t host_live_ = 0, host_peak_ = 0;
   // Tensors outliving the backend must not call back into it.
   std::shared_ptr<DryBackend*> self_;
 };

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <memory>
 
+#include "backend/cpu/quant4_ops.h"
 #include "bench/bench.h"
 #include "core/error.h"
 #include "model/decoder.h"
@@ -62,6 +63,43 @@ class PhaseHooks final : public ParameterHooks {
   ParameterHooks* inner_;
 };
 
+// The parameters ModelWeights::quantize_projections leaves in place of each quantisable projection's
+// dense weight (model/quantized_weights.h), allocated on the DryBackend without the host pass that
+// computes their bytes (minutes for a 7B model, and a plan computes nothing): packed U8 [(n+1)/2],
+// absmax F32 [blocks] or, double-quantised, U8 codes [blocks] with F32 nested absmax
+// [ceil(blocks/256)] and one shared F32 [256] code map. tests/cli/check_plan.py compares the result
+// with `spindle bench --quantize`, so a change of that layout shows there.
+void declare_quantized_projections(Backend& backend, ModelWeights& weights, const QuantizeOptions& q) {
+  if (!q.active()) return;
+  Tensor code_map;
+  if (q.double_quant) code_map = backend.empty(Shape{256}, DType::F32);
+  for (Linear* lin : weights.linears()) {
+    if (lin->quantized() || !quantizable_projection(lin->module)) continue;
+    const int64_t n = lin->out * lin->in, blocks = quant4::num_blocks(n, q.blocksize);
+    auto add = [&](const std::string& name) -> Parameter& {
+      Parameter& p = weights.parameters().emplace_back();
+      p.name = name;
+      return p;
+    };
+    QuantizedWeight w;
+    w.blocksize = q.blocksize;
+    w.packed = lin->weight;
+    w.packed->value = Tensor();  // the dense matrix first, as the real pass frees it
+    w.packed->value = backend.empty(Shape{(n + 1) / 2}, DType::U8);
+    w.absmax = &add(lin->prefix + ".weight.absmax");
+    w.absmax->value = backend.empty(Shape{blocks}, q.double_quant ? DType::U8 : DType::F32);
+    if (q.double_quant) {
+      w.nested_absmax = &add(lin->prefix + ".weight.nested_absmax");
+      w.nested_absmax->value = backend.empty(Shape{quant4::num_blocks(blocks, quant4::kNestedBlocksize)}, DType::F32);
+      w.nested_blocksize = quant4::kNestedBlocksize;
+      w.nested_code = code_map;
+    }
+    lin->quant = w;
+    lin->format = *q.type == Quant4Type::NF4 ? WeightFormat::NF4 : WeightFormat::FP4;
+    lin->weight = nullptr;
+  }
+}
+
 DType plan_dtype(const PlanOptions& o) {
   if (o.dtype == "auto") return o.device == "cuda" ? DType::BF16 : DType::F32;
   if (o.dtype == "f32") return DType::F32;
@@ -84,6 +122,9 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
 
   backend.set_phase(kWeights);
   ModelWeights weights = ModelWeights::uninitialized(backend, config, dtype);
+  // As bench and sft hold them: packed bytes and absmax per projection (sharded as bytes by FSDP
+  // below); the step then allocates each projection's dequantised scratch where Linear does.
+  declare_quantized_projections(backend, weights, parse_quantize_options(o.quantize, o.double_quant, o.quant_block_size));
   backend.set_phase(kTrainable);
   if (o.full) {
     weights.train_all(backend);
@@ -124,7 +165,9 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
   r.tokens = batch.num_tokens;
 
   const RecomputeMode recompute = parse_recompute_mode(o.recompute);
-  Decoder decoder(backend, weights, recompute_options(recompute, config.num_layers, o.recompute_layers));
+  DecoderOptions decoder_options = recompute_options(recompute, config.num_layers, o.recompute_layers);
+  decoder_options.offload = o.offload;
+  Decoder decoder(backend, weights, decoder_options);
   std::unique_ptr<AttentionStrategy> attention;
   if (mesh && mesh_config.sp > 1) attention = parallel::make_sequence_parallel_attention(*mesh, config);
   decoder.set_attention(attention.get());
@@ -137,6 +180,7 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
 
   r.peak_allocated_bytes = backend.peak_bytes();
   r.peak_phase = backend.peak_phase();
+  r.host_peak_bytes = backend.host_peak_bytes();
   for (const char* phase : kPhaseOrder) {
     auto it = backend.peak_by_phase().find(phase);
     if (it != backend.peak_by_phase().end() && it->second > 0) r.parts.push_back({phase, it->second});
@@ -168,6 +212,7 @@ PlanReport run_plan(const PlanOptions& o) {
     fail("--lora-rank must be positive for LoRA (or use --full), got {}", o.lora_rank);
   if (o.seq_lengths.empty()) fail("--seq needs at least one length");
   check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
+  if (o.offload) parse_offload("activations", parse_recompute_mode(o.recompute));
   PlanReport rep;
   rep.options = o;
   rep.config = ModelConfig::from_file(o.model);
@@ -211,17 +256,24 @@ PlanReport run_plan(const PlanOptions& o) {
 std::string format_plan(const PlanReport& rep) {
   const PlanOptions& o = rep.options;
   std::string s = fmt::format(
-      "plan: {} ({} layers, hidden {}), {} on {}, {} {} world {} (dp {} x sp {}: ulysses {} x ring {}), recompute {}{}\n",
+      "plan: {} ({} layers, hidden {}), {} on {}, {} {} world {} (dp {} x sp {}: ulysses {} x ring {}), recompute {}{}{}\n",
       o.model, rep.config.num_layers, rep.config.hidden_size,
-      o.full ? "full fine-tuning" : fmt::format("LoRA r{}", o.lora_rank), o.device, rep.dtype,
+      o.full ? std::string("full fine-tuning")
+             : fmt::format("LoRA r{}{}", o.lora_rank,
+                           o.quantize.empty() ? std::string()
+                                              : fmt::format(" on {} base weights{}", o.quantize,
+                                                            o.double_quant ? " (double quantisation)" : "")),
+      o.device, rep.dtype,
       o.optimizer ? "with AdamW state," : "without optimizer state,", rep.world, rep.dp, rep.sp, rep.ulysses, rep.ring,
-      o.recompute, o.recompute_layers >= 0 ? fmt::format(" (first {} layers)", o.recompute_layers) : "");
+      o.recompute, o.recompute_layers >= 0 ? fmt::format(" (first {} layers)", o.recompute_layers) : "",
+      o.offload ? ", activations offloaded to host memory" : "");
   s += "predicted peak of live tensors per rank (the allocator's own slack and the backend's fixed workspaces "
        "come on top; docs/memory.md)\n";
   for (const LengthPlan& l : rep.lengths) {
     const RankPlan& r = l.largest();
     s += fmt::format("\nseq {}: peak {} on rank {} ({} tokens), reached in: {}; between steps {}\n", l.seq,
                      gib(r.peak_allocated_bytes), r.rank, r.tokens, r.peak_phase, gib(r.steady_bytes));
+    if (o.offload) s += fmt::format("  host memory of activation offload at its peak: {}\n", gib(r.host_peak_bytes));
     for (const PlanPart& p : r.parts)
       s += fmt::format("  {:<36} {:>12}  {:5.1f} %\n", p.name, gib(p.bytes),
                        100.0 * static_cast<double>(p.bytes) / static_cast<double>(r.peak_allocated_bytes));
@@ -249,7 +301,10 @@ nlohmann::ordered_json plan_json(const PlanReport& rep) {
   j["ring"] = rep.ring;
   j["recompute"] = rep.options.recompute;
   j["recompute_layers"] = rep.options.recompute_layers;
+  j["offload"] = rep.options.offload ? "activations" : "none";
   j["lora_rank"] = rep.options.full ? 0 : rep.options.lora_rank;
+  j["quantize"] = rep.options.quantize.empty() ? "none" : rep.options.quantize;
+  j["double_quant"] = rep.options.double_quant;
   j["optimizer"] = rep.options.optimizer;
   j["results"] = nlohmann::ordered_json::array();
   for (const LengthPlan& l : rep.lengths) {
@@ -258,6 +313,7 @@ nlohmann::ordered_json plan_json(const PlanReport& rep) {
     const RankPlan& top = l.largest();
     x["peak_allocated_bytes"] = top.peak_allocated_bytes;
     x["peak_rank"] = top.rank;
+    x["offload_host_bytes"] = top.host_peak_bytes;
     x["ranks"] = nlohmann::ordered_json::array();
     for (const RankPlan& r : l.ranks) {
       nlohmann::ordered_json y;
@@ -266,6 +322,7 @@ nlohmann::ordered_json plan_json(const PlanReport& rep) {
       y["peak_allocated_bytes"] = r.peak_allocated_bytes;
       y["peak_phase"] = r.peak_phase;
       y["steady_bytes"] = r.steady_bytes;
+      y["host_peak_bytes"] = r.host_peak_bytes;
       nlohmann::ordered_json parts = nlohmann::ordered_json::object();
       for (const PlanPart& p : r.parts) parts[p.name] = p.bytes;
       y["parts"] = parts;

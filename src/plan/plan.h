@@ -21,8 +21,12 @@ struct PlanOptions {
   int64_t lora_rank = 16;            // 0 with full
   double lora_alpha = 32;
   bool full = false;
+  std::string quantize;              // nf4 | fp4: 4-bit base projections, as sft/bench --quantize; empty: dense
+  bool double_quant = false;
+  int64_t quant_block_size = 64;
   std::string recompute = "all";     // none | all | keep-attention
   int64_t recompute_layers = -1;
+  bool offload = false;              // --offload activations: recomputed layers' kept tensors in host memory
   bool optimizer = true;             // AdamW state (sft holds it; `spindle bench`'s step does not)
   std::string device = "cuda";       // the device planned for: cuda (BF16) or cpu (F32)
   std::string dtype = "auto";        // auto | f32 | f64 | bf16
@@ -44,6 +48,7 @@ struct RankPlan {
   std::string peak_phase;              // the phase in which the peak is reached
   std::vector<PlanPart> parts;         // what is live at the peak, by the phase that allocated it
   int64_t steady_bytes = 0;            // live between steps (weights, shards, gradients, optimizer)
+  int64_t host_peak_bytes = 0;         // host memory of activation offload at its peak (0 without)
 };
 
 struct LengthPlan {

@@ -27,6 +27,7 @@ struct StepMetrics {
   double tokens_per_s = 0;          // tokens / step_seconds
   double step_seconds = 0;          // wall time of the step: forward, backward, optimizer
   int64_t peak_memory_bytes = 0;    // memory high-water mark during the step
+  int64_t offload_host_bytes = 0;   // host memory of activation offload at its peak (0: no offload)
   double elapsed_seconds = 0;       // wall time since the run started, resumed sessions included
   std::optional<double> aux_loss;   // MoE router load-balancing loss of the step, when trained with one
                                     // (without its coefficient; `loss` is the cross-entropy alone)

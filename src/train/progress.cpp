@@ -122,6 +122,7 @@ std::string ProgressDisplay::terminal_line() const {
   rest += fmt::format("  loss {} (last {})", format_optional_loss(smoother_.value()), format_loss(step.loss));
   rest += fmt::format("  {} tok/s", format_rate(step.tokens_per_s));
   if (step.peak_memory_bytes > 0) rest += "  " + format_memory(step.peak_memory_bytes);
+  if (step.offload_host_bytes > 0) rest += " +" + format_memory(step.offload_host_bytes) + " host";
   rest += "  " + format_duration(step.elapsed_seconds);
   if (auto per_step = seconds_per_step(); per_step && total > 0)
     rest += "<" + format_duration(*per_step * static_cast<double>(std::max<int64_t>(total - step.step, 0)));
@@ -156,6 +157,7 @@ std::string ProgressDisplay::plain_line() const {
   if (step.aux_loss) line += " | aux_loss " + format_loss(*step.aux_loss);
   line += fmt::format(" | {} tokens/s", format_rate(step.tokens_per_s));
   if (step.peak_memory_bytes > 0) line += " | peak " + format_memory(step.peak_memory_bytes);
+  if (step.offload_host_bytes > 0) line += " | offloaded " + format_memory(step.offload_host_bytes) + " to host";
   line += " | elapsed " + format_duration(step.elapsed_seconds);
   if (auto per_step = seconds_per_step(); per_step && total > 0 && step.step < total)
     line += " | eta " +

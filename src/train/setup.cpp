@@ -187,7 +187,10 @@ ModelWeights load_training_weights(Backend& backend, const TrainConfig& config, 
 }
 
 DecoderOptions decoder_options(const TrainConfig& config, const ModelConfig& model_config) {
-  return recompute_options(parse_recompute_mode(config.recompute), model_config.num_layers, config.recompute_layers);
+  const RecomputeMode mode = parse_recompute_mode(config.recompute);
+  DecoderOptions options = recompute_options(mode, model_config.num_layers, config.recompute_layers);
+  options.offload = parse_offload(config.offload, mode);
+  return options;
 }
 
 std::vector<PackedRow> load_rows(const fs::path& prepared, const PackOptions& pack) {

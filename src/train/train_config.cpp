@@ -45,7 +45,10 @@ void TrainConfig::validate() const {
   if (eval_steps < 0) fail("--eval-steps must be >= 0, got {}", eval_steps);
   if (eval_steps > 0 && eval_data.empty()) fail("--eval-steps needs --eval-data");
   if (log_every <= 0) fail("--log-every must be positive, got {}", log_every);
-  check_recompute_layers(parse_recompute_mode(recompute), recompute_layers);
+  if (recompute != "auto") {  // auto is resolved into a mode by the command line before training starts
+    check_recompute_layers(parse_recompute_mode(recompute), recompute_layers);
+    parse_offload(offload, parse_recompute_mode(recompute));
+  }
   if (device != "auto" && device != "cpu" && device != "cuda")
     fail("--device must be auto, cpu or cuda, got \"{}\"", device);
   if (dtype != "auto" && dtype != "f32" && dtype != "f64" && dtype != "bf16")

@@ -50,8 +50,10 @@ struct TrainConfig {
   std::string metrics_file;           // default: OUTPUT/metrics.jsonl
   std::string tensorboard;            // folder for TensorBoard event files (main rank); empty: none
   int64_t log_every = 1;
-  std::string recompute = "none";     // none | all | keep-attention: activation checkpointing (RecomputeMode)
+  std::string recompute = "none";     // none | all | keep-attention | auto: activation checkpointing (RecomputeMode; auto: docs/memory.md)
   int64_t recompute_layers = -1;       // how many layers (the first ones) --recompute applies to; -1: all
+  std::string offload = "none";       // none | activations: recomputed layers' kept tensors in host memory
+  std::string device_memory;          // --recompute auto: memory per device to fit (bytes or 80GiB); empty: the device's
   std::string device = "auto";        // auto | cpu | cuda (auto: CUDA when built with it and a GPU is visible)
   std::string dtype = "auto";         // auto (cpu: f32, cuda: bf16) | f32 | f64 (cpu) | bf16 (cuda)
   std::string attention = "auto";     // auto | own | cudnn: the CUDA backend's attention (CudaAttention)

@@ -167,7 +167,9 @@ TrainSummary run_sft(const TrainConfig& config) {
     m.aux_loss = totals.aux_loss;
     m.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
     m.tokens_per_s = m.step_seconds > 0 ? static_cast<double>(totals.tokens) / m.step_seconds : 0;
-    m.peak_memory_bytes = backend->memory_stats().peak_allocated_bytes;  // live tensors: the GPU pool on CUDA, tensor bytes on the CPU
+    const MemoryStats memory = backend->memory_stats();
+    m.peak_memory_bytes = memory.peak_allocated_bytes;  // live tensors: the GPU pool on CUDA, tensor bytes on the CPU
+    m.offload_host_bytes = memory.peak_host_allocated_bytes;  // --offload activations
     m.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     m.epoch = loader.epochs_done();
     if (config.eval_steps > 0 && (step % config.eval_steps == 0 || step == total_steps) && !eval_rows.empty())

@@ -22,13 +22,15 @@ def run(cmd):
 
 
 def measured(model, seq, extra, mesh):
+    """bench's peak of live device tensors and the host bytes of offload at their peak (rank 0)."""
     world = ["--nproc-per-node", str(mesh[0])] + mesh[1] if mesh[0] > 1 else []
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "bench.json")
         run([spindle, "bench", "--device", "cpu", "--threads", "1", "--model", model, "--seq", str(seq),
              "--steps", "1", "--warmup", "1", "--profile-steps", "0", "--json-file", report] + world + extra)
         with open(report) as f:
-            return json.load(f)["results"][0]["peak_allocated_bytes"]
+            result = json.load(f)["results"][0]
+            return result["peak_allocated_bytes"], result["offload_host_bytes"]
 
 
 def predicted(model, seq, extra, mesh):
@@ -36,7 +38,7 @@ def predicted(model, seq, extra, mesh):
     doc = json.loads(run([spindle, "plan", "--device", "cpu", "--bench-step", "--model", model, "--seq", str(seq),
                           "--json"] + world + extra))
     ranks = doc["results"][0]["ranks"]
-    return ranks[0]["peak_allocated_bytes"], ranks[0]["peak_phase"]
+    return ranks[0]["peak_allocated_bytes"], ranks[0]["peak_phase"], ranks[0]["host_peak_bytes"]
 
 
 cases = [
@@ -49,6 +51,30 @@ cases = [
     ("qwen3 Ulysses sp 2 (FSDP over 2)", "qwen3", 96, ["--lora-rank", "4"], (2, ["--sp", "2", "--ulysses", "2"])),
     ("qwen2 ring sp 2, full", "qwen2", 96, ["--full", "--recompute", "none"], (2, ["--sp", "2", "--ring", "2"])),
 ]
+# 4-bit base weights (QLoRA): packed bytes and absmax (FSDP shards them as bytes), the per-projection
+# dequantisation scratch of the step.
+cases += [
+    ("qwen2 NF4 LoRA, recompute all", "qwen2", 96, ["--quantize", "nf4", "--recompute", "all"], (1, [])),
+    ("qwen3 NF4 double quantisation, blocksize 32, no recompute", "qwen3", 96,
+     ["--quantize", "nf4", "--double-quant", "--quant-block-size", "32", "--recompute", "none"], (1, [])),
+    ("llama FP4 keep-attention", "llama", 64, ["--quantize", "fp4", "--recompute", "keep-attention"], (1, [])),
+    ("qwen2 NF4 Ulysses sp 2 (FSDP over 2)", "qwen2", 96, ["--quantize", "nf4", "--double-quant"],
+     (2, ["--sp", "2", "--ulysses", "2"])),
+    ("qwen3 NF4 dp 2 (FSDP over 2)", "qwen3", 96, ["--quantize", "nf4", "--recompute", "none"], (2, [])),
+]
+# Activation offload: the device's peak without what went to host memory (host bytes compared below).
+offload_cases = [
+    ("qwen2 offload, recompute all", "qwen2", 96, ["--recompute", "all", "--offload", "activations"], (1, [])),
+    ("qwen3 offload, keep-attention", "qwen3", 96, ["--recompute", "keep-attention", "--offload", "activations"],
+     (1, [])),
+    ("llama offload, keep-attention on the first layer, NF4", "llama", 64,
+     ["--recompute", "keep-attention", "--recompute-layers", "1", "--offload", "activations", "--quantize", "nf4"],
+     (1, [])),
+    ("qwen3 offload, Ulysses sp 2", "qwen3", 96, ["--recompute", "all", "--offload", "activations"],
+     (2, ["--sp", "2", "--ulysses", "2"])),
+]
+cases += offload_cases
+
 # A hybrid model (gated DeltaNet and gated attention layers): the config alone is enough for both.
 hybrid = tempfile.mkdtemp(prefix="spindle-plan-")
 with open(os.path.join(hybrid, "config.json"), "w") as f:
@@ -71,19 +97,29 @@ with open(os.path.join(MOE, "config.json"), "w") as f:
 failures = []
 for name, model, seq, extra, mesh in cases:
     path = os.path.join(hf, model)
-    want = measured(path, seq, extra, mesh)
-    got, phase = predicted(path, seq, extra, mesh)
+    want, want_host = measured(path, seq, extra, mesh)
+    got, phase, got_host = predicted(path, seq, extra, mesh)
     rel = abs(got - want) / want
     ok = rel <= 0.05
+    offloads = "--offload" in extra
+    if offloads:  # the host side of offload: planned as the CPU backend allocates it
+        host_rel = abs(got_host - want_host) / max(want_host, 1)
+        ok = ok and want_host > 0 and host_rel <= 0.05
+    elif want_host != 0 or got_host != 0:
+        ok = False
+    host = f"; host {got_host} planned, {want_host} measured" if offloads else ""
     print(f"{'ok  ' if ok else 'FAIL'} {name}: plan {got} bytes (peak in {phase}), bench {want} bytes, "
-          f"error {100 * rel:.2f} %")
+          f"error {100 * rel:.2f} %{host}")
     if not ok:
         failures.append(name)
 
 for bad, needle in ((["--world", "3", "--sp", "2"], "--sp"), (["--seq", "0"], "--seq"),
                     (["--device", "tpu"], "--device"), (["--dtype", "bf16", "--device", "cpu"], "bf16"),
                     (["--dtype", "f64"], "f64"), (["--model", MOE], "mixture-of-experts"), (["--recompute", "none", "--recompute-layers", "1"],
-                                                  "--recompute-layers")):
+                                                  "--recompute-layers"),
+                    (["--recompute", "none", "--offload", "activations"], "--offload"),
+                    (["--offload", "disk"], "--offload"), (["--quantize", "nf8"], "--quantize"),
+                    (["--full", "--quantize", "nf4"], "4-bit")):
     model = [] if "--model" in bad else ["--model", os.path.join(hf, "qwen2")]
     p = subprocess.run([spindle, "plan"] + model + bad,
                        capture_output=True, text=True, timeout=60)

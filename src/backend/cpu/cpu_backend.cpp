@@ -17,6 +17,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/quant4_ops.h"
 #include "backend/cpu/gated_delta_ops.h"
+#include "backend/cpu/host_memory.h"
 #include "backend/cpu/gated_delta_state_ops.h"
 #include "backend/cpu/moe_ops.h"
 #include "backend/cpu/shared_expert_ops.h"
@@ -173,6 +174,10 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i) store_any(dst, i, load_any(src, i));
   }
 
+  // Activation offload: the host copy is a second allocation (backend/cpu/host_memory.h).
+  Tensor empty_host(Shape shape, DType dtype) override { return cpu::empty_host_tensor(shape, dtype); }
+  void copy_host_device(Stream, const Tensor& src, Tensor& dst) override { cpu::copy_host_tensor(src, dst); }
+
   void fill(Stream, Tensor& t, double value) override {
     require_cpu(t, "fill");
     const int64_t n = t.numel();
@@ -192,11 +197,14 @@ class CpuBackend final : public Backend {
     m.peak_allocated_bytes = std::max(m.allocated_bytes, g_peak_tensor_bytes.load());
     m.reserved_bytes = resident_bytes();
     m.peak_reserved_bytes = std::max(m.reserved_bytes, peak_resident_bytes());
+    m.host_allocated_bytes = cpu::host_tensor_bytes();
+    m.peak_host_allocated_bytes = cpu::peak_host_tensor_bytes();
     return m;
   }
 
   void reset_peak_memory() override {
     g_peak_tensor_bytes = g_tensor_bytes.load();
+    cpu::reset_peak_host_tensor_bytes();
     // Writing 5 to clear_refs resets VmHWM to the current RSS (Linux 4.0+); elsewhere the peak
     // simply keeps counting from the start.
     if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {

@@ -25,6 +25,7 @@
 #include "backend/cuda/context.h"
 #include "backend/cuda/gated_delta.h"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/host_memory.h"
 #include "backend/cuda/kernels.h"
 #include "core/error.h"
 
@@ -135,6 +136,10 @@ class CudaBackend final : public Backend {
     CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     m.device_used_bytes = static_cast<int64_t>(total_b - free_b);
     m.device_total_bytes = static_cast<int64_t>(total_b);
+    if (host_) {
+      m.host_allocated_bytes = host_->live_bytes();
+      m.peak_host_allocated_bytes = host_->peak_bytes();
+    }
     return m;
   }
 
@@ -145,7 +150,22 @@ class CudaBackend final : public Backend {
     uint64_t zero = 0;  // the only value these attributes accept: "restart from the current value"
     CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
     CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &zero));
+    if (host_) host_->reset_peak();
   }
+
+  // ---- activation offload: pinned host tensors, copies on their own stream (host_memory.h) -------
+  Tensor empty_host(Shape shape, DType dtype) override {
+    return cuda::make_pinned_tensor(host_memory(), shape, dtype);
+  }
+  void copy_host_device(Stream stream, const Tensor& src, Tensor& dst) override {
+    SPINDLE_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel() &&
+                      (src.device().kind == DeviceKind::CPU) != (dst.device().kind == DeviceKind::CPU),
+                  "copy_host_device {} -> {}: same dtype and size, one host and one device tensor", src.describe(),
+                  dst.describe());
+    ctx_->activate();
+    CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.bytes(), cudaMemcpyDefault, s(stream)));
+  }
+  Stream copy_stream() override { return Stream{host_memory()->copy_stream()}; }
 
   void copy_from_host(Stream stream, const void* src, Tensor& dst) override {
     require_device(dst, "copy_from_host");
@@ -871,6 +891,12 @@ class CudaBackend final : public Backend {
   }
 
   std::shared_ptr<Context> ctx_;
+  // Pinned host memory and the copy stream of activation offload, made on first use (host_memory.h).
+  std::shared_ptr<cuda::HostMemory> host_;
+  const std::shared_ptr<cuda::HostMemory>& host_memory() {
+    if (!host_) host_ = std::make_shared<cuda::HostMemory>(ctx_->device());
+    return host_;
+  }
   cuda::AttentionImpl attention_impl_ = cuda::AttentionImpl::Auto;
   bool cudnn_for_plain_causal_ = false;
   std::map<std::tuple<int64_t, int64_t, int, int, int>, int> calls_per_shape_;  // worth_a_cudnn_plan

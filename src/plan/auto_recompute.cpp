@@ -1,0 +1,223 @@
+#include "plan/auto_recompute.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <vector>
+
+#include "bench/flops.h"
+#include "core/error.h"
+#include "model/config.h"
+#include "parallel/mesh.h"
+
+#ifdef SPINDLE_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace spindle::plan {
+
+namespace {
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+struct Candidate {
+  RecomputeSetting setting;
+  double cost = 0;  // executed FLOPs of one step
+};
+
+// The peak (largest rank) and offload host bytes of `base` planned with `setting` at `seq`.
+struct Planned {
+  int64_t peak = 0, host = 0;
+};
+
+Planned plan_with(PlanOptions o, const RecomputeSetting& setting, int64_t seq) {
+  o.recompute = setting.recompute;
+  o.recompute_layers = setting.recompute_layers;
+  o.offload = setting.offload;
+  o.seq_lengths = {seq};
+  o.device_memory_gib = 0;
+  const PlanReport report = run_plan(o);
+  const RankPlan& top = report.lengths.at(0).largest();
+  Planned p{top.peak_allocated_bytes, 0};
+  for (const RankPlan& r : report.lengths[0].ranks) p.host = std::max(p.host, r.host_peak_bytes);
+  return p;
+}
+
+}  // namespace
+
+int64_t parse_memory_size(const std::string& text, const std::string& option) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  std::string unit = text.substr(used);
+  std::transform(unit.begin(), unit.end(), unit.begin(), [](unsigned char c) { return std::tolower(c); });
+  double scale = 0;
+  if (unit.empty() || unit == "b") scale = 1;
+  else if (unit == "k" || unit == "kib") scale = 1024.0;
+  else if (unit == "m" || unit == "mib") scale = 1024.0 * 1024;
+  else if (unit == "g" || unit == "gib") scale = static_cast<double>(kGiB);
+  else if (unit == "t" || unit == "tib") scale = 1024.0 * static_cast<double>(kGiB);
+  if (used == 0 || scale == 0 || !(value > 0))
+    fail("{} {}: give bytes or a size with a binary unit (80GiB, 80G, 512MiB)", option, text);
+  return static_cast<int64_t>(std::llround(value * scale));
+}
+
+std::string format_bytes(int64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b >= 0.1 * kGiB) return fmt::format("{:.2f} GiB", b / kGiB);
+  if (b >= 0.1 * (1 << 20)) return fmt::format("{:.2f} MiB", b / (1 << 20));
+  return fmt::format("{:.1f} KiB", b / 1024);
+}
+
+int64_t usable_memory(int64_t device_bytes, const std::string& device) {
+  if (device != "cuda") return device_bytes;
+  // What the plan leaves out on CUDA (docs/memory.md): the context and module images (~0.5 GiB on an
+  // H200), cuBLASLt's 32 MiB and cuDNN's workspaces, NCCL's buffers with several GPUs, and the
+  // stream-ordered pool's fragmentation (reserved − allocated: 0.1–1.5 % of the peak measured).
+  // 2 GiB plus 3 % of the device covers them with room; on an H200 (139.8 GiB) that is 6.2 GiB.
+  const int64_t margin = 2 * kGiB + device_bytes * 3 / 100;
+  return std::max<int64_t>(0, device_bytes - margin);
+}
+
+int64_t machine_device_memory(const std::string& device, int index) {
+  if (device == "cpu") {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+  }
+#ifdef SPINDLE_WITH_CUDA
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || index < 0 || index >= count) {
+    cudaGetLastError();
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, index) != cudaSuccess) return 0;
+  return static_cast<int64_t>(prop.totalGlobalMem);
+#else
+  (void)index;
+  return 0;
+#endif
+}
+
+std::string RecomputeSetting::describe() const {
+  std::string s = recompute;
+  if (recompute != "none" && recompute_layers >= 0) s += fmt::format(" on the first {} layers", recompute_layers);
+  if (offload) s += ", activations offloaded to host memory";
+  return s;
+}
+
+std::string AutoChoice::summary(int64_t num_layers) const {
+  (void)num_layers;
+  std::string s = fmt::format("--recompute auto: {} (planned peak {} per device of {}, {} usable after the margin",
+                              setting.describe(), format_bytes(peak_bytes), format_bytes(device_bytes),
+                              format_bytes(usable_bytes));
+  if (setting.offload) s += fmt::format("; {} of host memory", format_bytes(host_bytes));
+  return s + fmt::format("; {} settings planned)", candidates_planned);
+}
+
+AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device_bytes, bool offload_only) {
+  if (device_bytes <= 0)
+    fail("--recompute auto needs the device's memory: give --device-memory (bytes or e.g. 80GiB)");
+  const ModelConfig config = ModelConfig::from_file(base.model);
+  const int64_t layers = config.num_layers;
+  AutoChoice choice;
+  choice.device_bytes = device_bytes;
+  choice.usable_bytes = usable_memory(device_bytes, base.device);
+
+  // Every setting the engine has: nothing recomputed; keep-attention or all on the first N layers
+  // (the others keep everything; N = L is the mode on every layer); each recomputing one offloaded.
+  bench::FlopSetup flops;
+  flops.tokens = seq;
+  flops.doc_length = base.doc_length;
+  flops.lora_rank = base.full ? 0 : base.lora_rank;
+  std::vector<Candidate> candidates;
+  auto add = [&](const std::string& mode, int64_t n, bool offload) {
+    Candidate c;
+    c.setting = {mode, mode == "none" || n == layers ? -1 : n, offload};
+    flops.recompute = parse_recompute_mode(mode);
+    flops.recomputed_layers = c.setting.recompute_layers;
+    c.cost = bench::step_flops(config, flops).executed();
+    candidates.push_back(c);
+  };
+  for (bool offload : {false, true}) {
+    if (offload ? false : offload_only) continue;
+    if (!offload) add("none", 0, false);
+    for (const char* mode : {"keep-attention", "all"})
+      for (int64_t n = 1; n <= layers; ++n) add(mode, n, offload);
+  }
+  // Fewest FLOPs first; offload after every setting without it (its copies run beside compute but
+  // share the host link and memory: a setting that fits without is not slower for lack of them).
+  std::stable_sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.setting.offload != b.setting.offload) return !a.setting.offload;
+    return a.cost < b.cost;
+  });
+  Planned least{};
+  for (const Candidate& c : candidates) {
+    const Planned p = plan_with(base, c.setting, seq);
+    ++choice.candidates_planned;
+    if (p.peak <= choice.usable_bytes) {
+      choice.setting = c.setting;
+      choice.peak_bytes = p.peak;
+      choice.host_bytes = p.host;
+      return choice;
+    }
+    if (least.peak == 0 || p.peak < least.peak) least = p;
+  }
+
+  // Nothing fits: what would, with the setting that needs least (all, offloaded).
+  const RecomputeSetting smallest{"all", -1, true};
+  std::string would;
+  parallel::MeshFlags flags;
+  if (base.dp) flags.dp = base.dp;
+  if (base.sp) flags.sp = base.sp;
+  if (base.ulysses) flags.ulysses = base.ulysses;
+  if (base.ring) flags.ring = base.ring;
+  const parallel::MeshConfig mesh = parallel::resolve_mesh(flags, base.world, static_cast<int>(config.num_heads),
+                                                           static_cast<int>(config.num_kv_heads));
+  for (int sp = mesh.sp * 2; sp <= 64 && would.empty(); sp *= 2) {
+    PlanOptions o = base;
+    o.world = mesh.dp * sp;
+    o.sp = sp;
+    o.ulysses = o.ring = 0;
+    o.dp = mesh.dp;
+    try {
+      parallel::MeshFlags wider;
+      wider.dp = mesh.dp;
+      wider.sp = sp;
+      if (seq % parallel::sequence_multiple(parallel::resolve_mesh(wider, o.world, static_cast<int>(config.num_heads),
+                                                                   static_cast<int>(config.num_kv_heads))) != 0)
+        continue;
+      const Planned p = plan_with(o, smallest, seq);
+      if (p.peak <= choice.usable_bytes)
+        would = fmt::format("--sp {} over {} processes ({} per device, recompute all with --offload activations)",
+                            sp, o.world, format_bytes(p.peak));
+    } catch (const Error&) {
+      // a mesh the heads do not allow: try the next
+    }
+  }
+  const int64_t step = parallel::sequence_multiple(mesh);
+  int64_t lo = 0, hi = seq / step;  // lengths lo·step fit (0: none known), hi·step does not
+  if (plan_with(base, smallest, step).peak <= choice.usable_bytes) {
+    lo = 1;
+    while (hi - lo > 1) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      (plan_with(base, smallest, mid * step).peak <= choice.usable_bytes ? lo : hi) = mid;
+    }
+  }
+  const std::string longest =
+      lo > 0 ? fmt::format("--seq {} (the longest that fits on this mesh, recompute all with --offload activations)",
+                           lo * step)
+             : std::string("no length on this mesh (the weights and optimizer state alone do not fit)");
+  fail("--recompute auto: no setting fits {} per device ({} usable after the margin, docs/memory.md) at {} tokens: "
+       "the one needing least plans {}. It would fit with {}{}",
+       format_bytes(device_bytes), format_bytes(choice.usable_bytes), seq, format_bytes(least.peak),
+       would.empty() ? "" : would + ", or with ", longest);
+}
+
+}  // namespace spindle::plan

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""`--recompute auto` (bench, sft, plan) on the CPU backend, with the device's memory given by
+--device-memory: the choice is the fastest setting whose planned peak fits (none when it fits; else
+keep-attention or all on the fewest first layers, the others keeping everything; offload only when
+nothing fits without it), the run's measured peak stays within the budget, and a budget nothing fits
+is refused before the step with the longest sequence that would fit."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+spindle, root = sys.argv[1], sys.argv[2]
+qwen2 = os.path.join(root, "testdata", "hf", "qwen2")
+failures = []
+SEQ = 128
+
+
+def run(cmd, ok=True):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if ok and p.returncode != 0:
+        sys.exit(f"`{' '.join(cmd)}` failed:\n{p.stdout}{p.stderr}")
+    return p
+
+
+def check(ok, what):
+    print(f"{'ok  ' if ok else 'FAIL'} {what}")
+    if not ok:
+        failures.append(what)
+
+
+# Six layers, so that per-layer settings exist between the modes (only the config is read).
+model = tempfile.mkdtemp(prefix="spindle-auto-")
+with open(os.path.join(model, "config.json"), "w") as f:
+    json.dump({"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+               "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu"}, f)
+common = ["--model", model, "--seq", str(SEQ), "--device", "cpu"]
+
+
+def planned(recompute, layers=-1, offload=False, extra=()):
+    args = [spindle, "plan", "--bench-step", "--json", "--recompute", recompute] + common + list(extra)
+    if layers >= 0:
+        args += ["--recompute-layers", str(layers)]
+    if offload:
+        args += ["--offload", "activations"]
+    return json.loads(run(args).stdout)["results"][0]["peak_allocated_bytes"]
+
+
+def bench_auto(budget):
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "bench.json")
+        p = run([spindle, "bench", "--threads", "1", "--steps", "1", "--warmup", "1", "--profile-steps", "0",
+                 "--recompute", "auto", "--device-memory", str(budget), "--json-file", report] + common, ok=False)
+        if p.returncode != 0:
+            return p, None
+        with open(report) as f:
+            return p, json.load(f)["results"][0]
+
+
+none, ka, every = planned("none"), planned("keep-attention"), planned("all")
+all_offloaded = planned("all", offload=True)
+check(none > ka > every > all_offloaded,
+      f"planned peaks fall from none {none} to keep-attention {ka}, all {every}, all offloaded {all_offloaded}")
+
+# Enough for everything: no recompute, the fastest.
+p, r = bench_auto(none)
+check(r is not None and r["recompute"] == "none" and r["peak_allocated_bytes"] <= none,
+      f"budget {none}: none chosen, measured {r and r['peak_allocated_bytes']} ({p.stderr.strip()[-200:]})")
+
+# A byte less: keep-attention on the fewest first layers that fit (fewer FLOPs than any 'all').
+p, r = bench_auto(none - 1)
+if r is None:
+    check(False, f"budget {none - 1}: bench failed: {p.stderr}")
+else:
+    n = r["recompute_layers"] if r["recompute_layers"] >= 0 else 6
+    got = planned(r["recompute"], r["recompute_layers"])
+    fewer = planned(r["recompute"], n - 1) if n > 1 else none
+    check(r["recompute"] == "keep-attention" and r["offload"] == "none" and got <= none - 1 < fewer
+          and r["peak_allocated_bytes"] <= none - 1,
+          f"budget {none - 1}: {r['recompute']} on {n} layers (plan {got}; one layer fewer plans {fewer}), "
+          f"measured {r['peak_allocated_bytes']}")
+
+# Between keep-attention and all: 'all' on some layers, or keep-attention everywhere is out.
+budget = (ka + every) // 2
+p, r = bench_auto(budget)
+check(r is not None and r["recompute"] == "all" and r["offload"] == "none" and r["peak_allocated_bytes"] <= budget,
+      f"budget {budget}: {r and (r['recompute'], r['recompute_layers'])}, measured {r and r['peak_allocated_bytes']}")
+
+# Below every setting without offload: all, offloaded to host memory.
+budget = (every + all_offloaded) // 2
+p, r = bench_auto(budget)
+check(r is not None and r["offload"] == "activations" and r["peak_allocated_bytes"] <= budget
+      and r["offload_host_bytes"] > 0,
+      f"budget {budget}: {r and (r['recompute'], r['recompute_layers'], r['offload'])}, measured "
+      f"{r and r['peak_allocated_bytes']} with {r and r['offload_host_bytes']} host bytes")
+
+# plan --recompute auto says the same as bench.
+doc = json.loads(run([spindle, "plan", "--bench-step", "--json", "--recompute", "auto", "--device-memory",
+                      str(budget)] + common).stdout)
+res = doc["results"][0]
+check(res["offload_chosen"] == "activations" and res["peak_allocated_bytes"] <= budget,
+      f"plan --recompute auto at {budget}: {res['recompute_chosen']} {res['recompute_layers_chosen']} "
+      f"{res['offload_chosen']}, {res['peak_allocated_bytes']} bytes")
+
+# Nothing fits: refused before the step, naming the longest length that would.
+p, r = bench_auto(all_offloaded * 3 // 4)
+check(p.returncode != 0 and "--seq" in p.stderr and "no setting fits" in p.stderr and "Traceback" not in p.stderr
+      and "tokens/s" not in p.stderr, f"too small a budget is refused: {p.stderr.strip().splitlines()[-1:]}")
+p = run([spindle, "plan", "--recompute", "auto", "--device-memory", "12 bytes"] + common, ok=False)
+check(p.returncode != 0 and "--device-memory" in p.stderr, "a bad --device-memory is refused")
+
+# sft: the choice from the plan of its rows (--max-length) with the AdamW state, and its peak within.
+with tempfile.TemporaryDirectory() as tmp:
+    base = [spindle, "plan", "--json", "--model", qwen2, "--seq", "32", "--device", "cpu", "--lora-rank", "4"]
+    sft_none = json.loads(run(base + ["--recompute", "none"]).stdout)["results"][0]["peak_allocated_bytes"]
+    budget = sft_none - 1
+    p = run([spindle, "sft", "--model", qwen2, "--data", os.path.join(qwen2, "data.jsonl"), "--output",
+             os.path.join(tmp, "out"), "--max-steps", "2", "--lr", "0.01", "--lora-rank", "4", "--max-length", "32",
+             "--threads", "1", "--device", "cpu", "--recompute", "auto", "--device-memory", str(budget)], ok=False)
+    peaks = []
+    if p.returncode == 0:
+        with open(os.path.join(tmp, "out", "metrics.jsonl")) as f:
+            peaks = [json.loads(line)["peak_memory"] for line in f]
+    check(p.returncode == 0 and "--recompute auto: " in p.stderr and "none" not in p.stderr.split("--recompute auto: ")[1][:5]
+          and peaks and max(peaks) <= budget,
+          f"sft --recompute auto at {budget} bytes: peaks {peaks} ({p.stderr.strip().splitlines()[:2]})")
+
+sys.exit(f"{len(failures)} failed: {failures}" if failures else 0)
