@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Runs on the GPU host, from the repository root, with the bundle of scripts/gpu/stage.sh
+# (BUNDLE_DIR, default build-bundle): what `--recompute auto` chooses on one H200 and what it
+# measures, beside the plan (docs/memory.md). Each line is one `spindle bench` run (under 10 minutes):
+#   PART=auto   1.5B and 7B at 32k and 64k, the whole GPU as budget, then the 1.5B at the peer's memory
+#               (HF + Liger + gradient checkpointing: 11.0 GiB at 32k, 18.8 GiB at 64k; --device-memory is
+#               that plus auto's CUDA margin, 2 GiB + 3 %, so the planned peak stays under it)
+#   PART=offload the 1.5B at 512k with activation offload (plan: 75.6 GiB on the GPU, 40.5 GiB pinned)
+# Writes ${OUT:-out}/recompute_auto_<part>_<model>_<seq>.{json,txt}; the JSON has the setting chosen
+# (results[].recompute, recompute_layers, offload), peak_allocated_bytes and offload_host_bytes.
+set -uo pipefail
+root=$PWD
+stage=${BUNDLE_DIR:-$root/build-bundle}
+out=${OUT:-$root/out}; mkdir -p "$out"
+export LD_LIBRARY_PATH="$stage/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+S="$stage/bin/spindle"
+one() {  # tag model seq extra...
+  local tag=$1 model=$2 seq=$3; shift 3
+  timeout ${TIMEOUT:-590} "$S" bench --device cuda --model "$root/configs/qwen2.5-$model.json" --seq "$seq" \
+    --lora-rank 16 --warmup "${WARMUP:-1}" --steps "${STEPS:-2}" --profile-steps 0 --json-file "$out/recompute_auto_${tag}_${model}_${seq}.json" \
+    "$@" 2>&1 | tee "$out/recompute_auto_${tag}_${model}_${seq}.txt" | tail -4
+}
+case ${PART:-auto} in
+  auto)
+    for m in 1.5b 7b; do for s in 32k 64k; do one auto "$m" "$s" --recompute auto; done; done
+    one peer 1.5b 32k --recompute auto --device-memory 13.4GiB   # 11.0 GiB + the margin
+    one peer 1.5b 64k --recompute auto --device-memory 21.5GiB ;; # 18.8 GiB + the margin
+  offload)
+    WARMUP=0 STEPS=1 one offload 1.5b 512k --recompute all --offload activations ;;
+esac
