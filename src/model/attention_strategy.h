@@ -8,6 +8,8 @@
 
 namespace spindle {
 
+class DeltaNetSequence;
+
 // backward must depend on its arguments only, never on state left by a forward call: the decoder
 // calls forward for every layer before any backward, calls it again for a recomputed layer, and
 // not again for a layer that keeps its attention output (DecoderOptions::keep_attention), so the
@@ -22,6 +24,9 @@ class AttentionStrategy {
   virtual void backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
                         const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& lse, double scale,
                         Tensor& dq, Tensor& dk, Tensor& dv) = 0;
+  // How gated DeltaNet layers see the same sharded sequence (model/deltanet_sequence.h); null: the
+  // whole sequence is local and the mixer runs it itself.
+  virtual DeltaNetSequence* deltanet() { return nullptr; }
 };
 
 class LocalAttention final : public AttentionStrategy {

@@ -5,25 +5,12 @@
 #include <vector>
 
 #include "core/error.h"
+#include "parallel/sp_deltanet.h"
 
 namespace spindle::parallel {
 
 namespace {
 
-Tensor upload_index(Backend& backend, Stream stream, const std::vector<int32_t>& values) {
-  Tensor t = backend.empty(Shape{static_cast<int64_t>(values.size())}, DType::I32);
-  if (!values.empty()) backend.copy_from_host(stream, values.data(), t);
-  return t;
-}
-
-std::vector<int32_t> inverse_permutation(const std::vector<int32_t>& p) {
-  std::vector<int32_t> inverse(p.size());
-  for (size_t s = 0; s < p.size(); ++s) inverse[static_cast<size_t>(p[s])] = static_cast<int32_t>(s);
-  return inverse;
-}
-
-// [rows, D] view of a [tokens, heads, D] tensor (one row per token and head).
-Tensor head_rows(const Tensor& t) { return t.reshape(Shape{t.dim(0) * t.dim(1), t.dim(2)}); }
 // [n, 1] view of any tensor: gather_rows over single elements.
 Tensor element_rows(const Tensor& t) { return t.reshape(Shape{t.numel(), 1}); }
 
@@ -50,7 +37,7 @@ void check_attention_shapes(const char* who, const MicroBatch& batch, const Tens
 
 UlyssesAttention::UlyssesAttention(comm::Communicator& group, AttentionStrategy& inner, int64_t num_q_heads,
                                    int64_t num_kv_heads)
-    : group_(group), inner_(inner), num_q_heads_(num_q_heads), num_kv_heads_(num_kv_heads) {
+    : exchange_(group), group_(group), inner_(inner), num_q_heads_(num_q_heads), num_kv_heads_(num_kv_heads) {
   const int64_t u = group.size();
   if (num_q_heads % u != 0 || num_kv_heads < 1 || num_q_heads % num_kv_heads != 0 ||
       (num_kv_heads % u != 0 && u % num_kv_heads != 0))
@@ -72,72 +59,27 @@ const UlyssesAttention::Indices& UlyssesAttention::indices(Backend& backend, Str
   auto key = std::make_pair(static_cast<const Backend*>(&backend), t);
   auto found = indices_.find(key);
   if (found != indices_.end()) return found->second;
-  const int64_t u = group_.size(), hq = num_q_heads_, hkv = num_kv_heads_;
+  const int64_t u = group_.size(), hkv = num_kv_heads_;
   const int64_t hq_u = q_heads_per_rank_, hkv_u = kv_heads_per_rank_;
   // KV head h of rank j's group: its own slice when the heads split, else the one it shares.
   auto kv_head = [&](int64_t j, int64_t h) { return hkv >= u ? j * hkv_u + h : j * hkv / u; };
-  std::vector<int32_t> q_send, kv_send, lse_send;
-  q_send.reserve(u * t * hq_u);
+  std::vector<int32_t> kv_send, lse_send;
   kv_send.reserve(u * t * hkv_u);
   lse_send.reserve(u * t * hq_u);
   for (int64_t j = 0; j < u; ++j)
-    for (int64_t i = 0; i < t; ++i) {
-      for (int64_t h = 0; h < hq_u; ++h) q_send.push_back(static_cast<int32_t>(i * hq + j * hq_u + h));
+    for (int64_t i = 0; i < t; ++i)
       for (int64_t h = 0; h < hkv_u; ++h) kv_send.push_back(static_cast<int32_t>(i * hkv + kv_head(j, h)));
-    }
   for (int64_t j = 0; j < u; ++j)
     for (int64_t h = 0; h < hq_u; ++h)
       for (int64_t i = 0; i < t; ++i) lse_send.push_back(static_cast<int32_t>(h * u * t + j * t + i));
+  const UlyssesExchange::EvenSplit& q = exchange_.even_split(backend, stream, t, num_q_heads_);
   Indices idx;
-  idx.q_send = upload_index(backend, stream, q_send);
-  idx.q_inverse = upload_index(backend, stream, inverse_permutation(q_send));
+  idx.q_send = q.send;
+  idx.q_inverse = q.inverse;
   idx.kv_send = upload_index(backend, stream, kv_send);
   idx.lse_send = upload_index(backend, stream, lse_send);
   idx.lse_inverse = upload_index(backend, stream, inverse_permutation(lse_send));
   return indices_.emplace(key, std::move(idx)).first->second;
-}
-
-MicroBatch UlyssesAttention::gather_batch(Backend& backend, Stream stream, const MicroBatch& batch, int64_t t) {
-  const int64_t u = group_.size();
-  MicroBatch gathered;
-  gathered.num_tokens = u * t;
-  gathered.doc_ids = backend.empty(Shape{u * t}, DType::I32);
-  gathered.positions = backend.empty(Shape{u * t}, DType::I32);
-  group_.all_gather(stream, batch.doc_ids, gathered.doc_ids);
-  group_.all_gather(stream, batch.positions, gathered.positions);
-  // The shards of a contiguous layout gather back into the whole row, in order.
-  gathered.one_causal_document = batch.row_one_causal_document;
-  gathered.row_one_causal_document = batch.row_one_causal_document;
-  return gathered;
-}
-
-Tensor UlyssesAttention::heads_to_sequence(Backend& backend, Stream stream, const Tensor& local,
-                                           const Tensor& send_index, int64_t heads_u) {
-  const int64_t u = group_.size(), t = local.dim(0), d = local.dim(2);
-  Tensor send = backend.empty(Shape{u * t * heads_u, d}, local.dtype());  // [u (dest), t, heads_u, D]
-  backend.gather_rows(stream, head_rows(local), send_index, send);
-  Tensor received = backend.empty(Shape{u * t * heads_u, d}, local.dtype());  // [u (source), t, heads_u, D]
-  group_.all_to_all(stream, send, received);
-  return received.reshape(Shape{u * t, heads_u, d});
-}
-
-void UlyssesAttention::sequence_to_q_heads(Backend& backend, Stream stream, const Tensor& sharded, const Indices& idx,
-                                           Tensor& local) {
-  Tensor send = head_rows(sharded);                                     // [u (dest), t, Hq/u, D]
-  Tensor received = backend.empty(send.shape(), sharded.dtype());       // [u (source), t, Hq/u, D]
-  group_.all_to_all(stream, send, received);
-  Tensor local_rows = head_rows(local);
-  backend.gather_rows(stream, received, idx.q_inverse, local_rows);
-}
-
-void UlyssesAttention::sequence_to_kv_heads(Backend& backend, Stream stream, const Tensor& sharded,
-                                            const Indices& idx, Tensor& local) {
-  Tensor send = head_rows(sharded);                                // [u (dest), t, Hkv_u, D]
-  Tensor received = backend.empty(send.shape(), sharded.dtype());  // [u (source), t, Hkv_u, D]
-  group_.all_to_all(stream, send, received);
-  backend.fill(stream, local, 0.0);
-  Tensor local_rows = head_rows(local);
-  backend.scatter_add_rows(stream, received, idx.kv_send, local_rows);  // replicas of one head add up
 }
 
 void UlyssesAttention::forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q,
@@ -147,14 +89,15 @@ void UlyssesAttention::forward(Backend& backend, Stream stream, const MicroBatch
                 num_q_heads_, num_kv_heads_, q.describe(), k.describe());
   const int64_t u = group_.size(), t = q.dim(0), d = q.dim(2);
   const Indices& idx = indices(backend, stream, t);
-  const MicroBatch gathered = gather_batch(backend, stream, batch, t);
-  const Tensor qh = heads_to_sequence(backend, stream, q, idx.q_send, q_heads_per_rank_);   // [u·t, Hq/u, D]
-  const Tensor kh = heads_to_sequence(backend, stream, k, idx.kv_send, kv_heads_per_rank_);  // [u·t, Hkv_u, D]
-  const Tensor vh = heads_to_sequence(backend, stream, v, idx.kv_send, kv_heads_per_rank_);
+  const MicroBatch gathered = exchange_.gather_batch(backend, stream, batch);
+  // [u·t, Hq/u, D], [u·t, Hkv_u, D], [u·t, Hkv_u, D]
+  const Tensor qh = exchange_.heads_to_sequence(backend, stream, q, idx.q_send, q_heads_per_rank_);
+  const Tensor kh = exchange_.heads_to_sequence(backend, stream, k, idx.kv_send, kv_heads_per_rank_);
+  const Tensor vh = exchange_.heads_to_sequence(backend, stream, v, idx.kv_send, kv_heads_per_rank_);
   Tensor out_h = backend.empty(Shape{u * t, q_heads_per_rank_, d}, out.dtype());  // [u·t, Hq/u, D]
   Tensor lse_h = backend.empty(Shape{q_heads_per_rank_, u * t}, lse.dtype());      // [Hq/u, u·t]
   inner_.forward(backend, stream, gathered, qh, kh, vh, scale, out_h, lse_h);
-  sequence_to_q_heads(backend, stream, out_h, idx, out);
+  exchange_.sequence_to_heads(backend, stream, out_h, idx.q_inverse, out);
   // lse: chunk j = [Hq/u, t] of rank j's tokens; what arrives, in source order, is [Hq, t].
   Tensor lse_send = backend.empty(Shape{lse.numel(), 1}, lse.dtype());
   backend.gather_rows(stream, element_rows(lse_h), idx.lse_send, lse_send);
@@ -168,12 +111,12 @@ void UlyssesAttention::backward(Backend& backend, Stream stream, const MicroBatc
   check_attention_shapes("UlyssesAttention", batch, q, k, v);
   const int64_t u = group_.size(), t = q.dim(0);
   const Indices& idx = indices(backend, stream, t);
-  const MicroBatch gathered = gather_batch(backend, stream, batch, t);
-  const Tensor qh = heads_to_sequence(backend, stream, q, idx.q_send, q_heads_per_rank_);
-  const Tensor kh = heads_to_sequence(backend, stream, k, idx.kv_send, kv_heads_per_rank_);
-  const Tensor vh = heads_to_sequence(backend, stream, v, idx.kv_send, kv_heads_per_rank_);
-  const Tensor out_h = heads_to_sequence(backend, stream, out, idx.q_send, q_heads_per_rank_);
-  const Tensor dout_h = heads_to_sequence(backend, stream, dout, idx.q_send, q_heads_per_rank_);
+  const MicroBatch gathered = exchange_.gather_batch(backend, stream, batch);
+  const Tensor qh = exchange_.heads_to_sequence(backend, stream, q, idx.q_send, q_heads_per_rank_);
+  const Tensor kh = exchange_.heads_to_sequence(backend, stream, k, idx.kv_send, kv_heads_per_rank_);
+  const Tensor vh = exchange_.heads_to_sequence(backend, stream, v, idx.kv_send, kv_heads_per_rank_);
+  const Tensor out_h = exchange_.heads_to_sequence(backend, stream, out, idx.q_send, q_heads_per_rank_);
+  const Tensor dout_h = exchange_.heads_to_sequence(backend, stream, dout, idx.q_send, q_heads_per_rank_);
   // lse [Hq, t]: chunk j (rows of head group j) goes to rank j; the [u (source), Hq/u, t] that
   // arrives is permuted to [Hq/u, u·t].
   Tensor lse_received = backend.empty(Shape{lse.numel(), 1}, lse.dtype());
@@ -186,9 +129,9 @@ void UlyssesAttention::backward(Backend& backend, Stream stream, const MicroBatc
   Tensor dk_h = backend.empty(kh.shape(), k.dtype());
   Tensor dv_h = backend.empty(vh.shape(), v.dtype());
   inner_.backward(backend, stream, gathered, qh, kh, vh, out_h, dout_h, lse_h, scale, dq_h, dk_h, dv_h);
-  sequence_to_q_heads(backend, stream, dq_h, idx, dq);
-  sequence_to_kv_heads(backend, stream, dk_h, idx, dk);
-  sequence_to_kv_heads(backend, stream, dv_h, idx, dv);
+  exchange_.sequence_to_heads(backend, stream, dq_h, idx.q_inverse, dq);
+  exchange_.sequence_to_heads_summed(backend, stream, dk_h, idx.kv_send, dk);
+  exchange_.sequence_to_heads_summed(backend, stream, dv_h, idx.kv_send, dv);
 }
 
 // ---- Ring ---------------------------------------------------------------------------------------
@@ -376,21 +319,31 @@ void RingAttention::backward(Backend& backend, Stream stream, const MicroBatch& 
 
 // ---- factory ------------------------------------------------------------------------------------
 
-void check_sequence_parallel_layers(const MeshConfig& c, const ModelConfig& model) {
-  if (c.sp == 1) return;
-  std::vector<int64_t> deltanet;
-  for (int64_t l = 0; l < model.num_layers; ++l)
-    if (model.layer_kind(l).mixer == MixerKind::GatedDeltaNet) deltanet.push_back(l);
-  if (deltanet.empty()) return;
-  fail("--sp {} (--ulysses {} --ring {}) splits each sequence over {} ranks, but this {} model has {} gated DeltaNet "
-       "layers (the first is layer {}), whose recurrence runs over every token of a document and has no "
-       "sequence-parallel path yet; train it with --sp 1 (use the processes for data parallelism, --dp)",
-       c.sp, c.ulysses, c.ring, c.sp, model.model_type, deltanet.size(), deltanet.front());
-}
+namespace {
 
-std::unique_ptr<AttentionStrategy> make_sequence_parallel_attention(const Mesh& mesh, const ModelConfig& model) {
+// Softmax attention's strategy with gated DeltaNet's, for a model that has both kinds of layer.
+class HybridSequenceParallel final : public AttentionStrategy {
+ public:
+  HybridSequenceParallel(std::unique_ptr<AttentionStrategy> attention, std::unique_ptr<DeltaNetSequence> deltanet)
+      : attention_(std::move(attention)), deltanet_(std::move(deltanet)) {}
+  void forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
+               const Tensor& v, double scale, Tensor& out, Tensor& lse) override {
+    attention_->forward(backend, stream, batch, q, k, v, scale, out, lse);
+  }
+  void backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
+                const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& lse, double scale, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    attention_->backward(backend, stream, batch, q, k, v, out, dout, lse, scale, dq, dk, dv);
+  }
+  DeltaNetSequence* deltanet() override { return deltanet_.get(); }
+
+ private:
+  std::unique_ptr<AttentionStrategy> attention_;
+  std::unique_ptr<DeltaNetSequence> deltanet_;
+};
+
+std::unique_ptr<AttentionStrategy> make_softmax_attention(const Mesh& mesh, const ModelConfig& model) {
   const MeshConfig& c = mesh.config();
-  check_sequence_parallel_layers(c, model);
   const int64_t hq = model.num_heads, hkv = model.num_kv_heads;
   switch (sequence_layout(c)) {
     case SequenceLayout::None: return std::make_unique<LocalAttention>();
@@ -401,6 +354,31 @@ std::unique_ptr<AttentionStrategy> make_sequence_parallel_attention(const Mesh& 
       return std::make_unique<UlyssesAttention>(mesh.ulysses(), std::make_unique<RingAttention>(mesh.ring()), hq, hkv);
   }
   fail("unknown sequence layout for --ulysses {} --ring {}", c.ulysses, c.ring);
+}
+
+}  // namespace
+
+std::unique_ptr<DeltaNetSequence> make_sequence_parallel_deltanet(const Mesh& mesh, const ModelConfig& model) {
+  const MeshConfig& c = mesh.config();
+  if (c.sp == 1) return nullptr;
+  const int64_t key_heads = model.linear_attention.num_key_heads;
+  if (c.ulysses > 1 && key_heads % c.ulysses == 0) {
+    std::unique_ptr<DeltaNetSequence> inner;
+    if (c.ring > 1) inner = std::make_unique<StatePassingDeltaNet>(mesh.ring());
+    else inner = std::make_unique<LocalDeltaNet>();
+    return std::make_unique<UlyssesDeltaNet>(mesh.ulysses(), std::move(inner));
+  }
+  // The Ulysses degree does not divide the key heads (or there is no Ulysses group): every rank
+  // keeps its tokens and the state passes over the whole sequence-parallel group.
+  return std::make_unique<StatePassingDeltaNet>(mesh.sp());
+}
+
+std::unique_ptr<AttentionStrategy> make_sequence_parallel_attention(const Mesh& mesh, const ModelConfig& model) {
+  std::unique_ptr<AttentionStrategy> attention = make_softmax_attention(mesh, model);
+  bool has_deltanet = false;
+  for (int64_t l = 0; l < model.num_layers; ++l) has_deltanet |= model.layer_kind(l).mixer == MixerKind::GatedDeltaNet;
+  if (!has_deltanet || mesh.config().sp == 1) return attention;
+  return std::make_unique<HybridSequenceParallel>(std::move(attention), make_sequence_parallel_deltanet(mesh, model));
 }
 
 }  // namespace spindle::parallel

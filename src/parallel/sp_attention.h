@@ -24,7 +24,9 @@
 #include "comm/communicator.h"
 #include "model/config.h"
 #include "model/decoder.h"
+#include "model/deltanet_sequence.h"
 #include "parallel/mesh.h"
+#include "parallel/ulysses_exchange.h"
 
 namespace spindle::parallel {
 
@@ -47,23 +49,15 @@ class UlyssesAttention final : public AttentionStrategy {
  private:
   // Row permutations between the local layout and the all-to-all send layout, for t local tokens.
   struct Indices {
-    Tensor q_send;       // I32 [u·t·Hq/u]: send row (j, i, h) ← local q row i·Hq + j·Hq/u + h
-    Tensor q_inverse;    // I32 [t·Hq]: the inverse permutation (received rows back to [t, Hq])
+    Tensor q_send;       // I32 [u·t·Hq/u]: the even split of the query heads (UlyssesExchange::even_split)
+    Tensor q_inverse;    // I32 [t·Hq]: its inverse (received rows back to [t, Hq])
     Tensor kv_send;      // I32 [u·t·Hkv_u]: send row (j, i, h) ← local kv row i·Hkv + kv head of (j, h)
     Tensor lse_send;     // I32 [Hq/u·u·t]: send element (j, h, i) ← inner lse element h·u·t + j·t + i
     Tensor lse_inverse;  // I32 [Hq/u·u·t]: the inverse permutation
   };
   const Indices& indices(Backend& backend, Stream stream, int64_t tokens);
-  // The group's document ids and positions, in rank order: what the inner strategy's mask needs.
-  MicroBatch gather_batch(Backend& backend, Stream stream, const MicroBatch& batch, int64_t tokens);
-  // local [t, heads, D] → the group's tokens with this rank's head group [u·t, heads_u, D].
-  Tensor heads_to_sequence(Backend& backend, Stream stream, const Tensor& local, const Tensor& send_index,
-                           int64_t heads_u);
-  // [u·t, Hq/u, D] → local [t, Hq, D] (a permutation of the received rows).
-  void sequence_to_q_heads(Backend& backend, Stream stream, const Tensor& sharded, const Indices& idx, Tensor& local);
-  // [u·t, Hkv_u, D] → local [t, Hkv, D], replicas of one KV head summed.
-  void sequence_to_kv_heads(Backend& backend, Stream stream, const Tensor& sharded, const Indices& idx, Tensor& local);
 
+  UlyssesExchange exchange_;  // the all-to-all, shared with gated DeltaNet (sp_deltanet.h)
   comm::Communicator& group_;
   std::unique_ptr<AttentionStrategy> owned_inner_;
   AttentionStrategy& inner_;
@@ -87,16 +81,15 @@ class RingAttention final : public AttentionStrategy {
 };
 
 // The strategy a mesh needs: LocalAttention for sp = 1, UlyssesAttention over LocalAttention
-// (ring = 1), RingAttention (ulysses = 1), or UlyssesAttention over RingAttention (hybrid). The
+// (ring = 1), RingAttention (ulysses = 1), or UlyssesAttention over RingAttention (hybrid). For a
+// model with gated DeltaNet layers it also carries their strategy (deltanet(), sp_deltanet.h). The
 // result owns what it wraps and refers to the mesh's groups, so the mesh must outlive it.
-// Throws spindle::Error if the model's heads do not fit the Ulysses degree, or
-// check_sequence_parallel_layers refuses the model.
+// Throws spindle::Error if the model's heads do not fit the Ulysses degree.
 std::unique_ptr<AttentionStrategy> make_sequence_parallel_attention(const Mesh& mesh, const ModelConfig& model);
 
-// Throws spindle::Error when the model has layers that a sequence split (sp > 1) cannot run yet:
-// gated DeltaNet layers carry a recurrent state through every token of a document, and neither the
-// all-to-all over their heads nor passing the state from rank to rank exists yet. Called by every
-// rank (through make_sequence_parallel_attention) and by the launcher before any process starts.
-void check_sequence_parallel_layers(const MeshConfig& mesh, const ModelConfig& model);
+// Gated DeltaNet's strategy for the mesh (null for sp = 1): Ulysses over the Ulysses group when its
+// degree divides the DeltaNet key heads (around the local rule, or state passing over the ring for
+// a hybrid mesh), else state passing over the whole sp group.
+std::unique_ptr<DeltaNetSequence> make_sequence_parallel_deltanet(const Mesh& mesh, const ModelConfig& model);
 
 }  // namespace spindle::parallel

@@ -139,7 +139,8 @@ TEST_F(GatedDeltaStates, ZeroInitialStatesGiveThePlainOp) {
     Tensor plain = be->empty(in.v.shape(), dtype);
     be->gated_delta_rule_forward(be->default_stream(), in.q, in.k, in.v, in.g, in.beta, in.ids, 0.6, 4, plain);
     EXPECT_EQ(forward(*be, in, zeros, 4).out, to_host(*be, plain));
-    Tensor dq = be->empty(in.q.shape(), dtype), dk = be->empty(in.k.shape(), dtype), dv = be->empty(in.v.shape(), dtype);
+    Tensor dq = be->empty(in.q.shape(), dtype), dk = be->empty(in.k.shape(), dtype);
+    Tensor dv = be->empty(in.v.shape(), dtype);
     Tensor dg = be->empty(in.g.shape(), dtype), dbeta = be->empty(in.beta.shape(), dtype);
     be->gated_delta_rule_backward(be->default_stream(), in.q, in.k, in.v, in.g, in.beta, in.ids, 0.6, 4, dout, dq, dk,
                                   dv, dg, dbeta);

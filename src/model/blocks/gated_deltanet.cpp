@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "model/deltanet_sequence.h"
 
 namespace spindle {
 
@@ -87,6 +88,19 @@ void GatedDeltaNet::forward(const LayerContext& ctx, const Tensor& xn, MixerActi
   b_.forward(be, st, xn, a.b, a.in_proj_b);
   a_.forward(be, st, xn, a.a, a.in_proj_a);
 
+  if (DeltaNetSequence* sequence = ctx.attention.deltanet()) {
+    // A shard of the sequence: the conv, gates and delta rule need the tokens before this shard's,
+    // so the strategy runs them (the token-local norm and out_proj stay here).
+    if (run_core) {
+      sequence->forward(be, st, ctx.batch, sequence_heads(), a.qkv, a.a, a.b, a.core);
+    } else {
+      SPINDLE_CHECK(a.core.defined() && a.core.dim(0) == t, "{}: no kept delta-rule output for {} tokens",
+                    out_.prefix, t);
+    }
+    output(ctx, a, out);
+    return;
+  }
+
   // Conv over every channel, then split: q and k are normalised, v goes to the delta rule as is.
   Tensor mixed = be.empty(a.qkv.shape(), ctx.dtype);  // [T, C]
   be.causal_conv1d_silu_forward(st, a.qkv, conv_->value, ctx.batch.doc_ids, mixed);
@@ -107,11 +121,34 @@ void GatedDeltaNet::forward(const LayerContext& ctx, const Tensor& xn, MixerActi
     SPINDLE_CHECK(a.core.defined() && a.core.dim(0) == t, "{}: no kept delta-rule output for {} tokens", out_.prefix,
                   t);
   }
-  const Shape head_rows{t * value_heads_, value_dim_};
+  output(ctx, a, out);
+}
+
+void GatedDeltaNet::output(const LayerContext& ctx, GatedDeltaNetActivations& a, Tensor& out) const {
+  Backend& be = ctx.backend;
+  const Shape head_rows{ctx.tokens() * value_heads_, value_dim_};
   Tensor normed_rows = a.normed.reshape(head_rows);
-  be.gated_rmsnorm_forward(st, a.core.reshape(head_rows), a.z.reshape(head_rows), norm_->value, norm_eps_, normed_rows,
-                           a.norm_rstd);
-  out_.forward(be, st, a.normed, out, a.out_proj);
+  be.gated_rmsnorm_forward(ctx.stream, a.core.reshape(head_rows), a.z.reshape(head_rows), norm_->value, norm_eps_,
+                           normed_rows, a.norm_rstd);
+  out_.forward(be, ctx.stream, a.normed, out, a.out_proj);
+}
+
+DeltaNetHeads GatedDeltaNet::sequence_heads() const {
+  DeltaNetHeads h;
+  h.key_heads = key_heads_;
+  h.value_heads = value_heads_;
+  h.key_dim = key_dim_;
+  h.value_dim = value_dim_;
+  h.chunk_size = chunk_size_;
+  h.scale = 1.0 / std::sqrt(static_cast<double>(key_dim_));
+  h.l2norm_eps = kL2NormEps;
+  h.conv = conv_->value;
+  h.a_log = a_log_->value;
+  h.dt_bias = dt_bias_->value;
+  h.conv_grad = trainable_grad(*conv_);
+  h.a_log_grad = trainable_grad(*a_log_);
+  h.dt_bias_grad = trainable_grad(*dt_bias_);
+  return h;
 }
 
 void GatedDeltaNet::backward(const LayerContext& ctx, const Tensor& xn, const MixerActivations& m, const Tensor& dout,
@@ -129,6 +166,13 @@ void GatedDeltaNet::backward(const LayerContext& ctx, const Tensor& xn, const Mi
   Tensor d_core_rows = d_core.reshape(head_rows), dz_rows = dz.reshape(head_rows);
   be.gated_rmsnorm_backward(st, a.core.reshape(head_rows), a.z.reshape(head_rows), norm_->value, a.norm_rstd,
                             d_normed.reshape(head_rows), d_core_rows, dz_rows, trainable_grad(*norm_));
+
+  if (DeltaNetSequence* sequence = ctx.attention.deltanet()) {
+    Tensor d_qkv = be.empty(a.qkv.shape(), dt), da = be.empty(a.a.shape(), dt), db = be.empty(a.b.shape(), dt);
+    sequence->backward(be, st, ctx.batch, sequence_heads(), a.qkv, a.a, a.b, d_core, d_qkv, da, db);
+    projections_backward(ctx, xn, a, d_qkv, dz, db, da, dxn);
+    return;
+  }
 
   Tensor dq = be.empty(a.q.shape(), dt), dk = be.empty(a.k.shape(), dt), dv = be.empty(a.v.shape(), dt);
   Tensor dg = be.empty(a.g.shape(), a.g.dtype()), dbeta = be.empty(a.beta.shape(), dt);
@@ -150,6 +194,14 @@ void GatedDeltaNet::backward(const LayerContext& ctx, const Tensor& xn, const Mi
   Tensor d_qkv = be.empty(a.qkv.shape(), dt);
   be.causal_conv1d_silu_backward(st, a.qkv, conv_->value, ctx.batch.doc_ids, d_mixed, d_qkv, trainable_grad(*conv_));
 
+  projections_backward(ctx, xn, a, d_qkv, dz, db, da, dxn);
+}
+
+void GatedDeltaNet::projections_backward(const LayerContext& ctx, const Tensor& xn, const GatedDeltaNetActivations& a,
+                                         const Tensor& d_qkv, const Tensor& dz, const Tensor& db, const Tensor& da,
+                                         Tensor& dxn) const {
+  Backend& be = ctx.backend;
+  const Stream st = ctx.stream;
   qkv_.backward(be, st, xn, d_qkv, a.in_proj_qkv, &dxn, false);
   z_.backward(be, st, xn, dz, a.in_proj_z, &dxn, true);
   b_.backward(be, st, xn, db, a.in_proj_b, &dxn, true);

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "model/block.h"
+#include "model/deltanet_sequence.h"
 
 namespace spindle {
 
@@ -35,6 +36,15 @@ class GatedDeltaNet final : public Mixer {
   std::vector<Linear*> linears() override { return {&qkv_, &z_, &b_, &a_, &out_}; }
 
  private:
+  // The gated norm of the core and out_proj: out [T, H].
+  void output(const LayerContext& ctx, GatedDeltaNetActivations& a, Tensor& out) const;
+  // in_proj_qkv/z/b/a backward from their outputs' gradients into dxn [T, H] (overwritten).
+  void projections_backward(const LayerContext& ctx, const Tensor& xn, const GatedDeltaNetActivations& a,
+                            const Tensor& d_qkv, const Tensor& dz, const Tensor& db, const Tensor& da,
+                            Tensor& dxn) const;
+  // This layer's heads and parameters for a sequence-parallel DeltaNetSequence.
+  DeltaNetHeads sequence_heads() const;
+
   int64_t key_heads_, value_heads_, key_dim_, value_dim_, chunk_size_;
   double norm_eps_;
   Linear qkv_;  // [2·Hk·dk + Hv·dv, H]: q, k, v, each head-major
