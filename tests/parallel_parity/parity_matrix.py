@@ -30,7 +30,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
-from tiny_model import config, qwen3_moe_config, write_model  # noqa: E402
+from tiny_model import config, qwen3_5_config, qwen3_moe_config, write_model  # noqa: E402
 
 spindle, root, part = sys.argv[1], sys.argv[2], sys.argv[3]
 work = tempfile.mkdtemp(prefix=f"spindle-parity-{part}-")
@@ -61,6 +61,26 @@ write_model(model, config())
 # qwen3_moe: layers 0 and 2 route each token to 2 of 4 experts, layer 1 is dense.
 moe_model = os.path.join(work, "moe")
 write_model(moe_model, qwen3_moe_config())
+# qwen3_5: gated DeltaNet (2 key heads, 4 value heads), gated attention (4 query heads over 2 KV
+# heads), gated DeltaNet; every DeltaNet head decays slowly (exp(g) ≈ 0.9995: A_log −5, dt_bias −3),
+# so a state lost or leaked at a rank boundary or a document start shows in every later token.
+hybrid_model = os.path.join(work, "qwen3_5")
+write_model(hybrid_model, qwen3_5_config())
+
+
+def slow_deltanet_decay(path):
+    from safetensors.numpy import load_file, save_file
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for name in tensors:
+        if name.endswith("linear_attn.A_log"):
+            tensors[name][:] = -5.0
+        elif name.endswith("linear_attn.dt_bias"):
+            tensors[name][:] = -3.0
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+slow_deltanet_decay(hybrid_model)
 data_scaled = os.path.join(work, "scaled.jsonl")
 data_plain = os.path.join(work, "plain.jsonl")
 make_data(data_scaled, True)
@@ -228,6 +248,20 @@ elif part == "moe":
     # LoRA on what PEFT adapts in qwen3_moe (attention, the dense layer's MLP), experts frozen.
     results.append(check("moe LoRA ring sp2 dp2", sp=2, ring=2, dp=2, model_dir=moe_model,
                          extra=["--lora-rank", "4", "--router-aux-loss-coef", "0.05"]))
+elif part == "gdn":
+    # qwen3_5 (gated DeltaNet and gated attention layers) on every kind of mesh. Ulysses splits the
+    # DeltaNet heads when its degree divides the 2 key heads; ring and hybrid pass the recurrent
+    # state from rank to rank (zigzag shards: two pieces of each document per rank); ulysses 4
+    # replicates attention's 2 KV heads and passes the DeltaNet state over the whole sp group.
+    results.append(check("qwen3_5 ulysses sp2", sp=2, ulysses=2, model_dir=hybrid_model))
+    results.append(check("qwen3_5 ring sp2 dp2", sp=2, ring=2, dp=2, model_dir=hybrid_model))
+    results.append(check("qwen3_5 ring sp4", sp=4, ring=4, model_dir=hybrid_model))
+    results.append(check("qwen3_5 hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=hybrid_model))
+    results.append(check("qwen3_5 ulysses sp4 (DeltaNet state over sp)", sp=4, ulysses=4, model_dir=hybrid_model))
+    results.append(check("qwen3_5 LoRA hybrid u2 x r2 grad-accum 1", sp=4, ulysses=2, ring=2, accum=1,
+                         model_dir=hybrid_model, extra=["--lora-rank", "4"]))
+    results.append(check("qwen3_5 ring sp2 recompute all, f64", sp=2, ring=2, model_dir=hybrid_model,
+                         extra=["--full", "--recompute", "all"], dtype="f64"))
 elif part == "errors":
     # A wrong mesh is an error naming the flags, before anything is allocated.
     for args, expect in ((["--nproc-per-node", "2", "--sp", "3"], "--sp"),
