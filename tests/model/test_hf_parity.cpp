@@ -208,7 +208,7 @@ TEST_P(HfParity, PerTokenCrossEntropyMatchesTransformersLogits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, HfParity, ::testing::Values("llama", "qwen2", "qwen3", "qwen2_lora", "llama_rslora",
-                                                                "qwen3_moe"));
+                                                                "qwen3_moe", "qwen3_moe_lora"));
 // Gated DeltaNet and gated attention layers (qwen3_5, text-only; slow-decay DeltaNet heads).
 INSTANTIATE_TEST_SUITE_P(Qwen35, HfParity, ::testing::Values("qwen3_5", "qwen3_5_lora"));
 // Qwen3.5-MoE / Qwen3.6: the multimodal checkpoint (tiny vision tower, fused experts, mtp.* tensors; the
