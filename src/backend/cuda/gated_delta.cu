@@ -47,6 +47,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxC = kDeltaRuleMaxChunk;
 constexpr int kSlice = 32;  // value columns of the state per block of the sequential kernels
+constexpr int kSliceStride = kSlice + 1;  // row stride of a state slice in shared memory: no bank conflicts
+                                          // when it is written out transposed
 
 // The gates of one chunk of one value head, in shared memory (see the file comment).
 struct ChunkGates {
@@ -101,6 +103,7 @@ __device__ __forceinline__ void block_mm(int M, int N, int K, const TA* A, int64
   for (int tile = threadIdx.x; tile < tiles; tile += blockDim.x) {
     const int i0 = (tile / tiles_n) * 4, j0 = (tile % tiles_n) * 4;
     float acc[4][4] = {};
+#pragma unroll 4
     for (int k = 0; k < K; ++k) {
       const float ks = kscale ? kscale[k] : 1.f;
       float a[4], b[4];
@@ -121,6 +124,12 @@ __device__ __forceinline__ void block_mm(int M, int N, int K, const TA* A, int64
   }
 }
 
+// dst [n, d] (row stride d, F32) = rows of d elements of src at row stride src_rs. All threads.
+template <typename TS>
+__device__ __forceinline__ void stage_rows(float* dst, const TS* src, int64_t src_rs, int n, int d) {
+  for (int x = threadIdx.x; x < n * d; x += blockDim.x) dst[x] = to_f32(src[(x / d) * src_rs + x % d]);
+}
+
 struct Geometry {
   int64_t tokens;
   int hk, hv, dk, dv, chunk, group;
@@ -137,76 +146,92 @@ Geometry geometry(const DeltaRuleShape& sh) {
   return g;
 }
 
-// ---- intra: U [T, Hv, dv] and W [T, Hv, dk] (F32) of every chunk ------------------------------------
-// Dynamic shared: A [C, C], X [C, dv + dk] (U's columns, then W's).
+// ---- intra: U [T, Hv, dv], W [T, Hv, dk] and P [chunks, Hv, C, C] (F32) of every chunk ---------------
+// P = lower(Q·Kᵀ ⊙ D)·scale, the in-chunk attention of the output. Dynamic shared: A [C, C],
+// X [C, dv + dk] (U's columns, then W's), Ks, Qs [C, dk].
 template <typename T>
-__global__ void __launch_bounds__(kThreads) delta_intra_kernel(Geometry ge, const T* k, const T* v, const float* g,
-                                                               const T* beta, const int32_t* doc, float* W,
-                                                               float* U) {
+__global__ void __launch_bounds__(kThreads) delta_intra_kernel(Geometry ge, const T* q, const T* k, const T* v,
+                                                               const float* g, const T* beta, const int32_t* doc,
+                                                               float scale, float* W, float* U, float* P) {
   extern __shared__ float smem[];
   __shared__ ChunkGates cg;
   __shared__ float beta_s[kMaxC];
-  const int C = ge.chunk, h = blockIdx.y, kh = h / ge.group;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * C;
+  const int C = ge.chunk, h = blockIdx.y, kh = h / ge.group, dk = ge.dk;
+  const int64_t c = blockIdx.x, c0 = c * C;
   load_gates(cg, g, doc, ge.tokens, ge.hv, h, c0, C);
-  const int n = cg.n, cols = ge.dv + ge.dk;
+  const int n = cg.n, cols = ge.dv + dk;
   float* A = smem;
-  float* X = smem + C * C;
+  float* X = A + C * C;
+  float* Ks = X + C * cols;
+  float* Qs = Ks + C * dk;
   for (int r = threadIdx.x; r < n; r += blockDim.x) beta_s[r] = to_f32(beta[(c0 + r) * ge.hv + h]);
+  stage_rows(Ks, k + (c0 * ge.hk + kh) * dk, ge.q_rs, n, dk);
+  stage_rows(Qs, q + (c0 * ge.hk + kh) * dk, ge.q_rs, n, dk);
   __syncthreads();
-  const T* kc = k + (c0 * ge.hk + kh) * ge.dk;
-  block_mm(n, n, ge.dk, kc, ge.q_rs, 1, kc, 1, ge.q_rs, nullptr, [&](int i, int j, float acc) {
+  block_mm(n, n, dk, Ks, dk, 1, Ks, 1, dk, nullptr, [&](int i, int j, float acc) {
     A[i * C + j] = i > j && cg.seg[i] == cg.seg[j] ? beta_s[i] * acc * expf(cg.G[i] - cg.G[j]) : 0.f;
   });
+  float* Pc = P + (c * ge.hv + h) * C * C;
+  block_mm(n, n, dk, Qs, dk, 1, Ks, 1, dk, nullptr,
+           [&](int i, int j, float acc) { Pc[i * C + j] = decay(cg, i, j) * scale * acc; });
   __syncthreads();
   // Forward substitution (I + A)·X = rhs, one column per thread: columns are independent.
   const T* vc = v + (c0 * ge.hv + h) * ge.dv;
   for (int col = threadIdx.x; col < cols; col += blockDim.x) {
     const bool is_u = col < ge.dv;
     for (int i = 0; i < n; ++i) {
-      float x = is_u ? beta_s[i] * to_f32(vc[i * ge.v_rs + col])
-                     : beta_s[i] * cg.gamma[i] * to_f32(kc[i * ge.q_rs + (col - ge.dv)]);
+      float x = is_u ? beta_s[i] * to_f32(vc[i * ge.v_rs + col]) : beta_s[i] * cg.gamma[i] * Ks[i * dk + (col - ge.dv)];
       for (int j = 0; j < i; ++j) x = fmaf(-A[i * C + j], X[j * cols + col], x);
       X[i * cols + col] = x;
       if (is_u) U[((c0 + i) * ge.hv + h) * ge.dv + col] = x;
-      else W[((c0 + i) * ge.hv + h) * ge.dk + (col - ge.dv)] = x;
+      else W[((c0 + i) * ge.hv + h) * dk + (col - ge.dv)] = x;
     }
   }
 }
 
 // ---- state: the sequential pass over chunks, forward -------------------------------------------
 // Block (h, slice): value columns [e0, e0 + ns). out (forward) or states [chunks, Hv, dk, dv] and
-// vnew [T, Hv, dv] (recomputation for the backward). Dynamic shared: S [dk, kSlice],
-// vn [C, kSlice], o [C, kSlice], P [C, C].
+// vnew [T, Hv, dv] (recomputation for the backward; the states transposed, [.., dv, dk]). Every operand of a chunk is staged in shared
+// memory first: the chain of chunks is latency-bound. Dynamic shared: S [dk, kSliceStride],
+// vn, o [C, kSlice], Ps [C, C], Ws, Qs, Ks [C, dk].
 template <typename T>
 __global__ void __launch_bounds__(kThreads) delta_state_kernel(Geometry ge, const T* q, const T* k, const float* g,
                                                                const int32_t* doc, float scale, const float* W,
-                                                               const float* U, T* out, float* states, float* vnew) {
+                                                               const float* U, const float* P, T* out, float* states,
+                                                               float* vnew) {
   extern __shared__ float smem[];
   __shared__ ChunkGates cg;
-  const int C = ge.chunk, h = blockIdx.x, kh = h / ge.group, e0 = blockIdx.y * kSlice;
+  const int C = ge.chunk, h = blockIdx.x, kh = h / ge.group, e0 = blockIdx.y * kSlice, dk = ge.dk;
   const int ns = min(kSlice, ge.dv - e0);
   float* S = smem;
-  float* vn = S + ge.dk * kSlice;
+  float* vn = S + dk * kSliceStride;
   float* o = vn + C * kSlice;
-  float* P = o + C * kSlice;
-  for (int x = threadIdx.x; x < ge.dk * kSlice; x += blockDim.x) S[x] = 0.f;
+  float* Ps = o + C * kSlice;
+  float* Ws = Ps + C * C;
+  float* Qs = Ws + C * dk;
+  float* Ks = Qs + C * dk;
+  for (int x = threadIdx.x; x < dk * kSliceStride; x += blockDim.x) S[x] = 0.f;
   const int64_t chunks = ge.chunks();
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t c0 = c * C;
     load_gates(cg, g, doc, ge.tokens, ge.hv, h, c0, C);  // also orders the zeroing / last update of S
     const int n = cg.n;
     if (states)
-      for (int x = threadIdx.x; x < ge.dk * ns; x += blockDim.x) {
-        const int a = x / ns, e = x % ns;
-        states[((c * ge.hv + h) * ge.dk + a) * ge.dv + e0 + e] = S[a * kSlice + e];
+      for (int x = threadIdx.x; x < dk * ns; x += blockDim.x) {  // transposed: [dv, dk]
+        const int a = x % dk, e = x / dk;
+        states[((c * ge.hv + h) * ge.dv + e0 + e) * dk + a] = S[a * kSliceStride + e];
       }
-    const float* Wc = W + (c0 * ge.hv + h) * ge.dk;
+    stage_rows(Ws, W + (c0 * ge.hv + h) * dk, ge.w_rs, n, dk);
+    stage_rows(Ks, k + (c0 * ge.hk + kh) * dk, ge.q_rs, n, dk);
+    if (out) {
+      stage_rows(Qs, q + (c0 * ge.hk + kh) * dk, ge.q_rs, n, dk);
+      const float* Pc = P + (c * ge.hv + h) * C * C;
+      for (int x = threadIdx.x; x < n * n; x += blockDim.x) Ps[(x / n) * C + x % n] = Pc[(x / n) * C + x % n];
+    }
+    __syncthreads();
     const float* Uc = U + (c0 * ge.hv + h) * ge.dv + e0;
-    const T* qc = q + (c0 * ge.hk + kh) * ge.dk;
-    const T* kc = k + (c0 * ge.hk + kh) * ge.dk;
     // V_new = U − W·S
-    block_mm(n, ns, ge.dk, Wc, ge.w_rs, 1, S, kSlice, 1, nullptr,
+    block_mm(n, ns, dk, Ws, dk, 1, S, kSliceStride, 1, nullptr,
              [&](int i, int j, float acc) { vn[i * kSlice + j] = Uc[i * ge.v_rs + j] - acc; });
     __syncthreads();
     if (vnew)
@@ -215,14 +240,12 @@ __global__ void __launch_bounds__(kThreads) delta_state_kernel(Geometry ge, cons
         vnew[((c0 + i) * ge.hv + h) * ge.dv + e0 + e] = vn[i * kSlice + e];
       }
     if (out) {
-      // O = diag(γ)·Q·S + (Q·Kᵀ ⊙ D)·V_new, q scaled.
-      block_mm(n, n, ge.dk, qc, ge.q_rs, 1, kc, 1, ge.q_rs, nullptr,
-               [&](int i, int j, float acc) { P[i * C + j] = decay(cg, i, j) * scale * acc; });
-      block_mm(n, ns, ge.dk, qc, ge.q_rs, 1, S, kSlice, 1, nullptr,
+      // O = diag(γ)·Q·S·scale + P·V_new.
+      block_mm(n, ns, dk, Qs, dk, 1, S, kSliceStride, 1, nullptr,
                [&](int i, int j, float acc) { o[i * kSlice + j] = cg.gamma[i] * scale * acc; });
       __syncthreads();
       T* oc = out + (c0 * ge.hv + h) * ge.dv + e0;
-      block_mm(n, ns, n, P, C, 1, vn, kSlice, 1, nullptr,
+      block_mm(n, ns, n, Ps, C, 1, vn, kSlice, 1, nullptr,
                [&](int i, int j, float acc) { oc[i * ge.v_rs + j] = from_f32<T>(o[i * kSlice + j] + acc); });
       __syncthreads();
     }
@@ -230,67 +253,71 @@ __global__ void __launch_bounds__(kThreads) delta_state_kernel(Geometry ge, cons
     __syncthreads();
     // S' = γ_n·S + Kᵀ·diag(d)·V_new
     const float gl = cg.gamma_last;
-    block_mm(ge.dk, ns, n, kc, 1, ge.q_rs, vn, kSlice, 1, nullptr,
-             [&](int a, int j, float acc) { S[a * kSlice + j] = gl * S[a * kSlice + j] + acc; });
+    block_mm(dk, ns, n, Ks, 1, dk, vn, kSlice, 1, nullptr,
+             [&](int a, int j, float acc) { S[a * kSliceStride + j] = gl * S[a * kSliceStride + j] + acc; });
     __syncthreads();
   }
 }
 
 // ---- dstate: the sequential pass in reverse ----------------------------------------------------
-// dstates [chunks, Hv, dk, dv]: ∂L/∂(state leaving chunk c); dvnew [T, Hv, dv]. Dynamic shared:
-// dS [dk, kSlice], dvn [C, kSlice], P [C, C].
+// dstates [chunks, Hv, dv, dk] (transposed): ∂L/∂(state leaving chunk c); dvnew [T, Hv, dv]. Dynamic shared:
+// dS [dk, kSliceStride], dvn [C, kSlice], Ps [C, C], Qs, Ks, Ws [C, dk].
 template <typename T>
 __global__ void __launch_bounds__(kThreads) delta_dstate_kernel(Geometry ge, const T* q, const T* k, const float* g,
                                                                 const int32_t* doc, float scale, const float* W,
-                                                                const T* dout, float* dstates, float* dvnew) {
+                                                                const float* P, const T* dout, float* dstates,
+                                                                float* dvnew) {
   extern __shared__ float smem[];
   __shared__ ChunkGates cg;
-  const int C = ge.chunk, h = blockIdx.x, kh = h / ge.group, e0 = blockIdx.y * kSlice;
+  const int C = ge.chunk, h = blockIdx.x, kh = h / ge.group, e0 = blockIdx.y * kSlice, dk = ge.dk;
   const int ns = min(kSlice, ge.dv - e0);
   float* dS = smem;
-  float* dvn = dS + ge.dk * kSlice;
-  float* P = dvn + C * kSlice;
-  for (int x = threadIdx.x; x < ge.dk * kSlice; x += blockDim.x) dS[x] = 0.f;
+  float* dvn = dS + dk * kSliceStride;
+  float* Ps = dvn + C * kSlice;
+  float* Qs = Ps + C * C;
+  float* Ks = Qs + C * dk;
+  float* Ws = Ks + C * dk;
+  for (int x = threadIdx.x; x < dk * kSliceStride; x += blockDim.x) dS[x] = 0.f;
   for (int64_t c = ge.chunks() - 1; c >= 0; --c) {
     const int64_t c0 = c * C;
     load_gates(cg, g, doc, ge.tokens, ge.hv, h, c0, C);
     const int n = cg.n;
-    for (int x = threadIdx.x; x < ge.dk * ns; x += blockDim.x) {
-      const int a = x / ns, e = x % ns;
-      dstates[((c * ge.hv + h) * ge.dk + a) * ge.dv + e0 + e] = dS[a * kSlice + e];
+    for (int x = threadIdx.x; x < dk * ns; x += blockDim.x) {  // transposed: [dv, dk]
+      const int a = x % dk, e = x / dk;
+      dstates[((c * ge.hv + h) * ge.dv + e0 + e) * dk + a] = dS[a * kSliceStride + e];
     }
-    const float* Wc = W + (c0 * ge.hv + h) * ge.dk;
-    const T* qc = q + (c0 * ge.hk + kh) * ge.dk;
-    const T* kc = k + (c0 * ge.hk + kh) * ge.dk;
-    const T* doc_ = dout + (c0 * ge.hv + h) * ge.dv + e0;
-    block_mm(n, n, ge.dk, qc, ge.q_rs, 1, kc, 1, ge.q_rs, nullptr,
-             [&](int i, int j, float acc) { P[i * C + j] = decay(cg, i, j) * scale * acc; });
+    stage_rows(Qs, q + (c0 * ge.hk + kh) * dk, ge.q_rs, n, dk);
+    stage_rows(Ks, k + (c0 * ge.hk + kh) * dk, ge.q_rs, n, dk);
+    stage_rows(Ws, W + (c0 * ge.hv + h) * dk, ge.w_rs, n, dk);
+    const float* Pc = P + (c * ge.hv + h) * C * C;
+    for (int x = threadIdx.x; x < n * n; x += blockDim.x) Ps[(x / n) * C + x % n] = Pc[(x / n) * C + x % n];
     __syncthreads();
+    const T* doc_ = dout + (c0 * ge.hv + h) * ge.dv + e0;
     // dV_new = Pᵀ·dO + diag(d)·K·dS
-    block_mm(n, ns, n, P, 1, C, doc_, ge.v_rs, 1, nullptr,
+    block_mm(n, ns, n, Ps, 1, C, doc_, ge.v_rs, 1, nullptr,
              [&](int i, int j, float acc) { dvn[i * kSlice + j] = acc; });
     __syncthreads();
-    block_mm(n, ns, ge.dk, kc, ge.q_rs, 1, dS, kSlice, 1, nullptr,
+    block_mm(n, ns, dk, Ks, dk, 1, dS, kSliceStride, 1, nullptr,
              [&](int i, int j, float acc) { dvn[i * kSlice + j] += cg.last[i] * acc; });
     __syncthreads();
     for (int x = threadIdx.x; x < n * ns; x += blockDim.x) {
       const int i = x / ns, e = x % ns;
       dvnew[((c0 + i) * ge.hv + h) * ge.dv + e0 + e] = dvn[i * kSlice + e];
     }
-    // dS ← γ_n·dS + (Q ⊙ γ)ᵀ·dO − Wᵀ·dV_new
+    // dS ← γ_n·dS + (Q ⊙ γ)ᵀ·dO·scale − Wᵀ·dV_new
     const float gl = cg.gamma_last;
-    block_mm(ge.dk, ns, n, qc, 1, ge.q_rs, doc_, ge.v_rs, 1, cg.gamma,
-             [&](int a, int j, float acc) { dS[a * kSlice + j] = gl * dS[a * kSlice + j] + scale * acc; });
+    block_mm(dk, ns, n, Qs, 1, dk, doc_, ge.v_rs, 1, cg.gamma,
+             [&](int a, int j, float acc) { dS[a * kSliceStride + j] = gl * dS[a * kSliceStride + j] + scale * acc; });
     __syncthreads();
-    block_mm(ge.dk, ns, n, Wc, 1, ge.w_rs, dvn, kSlice, 1, nullptr,
-             [&](int a, int j, float acc) { dS[a * kSlice + j] -= acc; });
+    block_mm(dk, ns, n, Ws, 1, dk, dvn, kSlice, 1, nullptr,
+             [&](int a, int j, float acc) { dS[a * kSliceStride + j] -= acc; });
     __syncthreads();
   }
 }
 
 // ---- grads: everything else of the backward, one block per (chunk, value head) --------------------
 // dqh, dkh [T, Hv, dk] F32: per value head, w.r.t. the scaled q and k. Dynamic shared: QK, KK, M
-// [C, C], tmp [C, dk], dBu [C, dv], dBw [C, dk].
+// [C, C], tmp [C, dk], dBu [C, dv], dBw [C, dk], Qs, Ks [C, dk].
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     delta_grads_kernel(Geometry ge, const T* q, const T* k, const T* v, const float* g, const T* beta,
@@ -311,15 +338,20 @@ __global__ void __launch_bounds__(kThreads)
   float* tmp = M + C * C;
   float* dBu = tmp + C * dk;
   float* dBw = dBu + C * dvw;
-  const T* qc = q + (c0 * ge.hk + kh) * dk;
-  const T* kc = k + (c0 * ge.hk + kh) * dk;
+  float* Qs = dBw + C * dk;
+  float* Ks = Qs + C * dk;
+  stage_rows(Qs, q + (c0 * ge.hk + kh) * dk, ge.q_rs, n, dk);
+  stage_rows(Ks, k + (c0 * ge.hk + kh) * dk, ge.q_rs, n, dk);
+  const float* qc = Qs;  // [n, dk], row stride q_rs
+  const float* kc = Ks;
+  const int64_t q_rs = dk;
   const T* vc = v + (c0 * ge.hv + h) * dvw;
   const T* doc_ = dout + (c0 * ge.hv + h) * dvw;
   const float* vnc = vnew + (c0 * ge.hv + h) * dvw;
   const float* dvnc = dvnew + (c0 * ge.hv + h) * dvw;
   const float* Uc = U + (c0 * ge.hv + h) * dvw;
   const float* Wc = W + (c0 * ge.hv + h) * dk;
-  const float* S = states + (c * ge.hv + h) * dk * dvw;
+  const float* S = states + (c * ge.hv + h) * dk * dvw;  // [dv, dk]: Sᵀ
   const float* dS = dstates + (c * ge.hv + h) * dk * dvw;
   float* dqc = dqh + (c0 * ge.hv + h) * dk;
   float* dkc = dkh + (c0 * ge.hv + h) * dk;
@@ -327,9 +359,10 @@ __global__ void __launch_bounds__(kThreads)
     beta_s[r] = to_f32(beta[(c0 + r) * ge.hv + h]);
     dG[r] = 0.f;
   }
-  block_mm(n, n, dk, qc, ge.q_rs, 1, kc, 1, ge.q_rs, nullptr,
+  __syncthreads();
+  block_mm(n, n, dk, qc, q_rs, 1, kc, 1, q_rs, nullptr,
            [&](int i, int j, float acc) { QK[i * C + j] = scale * acc; });
-  block_mm(n, n, dk, kc, ge.q_rs, 1, kc, 1, ge.q_rs, nullptr, [&](int i, int j, float acc) { KK[i * C + j] = acc; });
+  block_mm(n, n, dk, kc, q_rs, 1, kc, 1, q_rs, nullptr, [&](int i, int j, float acc) { KK[i * C + j] = acc; });
   block_mm(n, n, dvw, doc_, ge.v_rs, 1, vnc, 1, ge.v_rs, nullptr,
            [&](int i, int j, float acc) { M[i * C + j] = acc; });  // M_ij = dO_i · V_new_j
   __syncthreads();
@@ -349,26 +382,26 @@ __global__ void __launch_bounds__(kThreads)
   for (int x = tid; x < n * n; x += blockDim.x) M[(x / n) * C + x % n] *= decay(cg, x / n, x % n);
   __syncthreads();
   // dq = diag(γ)·dO·Sᵀ + (M ⊙ D)·K;  dG_i += γ_i·q_i·(S·dO_i).
-  block_mm(n, dk, dvw, doc_, ge.v_rs, 1, S, 1, dvw, nullptr, [&](int i, int a, float acc) { tmp[i * dk + a] = acc; });
+  block_mm(n, dk, dvw, doc_, ge.v_rs, 1, S, dk, 1, nullptr, [&](int i, int a, float acc) { tmp[i * dk + a] = acc; });
   __syncthreads();
   if (tid < n && cg.gamma[tid] != 0.f) {
     float sum = 0.f;
-    for (int a = 0; a < dk; ++a) sum += to_f32(qc[tid * ge.q_rs + a]) * tmp[tid * dk + a];
+    for (int a = 0; a < dk; ++a) sum += to_f32(qc[tid * q_rs + a]) * tmp[tid * dk + a];
     dG[tid] += cg.gamma[tid] * scale * sum;
   }
-  block_mm(n, dk, n, M, C, 1, kc, ge.q_rs, 1, nullptr,
+  block_mm(n, dk, n, M, C, 1, kc, q_rs, 1, nullptr,
            [&](int i, int a, float acc) { dqc[i * ge.w_rs + a] = cg.gamma[i] * tmp[i * dk + a] + acc; });
   __syncthreads();
   // S' ∋ Kᵀ·diag(d)·V_new: dk_r += d_r·(dS·V_new_r), dG_last += t_r, dG_r −= t_r; and dk += (M ⊙ D)ᵀ·Q.
-  block_mm(n, dk, dvw, vnc, ge.v_rs, 1, dS, 1, dvw, nullptr, [&](int i, int a, float acc) { tmp[i * dk + a] = acc; });
+  block_mm(n, dk, dvw, vnc, ge.v_rs, 1, dS, dk, 1, nullptr, [&](int i, int a, float acc) { tmp[i * dk + a] = acc; });
   __syncthreads();
   if (tid < n) {
     float sum = 0.f;
-    for (int a = 0; a < dk; ++a) sum += to_f32(kc[tid * ge.q_rs + a]) * tmp[tid * dk + a];
+    for (int a = 0; a < dk; ++a) sum += to_f32(kc[tid * q_rs + a]) * tmp[tid * dk + a];
     row_acc[tid] = cg.last[tid] * sum;
     dG[tid] -= row_acc[tid];
   }
-  block_mm(n, dk, n, M, 1, C, qc, ge.q_rs, 1, nullptr, [&](int r, int a, float acc) {
+  block_mm(n, dk, n, M, 1, C, qc, q_rs, 1, nullptr, [&](int r, int a, float acc) {
     dkc[r * ge.w_rs + a] = cg.last[r] * tmp[r * dk + a] + scale * acc;
   });
   float part = 0.f;
@@ -380,7 +413,7 @@ __global__ void __launch_bounds__(kThreads)
     dG[n - 1] += cg.gamma_last * state_dot + sum;
   }
   // Through V_new = U − W·S: dU = dV_new, dW = −dV_new·Sᵀ; then (I + A)ᵀ·Y = d· by back substitution.
-  block_mm(n, dk, dvw, dvnc, ge.v_rs, 1, S, 1, dvw, nullptr, [&](int i, int a, float acc) { dBw[i * dk + a] = -acc; });
+  block_mm(n, dk, dvw, dvnc, ge.v_rs, 1, S, dk, 1, nullptr, [&](int i, int a, float acc) { dBw[i * dk + a] = -acc; });
   for (int x = tid; x < n * dvw; x += blockDim.x) dBu[x] = dvnc[(x / dvw) * ge.v_rs + x % dvw];
   __syncthreads();
   for (int x = tid; x < n * n; x += blockDim.x) {
@@ -407,7 +440,7 @@ __global__ void __launch_bounds__(kThreads)
   if (tid < n) {
     float vb = 0.f, kb = 0.f;
     for (int e = 0; e < dvw; ++e) vb = fmaf(to_f32(vc[tid * ge.v_rs + e]), dBu[tid * dvw + e], vb);
-    for (int a = 0; a < dk; ++a) kb = fmaf(to_f32(kc[tid * ge.q_rs + a]), dBw[tid * dk + a], kb);
+    for (int a = 0; a < dk; ++a) kb = fmaf(to_f32(kc[tid * q_rs + a]), dBw[tid * dk + a], kb);
     dbeta_acc[tid] = vb + cg.gamma[tid] * kb;
     dG[tid] += cg.gamma[tid] * beta_s[tid] * kb;
   }
@@ -443,9 +476,9 @@ __global__ void __launch_bounds__(kThreads)
   for (int x = tid; x < n * n; x += blockDim.x) QK[(x / n) * C + x % n] *= beta_s[x / n];  // β_i·E_ij
   __syncthreads();
   // dk_i += Σ_j β_i·E_ij·k_j and dk_j += Σ_i β_i·E_ij·k_i.
-  block_mm(n, dk, n, QK, C, 1, kc, ge.q_rs, 1, nullptr, [&](int i, int a, float acc) { dkc[i * ge.w_rs + a] += acc; });
+  block_mm(n, dk, n, QK, C, 1, kc, q_rs, 1, nullptr, [&](int i, int a, float acc) { dkc[i * ge.w_rs + a] += acc; });
   __syncthreads();
-  block_mm(n, dk, n, QK, 1, C, kc, ge.q_rs, 1, nullptr, [&](int j, int a, float acc) { dkc[j * ge.w_rs + a] += acc; });
+  block_mm(n, dk, n, QK, 1, C, kc, q_rs, 1, nullptr, [&](int j, int a, float acc) { dkc[j * ge.w_rs + a] += acc; });
   // G_r = Σ_{s ≤ r} g_s within the segment: dg_r = Σ of dG over the rest of r's segment.
   if (tid == 0) {
     float suffix = 0.f;
@@ -485,15 +518,17 @@ void check_shape(const DeltaRuleShape& sh, const char* op) {
   if ((sh.tokens + sh.chunk - 1) / sh.chunk > 0x7fffffff) throw_message(op, "too many chunks");
 }
 
-size_t intra_smem(const Geometry& ge) { return sizeof(float) * (ge.chunk * ge.chunk + ge.chunk * (ge.dk + ge.dv)); }
+size_t intra_smem(const Geometry& ge) {
+  return sizeof(float) * (ge.chunk * ge.chunk + ge.chunk * (3 * ge.dk + ge.dv));
+}
 size_t state_smem(const Geometry& ge) {
-  return sizeof(float) * (ge.dk * kSlice + 2 * ge.chunk * kSlice + ge.chunk * ge.chunk);
+  return sizeof(float) * (ge.dk * kSliceStride + 2 * ge.chunk * kSlice + ge.chunk * ge.chunk + 3 * ge.chunk * ge.dk);
 }
 size_t dstate_smem(const Geometry& ge) {
-  return sizeof(float) * (ge.dk * kSlice + ge.chunk * kSlice + ge.chunk * ge.chunk);
+  return sizeof(float) * (ge.dk * kSliceStride + ge.chunk * kSlice + ge.chunk * ge.chunk + 3 * ge.chunk * ge.dk);
 }
 size_t grads_smem(const Geometry& ge) {
-  return sizeof(float) * (3 * ge.chunk * ge.chunk + ge.chunk * (2 * ge.dk + ge.dv));
+  return sizeof(float) * (3 * ge.chunk * ge.chunk + ge.chunk * (4 * ge.dk + ge.dv));
 }
 
 template <typename Kernel>
@@ -501,26 +536,28 @@ void allow_smem(Kernel kernel, size_t smem) {
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
 }
 
-// W, U of every chunk (F32 scratch the caller owns).
+// W, U and P of every chunk (F32 scratch the caller owns).
 template <typename T>
-void run_intra(cudaStream_t s, const Geometry& ge, const T* k, const T* v, const float* g, const T* beta,
-               const int32_t* doc, float* W, float* U) {
+void run_intra(cudaStream_t s, const Geometry& ge, const T* q, const T* k, const T* v, const float* g, const T* beta,
+               const int32_t* doc, float scale, float* W, float* U, float* P) {
   const size_t smem = intra_smem(ge);
   allow_smem(delta_intra_kernel<T>, smem);
-  delta_intra_kernel<T><<<dim3(static_cast<unsigned>(ge.chunks()), ge.hv), kThreads, smem, s>>>(ge, k, v, g, beta,
-                                                                                                doc, W, U);
+  delta_intra_kernel<T><<<dim3(static_cast<unsigned>(ge.chunks()), ge.hv), kThreads, smem, s>>>(ge, q, k, v, g, beta,
+                                                                                                doc, scale, W, U, P);
   CUDA_CHECK_LAUNCH();
 }
 
 template <typename T>
 void run_state(cudaStream_t s, const Geometry& ge, const T* q, const T* k, const float* g, const int32_t* doc,
-               float scale, const float* W, const float* U, T* out, float* states, float* vnew) {
+               float scale, const float* W, const float* U, const float* P, T* out, float* states, float* vnew) {
   const size_t smem = state_smem(ge);
   allow_smem(delta_state_kernel<T>, smem);
   delta_state_kernel<T><<<dim3(ge.hv, (ge.dv + kSlice - 1) / kSlice), kThreads, smem, s>>>(ge, q, k, g, doc, scale,
-                                                                                         W, U, out, states, vnew);
+                                                                                         W, U, P, out, states, vnew);
   CUDA_CHECK_LAUNCH();
 }
+
+size_t p_bytes(const Geometry& ge) { return sizeof(float) * ge.chunks() * ge.hv * ge.chunk * ge.chunk; }
 
 }  // namespace
 
@@ -530,13 +567,16 @@ void gated_delta_rule_forward(cudaStream_t s, const DeltaRuleShape& sh, DType io
   check_shape(sh, "gated_delta_rule_forward");
   if (sh.tokens == 0) return;
   const Geometry ge = geometry(sh);
-  Scratch w(s, sizeof(float) * ge.tokens * ge.hv * ge.dk), u(s, sizeof(float) * ge.tokens * ge.hv * ge.dv);
+  Scratch w(s, sizeof(float) * ge.tokens * ge.hv * ge.dk), u(s, sizeof(float) * ge.tokens * ge.hv * ge.dv),
+      p(s, p_bytes(ge));
   dispatch_compute(io, "gated_delta_rule_forward", [&](auto z) {
     using T = decltype(z);
-    run_intra(s, ge, static_cast<const T*>(k), static_cast<const T*>(v), g, static_cast<const T*>(beta), doc_ids,
-              w.as<float>(), u.as<float>());
-    run_state(s, ge, static_cast<const T*>(q), static_cast<const T*>(k), g, doc_ids, scale, w.as<float>(),
-              u.as<float>(), static_cast<T*>(out), nullptr, nullptr);
+    const T* qt = static_cast<const T*>(q);
+    const T* kt = static_cast<const T*>(k);
+    run_intra(s, ge, qt, kt, static_cast<const T*>(v), g, static_cast<const T*>(beta), doc_ids, scale, w.as<float>(),
+              u.as<float>(), p.as<float>());
+    run_state(s, ge, qt, kt, g, doc_ids, scale, w.as<float>(), u.as<float>(), p.as<float>(), static_cast<T*>(out),
+              nullptr, nullptr);
   });
 }
 
@@ -549,7 +589,7 @@ void gated_delta_rule_backward(cudaStream_t s, const DeltaRuleShape& sh, DType i
   const size_t per_key = sizeof(float) * ge.tokens * ge.hv * ge.dk, per_value = sizeof(float) * ge.tokens * ge.hv * ge.dv;
   const size_t per_state = sizeof(float) * ge.chunks() * ge.hv * ge.dk * ge.dv;
   Scratch w(s, per_key), u(s, per_value), vnew(s, per_value), dvnew(s, per_value), states(s, per_state),
-      dstates(s, per_state), dqh(s, per_key), dkh(s, per_key);
+      dstates(s, per_state), dqh(s, per_key), dkh(s, per_key), p(s, p_bytes(ge));
   dispatch_compute(io, "gated_delta_rule_backward", [&](auto z) {
     using T = decltype(z);
     const T* qt = static_cast<const T*>(q);
@@ -557,13 +597,13 @@ void gated_delta_rule_backward(cudaStream_t s, const DeltaRuleShape& sh, DType i
     const T* vt = static_cast<const T*>(v);
     const T* bt = static_cast<const T*>(beta);
     const T* dot = static_cast<const T*>(dout);
-    run_intra(s, ge, kt, vt, g, bt, doc_ids, w.as<float>(), u.as<float>());
-    run_state<T>(s, ge, qt, kt, g, doc_ids, scale, w.as<float>(), u.as<float>(), nullptr, states.as<float>(),
-                 vnew.as<float>());
+    run_intra(s, ge, qt, kt, vt, g, bt, doc_ids, scale, w.as<float>(), u.as<float>(), p.as<float>());
+    run_state<T>(s, ge, qt, kt, g, doc_ids, scale, w.as<float>(), u.as<float>(), p.as<float>(), nullptr,
+                 states.as<float>(), vnew.as<float>());
     size_t smem = dstate_smem(ge);
     allow_smem(delta_dstate_kernel<T>, smem);
     delta_dstate_kernel<T><<<dim3(ge.hv, (ge.dv + kSlice - 1) / kSlice), kThreads, smem, s>>>(
-        ge, qt, kt, g, doc_ids, scale, w.as<float>(), dot, dstates.as<float>(), dvnew.as<float>());
+        ge, qt, kt, g, doc_ids, scale, w.as<float>(), p.as<float>(), dot, dstates.as<float>(), dvnew.as<float>());
     CUDA_CHECK_LAUNCH();
     smem = grads_smem(ge);
     allow_smem(delta_grads_kernel<T>, smem);
