@@ -5,7 +5,8 @@
 // whole row in one process (F64, LoRA and full training with a recomputed layer). The DeltaNet heads
 // decay slowly, documents of several lengths cross rank boundaries (some shorter than the conv
 // window, so a piece's halo spans several ranks), and recomputing every layer around its kept
-// core gives the same bits as not recomputing.
+// core gives the same bits as not recomputing. qwen3_5_moe (experts and a shared expert in every
+// layer) runs the hybrid mesh of 4 ranks.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -30,8 +31,8 @@ using spindle::testing::run_ranks;
 
 // tiny_qwen3_5 (DeltaNet 2 key heads and 4 value heads of 8, attention 4 query heads over 2 KV
 // heads) with chunks of 4 tokens, so that chunks, pieces and rank boundaries all fall differently.
-ModelConfig hybrid_model() {
-  ModelConfig c = test::tiny_qwen3_5().config();
+ModelConfig hybrid_model(bool moe = false) {
+  ModelConfig c = (moe ? test::tiny_qwen3_5_moe() : test::tiny_qwen3_5()).config();
   c.linear_attention.chunk_size = 4;
   return c;
 }
@@ -81,8 +82,8 @@ std::vector<PackedRow> test_rows() {
   };
 }
 
-ModelWeights make_weights(Backend& be, bool lora) {
-  ModelWeights w = test::random_weights(be, hybrid_model(), DType::F64, 11, 10.0);
+ModelWeights make_weights(Backend& be, const ModelConfig& model, bool lora) {
+  ModelWeights w = test::random_weights(be, model, DType::F64, 11, 10.0);
   slow_decay(be, w);
   if (lora) test::add_lora_with_random_b(be, w, test::lora_on_every_projection(4, 8), 12, test::uniform_draw(0.2));
   else w.train_all(be);
@@ -127,20 +128,17 @@ StepResult run_step(Backend& be, ModelWeights& w, Decoder& decoder, const MicroB
   return r;
 }
 
-class SpDeltaNet : public ::testing::TestWithParam<MeshConfig> {};
-
-TEST_P(SpDeltaNet, ShardedStepEqualsTheWholeRowInOneProcess) {
-  const MeshConfig config = GetParam();
-  expect_all_succeeded(run_ranks(config.world_size(), [config](const ProcessGroupInfo& info) {
+void expect_sharded_step_equals_whole_row(const MeshConfig& config, bool moe) {
+  expect_all_succeeded(run_ranks(config.world_size(), [config, moe](const ProcessGroupInfo& info) {
     auto be = make_cpu_backend(1);
     auto world = comm::connect_cpu_world(info, comm::CommOptions{std::chrono::seconds(60)});
     Mesh mesh(config, *world);
-    const ModelConfig model = hybrid_model();
+    const ModelConfig model = hybrid_model(moe);
     auto strategy = make_sequence_parallel_attention(mesh, model);
     require(strategy->deltanet() != nullptr, "no gated DeltaNet strategy for --sp {}", config.sp);
     const std::vector<PackedRow> rows = test_rows();
     for (bool lora : {true, false}) {
-      ModelWeights w = make_weights(*be, lora);
+      ModelWeights w = make_weights(*be, model, lora);
       DecoderOptions options;
       if (!lora) options.recompute = {true, false, false};  // layer 0 (DeltaNet) recomputed in backward
       Decoder decoder(*be, w, options);
@@ -179,6 +177,16 @@ TEST_P(SpDeltaNet, ShardedStepEqualsTheWholeRowInOneProcess) {
     }
   }));
 }
+
+class SpDeltaNet : public ::testing::TestWithParam<MeshConfig> {};
+
+TEST_P(SpDeltaNet, ShardedStepEqualsTheWholeRowInOneProcess) {
+  expect_sharded_step_equals_whole_row(GetParam(), false);
+}
+
+// qwen3_5_moe: the same layers with a mixture of experts and a shared expert in every layer (routing
+// is per token, so only the DeltaNet and attention layers exchange anything).
+TEST(SpDeltaNetMoe, HybridMeshOfFourRanks) { expect_sharded_step_equals_whole_row(MeshConfig{1, 4, 2, 2}, true); }
 
 // u2: DeltaNet heads over Ulysses, the rule local. r2, r4: the state passed over the ring (zigzag
 // shards: two pieces per document per rank). u2 × r2: Ulysses, then the state over the ring. u4:
