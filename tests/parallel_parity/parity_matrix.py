@@ -20,7 +20,11 @@ tokens (all its targets fall on the first rank), and rows whose later shards hav
 The qlora part runs LoRA over 4-bit (bitsandbytes NF4/FP4) base weights, quantised at load or read
 from a folder bitsandbytes saved, with FSDP sharding the packed bytes and absmax.
 
-usage: parity_matrix.py SPINDLE ROOT PART   (PART: sp2, sp4, sp8, dp, variants, lora, qlora, moe, sft, errors)
+The gdn part runs a tiny qwen3_5 (gated DeltaNet layers with slow-decay heads, gated attention over 2
+KV heads) on every kind of mesh up to sp 8: DeltaNet heads over Ulysses, the recurrent state passed
+from rank to rank (ring, hybrid, a Ulysses degree that does not divide the DeltaNet key heads).
+
+usage: parity_matrix.py SPINDLE ROOT PART   (PART: sp2, sp4, sp8, dp, variants, lora, qlora, moe, gdn, sft, errors)
 """
 import json
 import os
@@ -262,6 +266,8 @@ elif part == "gdn":
                          model_dir=hybrid_model, extra=["--lora-rank", "4"]))
     results.append(check("qwen3_5 ring sp2 recompute all, f64", sp=2, ring=2, model_dir=hybrid_model,
                          extra=["--full", "--recompute", "all"], dtype="f64"))
+    # sp 8 on a model with 2 KV heads and 2 DeltaNet key heads: ulysses 2 (both head counts), ring 4.
+    results.append(check("qwen3_5 hybrid u2 x r4 (sp8)", sp=8, ulysses=2, ring=4, model_dir=hybrid_model))
 elif part == "errors":
     # A wrong mesh is an error naming the flags, before anything is allocated.
     for args, expect in ((["--nproc-per-node", "2", "--sp", "3"], "--sp"),
