@@ -24,17 +24,16 @@
 // read from shared memory or straight from global memory (L1/L2), no tensor cores yet.
 //
 // Work per chunk and value head (n = C = 64, d = dk = dv = 128), in multiply-adds (MAC):
-//   forward: intra K·Kᵀ n²·d (0.5 M) + the substitution n²·2d/2 (0.5 M); state W·S, Q·S and
-//   Kᵀ·V_new 3·n·d² (3.1 M), P·V_new n²·d (0.5 M), plus Q·Kᵀ recomputed by each of the d/32 slice
-//   blocks 4·n²·d (2.1 M): ≈ 6.7 M MAC.
-//   backward: intra 1 M + state recomputation (no output) 1.6 M + dstate (P per slice 2.1 M, Pᵀ·dO,
-//   K·dS, Qᵀ·dO, Wᵀ·dV_new 3.7 M) + grads (Q·Kᵀ, K·Kᵀ, dO·V_newᵀ, dO·Sᵀ, V_new·dSᵀ, dV_new·Sᵀ,
-//   M·K, Mᵀ·Q, dBu·Uᵀ, dBw·Wᵀ, 2 × E·K, back substitution ≈ 8 M) ≈ 16 M MAC.
-// At T = 32k and Hv = 32 (16k chunk-heads) that is ≈ 0.22 TFLOP forward, ≈ 0.5 TFLOP backward. The
-// sequential kernels run Hv·d/32 = 128 blocks, one per SM, each a chain of T/C dependent steps: the
-// forward is latency-bound there (docs/perf.md has the measured times). Bytes: the F32 scratch
-// dominates (W, U, V_new, dV_new, per-value-head dq and dk: 6·T·Hv·d·4 B, and the chunk states
-// 2·(T/C)·Hv·dk·dv·4 B, each written once and read a few times).
+//   forward: intra K·Kᵀ and Q·Kᵀ 2·n²·d (1 M) + the substitution n²·2d/2 (0.5 M); state W·S, Q·S and
+//   Kᵀ·V_new 3·n·d² (3.1 M) + P·V_new n²·d (0.5 M): ≈ 5.1 M MAC.
+//   backward: intra 1.5 M + state recomputation (no output) 2.1 M + dstate (Pᵀ·dO, K·dS, Qᵀ·dO,
+//   Wᵀ·dV_new ≈ 3.7 M) + grads (Q·Kᵀ, K·Kᵀ, dO·V_newᵀ, dO·Sᵀ, V_new·dSᵀ, dV_new·Sᵀ, M·K, Mᵀ·Q,
+//   dBu·Uᵀ, dBw·Wᵀ, 2 × E·K, the back substitution ≈ 8 M) ≈ 15 M MAC.
+// At T = 32k and Hv = 32 (16k chunk-heads): ≈ 0.17 TFLOP forward, ≈ 0.5 TFLOP backward. The
+// sequential kernels run Hv·dv/32 = 128 blocks, each a chain of T/C dependent chunk steps: latency,
+// not FLOPs, bounds them (docs/perf.md has the measured times). Bytes: the F32 scratch dominates
+// (W, U, V_new, dV_new, per-value-head dq and dk: 6·T·Hv·d·4 B; P: (T/C)·Hv·C²·4 B; the chunk
+// states 2·(T/C)·Hv·dk·dv·4 B), each written once and read a few times.
 #include <algorithm>
 
 #include "backend/cuda/device_util.cuh"
