@@ -306,6 +306,14 @@ PiecePlan plan_pieces(Backend& be, Stream st, comm::Communicator& group, const M
   for (int r = 0; r < plan.ranks; ++r) {
     plan.first.push_back(static_cast<int>(plan.pieces.size()));
     for (int64_t i = 0; i < t; ++i) {
+      // Positions inside a document are distinct; equal neighbours mean the ids were never computed
+      // (spindle plan's backend computes nothing) or the batch is malformed.
+      if (i > 0 && doc(r, i) >= 0 && doc(r, i) == doc(r, i - 1) && position(r, i) == position(r, i - 1))
+        fail("sequence-parallel gated DeltaNet: document {} has two neighbouring tokens at position {} on rank {} of "
+             "group '{}'; passing the state between ranks needs each token's document and position (spindle plan, "
+             "which computes nothing, cannot follow it: plan with --ring 1 and a --ulysses dividing "
+             "linear_num_key_heads)",
+             doc(r, i), position(r, i), r, group.name());
       const bool continues = i > 0 && doc(r, i) == doc(r, i - 1) && position(r, i) == position(r, i - 1) + 1;
       if (continues) {
         plan.pieces.back().end = i + 1;
