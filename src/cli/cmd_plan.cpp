@@ -7,6 +7,7 @@
 
 #include "cli/commands.h"
 #include "model/recompute.h"
+#include "core/error.h"
 #include "plan/auto_recompute.h"
 #include "plan/plan.h"
 
@@ -19,8 +20,10 @@ struct PlanArgs {
   std::string seq = "32768";
   bool json = false;
   bool bench_step = false;
+  bool max_seq = false;
   std::string offload = "none";
   std::string device_memory;
+  std::string host_memory;
 };
 
 int run_plan_command(PlanArgs& args) {
@@ -32,6 +35,37 @@ int run_plan_command(PlanArgs& args) {
   if (!args.device_memory.empty()) {
     device_bytes = plan::parse_memory_size(args.device_memory);
     args.options.device_memory_gib = static_cast<double>(device_bytes) / (int64_t{1} << 30);
+  }
+  if (!args.host_memory.empty()) args.options.host_memory_bytes = plan::parse_memory_size(args.host_memory, "--host-memory");
+  if (args.max_seq) {
+    // The longest row that fits, with the setting given, or with auto the one that needs least.
+    if (device_bytes == 0) device_bytes = plan::machine_device_memory(args.options.device, 0);
+    if (device_bytes <= 0) fail("--max-seq needs the device's memory: give --device-memory (bytes or e.g. 80GiB)");
+    const bool automatic = args.options.recompute == "auto";
+    const plan::RecomputeSetting setting =
+        automatic ? plan::RecomputeSetting{"all", -1, true}
+                  : plan::RecomputeSetting{args.options.recompute, args.options.recompute_layers, args.options.offload};
+    const int64_t usable = plan::usable_memory(device_bytes, args.options.device);
+    int64_t peak = 0;
+    const int64_t longest =
+        plan::longest_fitting_seq(args.options, setting, usable, int64_t{1} << 26, &peak);
+    if (args.json) {
+      nlohmann::ordered_json j;
+      j["model"] = args.options.model;
+      j["device_memory_bytes"] = device_bytes;
+      j["usable_memory_bytes"] = usable;
+      j["recompute"] = setting.recompute;
+      j["recompute_layers"] = setting.recompute_layers;
+      j["offload"] = setting.offload ? "activations" : "none";
+      j["max_seq"] = longest;
+      j["peak_allocated_bytes"] = peak;
+      std::printf("%s\n", j.dump(2).c_str());
+    } else {
+      std::printf("longest row that fits %s per device (%s usable) with %s: %lld tokens (peak %s)\n",
+                  plan::format_bytes(device_bytes).c_str(), plan::format_bytes(usable).c_str(),
+                  setting.describe().c_str(), static_cast<long long>(longest), plan::format_bytes(peak).c_str());
+    }
+    return 0;
   }
   if (args.options.recompute != "auto") {
     const plan::PlanReport report = plan::run_plan(args.options);
@@ -106,6 +140,12 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--device-memory", args->device_memory,
                   "memory per device (bytes, or 80GiB, 512MiB): say whether the peak fits; with --recompute auto "
                   "the budget (default: the GPU's, or the machine's RAM with --device cpu)");
+  cmd->add_option("--host-memory", args->host_memory,
+                  "the host memory of the machine planned for (default: this one's); offloaded activations may take "
+                  "three quarters of it");
+  cmd->add_flag("--max-seq", args->max_seq,
+                "print the longest row that fits --device-memory (up to 64M tokens) with the --recompute / --offload "
+                "given; with auto, recompute all with offload, the setting that needs least");
   cmd->add_flag("--json", args->json, "print one JSON document instead of the table");
   commands.push_back({cmd, [args] { return run_plan_command(*args); }});
 }

@@ -45,6 +45,19 @@ Planned plan_with(PlanOptions o, const RecomputeSetting& setting, int64_t seq) {
   return p;
 }
 
+// Offload's host tensors may take three quarters of the host's memory (pinned on CUDA: the kernel
+// cannot page it out, and the process, its data and the OS need the rest); 0: no limit known.
+int64_t host_budget(const PlanOptions& o) {
+  if (o.host_memory_bytes > 0) return o.host_memory_bytes / 4 * 3;
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page / 4 * 3 : 0;
+}
+
+bool fits(const Planned& p, int64_t usable_bytes, const PlanOptions& o) {
+  const int64_t host = host_budget(o);
+  return p.peak <= usable_bytes && (host == 0 || p.host <= host);
+}
+
 }  // namespace
 
 int64_t parse_memory_size(const std::string& text, const std::string& option) {
@@ -121,6 +134,52 @@ std::string AutoChoice::summary(int64_t num_layers) const {
   return s + fmt::format("; {} settings planned)", candidates_planned);
 }
 
+int64_t longest_fitting_seq(const PlanOptions& base, const RecomputeSetting& setting, int64_t usable_bytes,
+                            int64_t limit, int64_t* peak_bytes) {
+  const ModelConfig config = ModelConfig::from_file(base.model);
+  parallel::MeshFlags flags;
+  if (base.dp) flags.dp = base.dp;
+  if (base.sp) flags.sp = base.sp;
+  if (base.ulysses) flags.ulysses = base.ulysses;
+  if (base.ring) flags.ring = base.ring;
+  const int64_t step = parallel::sequence_multiple(parallel::resolve_mesh(
+      flags, base.world, static_cast<int>(config.num_heads), static_cast<int>(config.num_kv_heads)));
+  // The device peak of a length that fits (host memory of offload within host_budget), else -1.
+  auto peak = [&](int64_t units) {
+    const Planned p = plan_with(base, setting, units * step);
+    return fits(p, usable_bytes, base) ? p.peak : int64_t{-1};
+  };
+  int64_t lo = 0, hi = 1;  // lo·step fits (0: none known), hi·step is the next to try
+  const int64_t most = limit / step;
+  int64_t lo_peak = 0;
+  while (hi <= most) {  // doubling
+    const int64_t p = peak(hi);
+    if (p < 0) break;
+    lo = hi;
+    lo_peak = p;
+    hi = hi * 2;
+  }
+  if (hi > most) {
+    if (lo == most || most == 0) {
+      if (peak_bytes) *peak_bytes = lo_peak;
+      return lo * step;
+    }
+    hi = most + 1;  // most itself is untried: bisect up to it
+  }
+  while (hi - lo > 1) {  // bisection: lo fits, hi does not (or is past the limit)
+    const int64_t mid = lo + (hi - lo) / 2;
+    const int64_t p = peak(mid);
+    if (p >= 0) {
+      lo = mid;
+      lo_peak = p;
+    } else {
+      hi = mid;
+    }
+  }
+  if (peak_bytes) *peak_bytes = lo_peak;
+  return lo * step;
+}
+
 AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device_bytes, bool offload_only) {
   if (device_bytes <= 0)
     fail("--recompute auto needs the device's memory: give --device-memory (bytes or e.g. 80GiB)");
@@ -161,7 +220,7 @@ AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device
   for (const Candidate& c : candidates) {
     const Planned p = plan_with(base, c.setting, seq);
     ++choice.candidates_planned;
-    if (p.peak <= choice.usable_bytes) {
+    if (fits(p, choice.usable_bytes, base)) {
       choice.setting = c.setting;
       choice.peak_bytes = p.peak;
       choice.host_bytes = p.host;
@@ -194,25 +253,17 @@ AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device
                                                                    static_cast<int>(config.num_kv_heads))) != 0)
         continue;
       const Planned p = plan_with(o, smallest, seq);
-      if (p.peak <= choice.usable_bytes)
+      if (fits(p, choice.usable_bytes, o))
         would = fmt::format("--sp {} over {} processes ({} per device, recompute all with --offload activations)",
                             sp, o.world, format_bytes(p.peak));
     } catch (const Error&) {
       // a mesh the heads do not allow: try the next
     }
   }
-  const int64_t step = parallel::sequence_multiple(mesh);
-  int64_t lo = 0, hi = seq / step;  // lengths lo·step fit (0: none known), hi·step does not
-  if (plan_with(base, smallest, step).peak <= choice.usable_bytes) {
-    lo = 1;
-    while (hi - lo > 1) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      (plan_with(base, smallest, mid * step).peak <= choice.usable_bytes ? lo : hi) = mid;
-    }
-  }
+  const int64_t fits = longest_fitting_seq(base, smallest, choice.usable_bytes, seq);
   const std::string longest =
-      lo > 0 ? fmt::format("--seq {} (the longest that fits on this mesh, recompute all with --offload activations)",
-                           lo * step)
+      fits > 0 ? fmt::format("--seq {} (the longest that fits on this mesh, recompute all with --offload activations)",
+                             fits)
              : std::string("no length on this mesh (the weights and optimizer state alone do not fit)");
   fail("--recompute auto: no setting fits {} per device ({} usable after the margin, docs/memory.md) at {} tokens: "
        "the one needing least plans {}. It would fit with {}{}",

@@ -45,9 +45,17 @@ struct AutoChoice {
 // `base` with its recompute, recompute_layers and offload replaced by each candidate, for one length
 // `seq`, fastest first (fewest executed FLOPs: the step's forward, backward and each candidate's
 // recompute, bench/flops.h), every setting without offload before those with it; the first whose
-// peak fits usable_memory(device_bytes) is returned. `offload_only`: the user asked for
+// peak fits usable_memory(device_bytes), and whose offloaded host tensors fit three quarters of the
+// machine's physical memory, is returned. `offload_only`: the user asked for
 // --offload activations, so only recomputing settings with offload are candidates. Throws an Error
 // when nothing fits, with the smallest --sp (more processes) and the longest --seq that would.
 AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device_bytes, bool offload_only = false);
+
+// The longest row (a multiple of the mesh's sequence multiple, at most `limit` tokens) whose planned
+// peak with `setting` fits `usable_bytes` (and whose offloaded host tensors fit three quarters of
+// the machine's memory), found by doubling then bisection (the peak grows with the
+// length); 0 when not even one multiple fits. `peak_bytes` receives that length's peak.
+int64_t longest_fitting_seq(const PlanOptions& base, const RecomputeSetting& setting, int64_t usable_bytes,
+                            int64_t limit, int64_t* peak_bytes = nullptr);
 
 }  // namespace spindle::plan

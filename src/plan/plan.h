@@ -33,6 +33,7 @@ struct PlanOptions {
   int world = 1;                     // processes (GPUs) of the job
   int sp = 0, ulysses = 0, ring = 0, dp = 0;  // 0: as resolve_mesh chooses
   double device_memory_gib = 0;      // > 0: say whether the peak fits this much per device
+  int64_t host_memory_bytes = 0;     // the host's memory for offload's limit (auto_recompute.h); 0: this machine's
 };
 
 // One part of a rank's peak: the bytes, allocated in one phase, still live at the peak.

@@ -126,4 +126,20 @@ with tempfile.TemporaryDirectory() as tmp:
           and peaks and max(peaks) <= budget,
           f"sft --recompute auto at {budget} bytes: peaks {peaks} ({p.stderr.strip().splitlines()[:2]})")
 
+# sft with --offload activations: the same losses as without, the host memory in metrics.jsonl.
+with tempfile.TemporaryDirectory() as tmp:
+    def sft(name, extra):
+        p = run([spindle, "sft", "--model", qwen2, "--data", os.path.join(qwen2, "data.jsonl"), "--output",
+                 os.path.join(tmp, name), "--max-steps", "3", "--lr", "0.01", "--lora-rank", "4", "--max-length", "32",
+                 "--threads", "1", "--device", "cpu", "--recompute", "all"] + extra)
+        with open(os.path.join(tmp, name, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f], p.stderr
+    plain, _ = sft("plain", [])
+    moved, log = sft("offload", ["--offload", "activations"])
+    check([m["loss"] for m in moved] == [m["loss"] for m in plain] and all(m.get("offload_host_memory", 0) > 0
+                                                                          for m in moved)
+          and all("offload_host_memory" not in m for m in plain),
+          f"sft --offload activations: losses {[m['loss'] for m in moved]} (without: {[m['loss'] for m in plain]}), "
+          f"host bytes {[m.get('offload_host_memory') for m in moved]}")
+
 sys.exit(f"{len(failures)} failed: {failures}" if failures else 0)
