@@ -6,6 +6,8 @@
 #               (HF + Liger + gradient checkpointing: 11.0 GiB at 32k, 18.8 GiB at 64k; --device-memory is
 #               that plus auto's CUDA margin, 2 GiB + 3 %, so the planned peak stays under it)
 #   PART=offload the 1.5B at 512k with activation offload (plan: 75.6 GiB on the GPU, 40.5 GiB pinned)
+#   PART=exact  the 1.5B at 32k, keep-attention and all, with and without offload: the losses must be
+#               equal bit for bit (the copies are exact; the CUDA side of offload has not run before)
 # Writes ${OUT:-out}/recompute_auto_<part>_<model>_<seq>.{json,txt}; the JSON has the setting chosen
 # (results[].recompute, recompute_layers, offload), peak_allocated_bytes and offload_host_bytes.
 set -uo pipefail
@@ -27,4 +29,17 @@ case ${PART:-auto} in
     one peer 1.5b 64k --recompute auto --device-memory 21.5GiB ;; # 18.8 GiB + the margin
   offload)
     WARMUP=0 STEPS=1 one offload 1.5b 512k --recompute all --offload activations ;;
+  exact)
+    for r in keep-attention all; do
+      one "exact_${r}_none" 1.5b 32k --recompute "$r"
+      one "exact_${r}_offload" 1.5b 32k --recompute "$r" --offload activations
+      python3 - "$out/recompute_auto_exact_${r}_none_1.5b_32k.json" "$out/recompute_auto_exact_${r}_offload_1.5b_32k.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p))["results"][0] for p in sys.argv[1:3])
+print(f"{a['recompute']}: loss {a['loss']!r} without offload, {b['loss']!r} with "
+      f"({'equal' if a['loss'] == b['loss'] else 'DIFFERENT'}); peak {a['peak_allocated_bytes'] / 2**30:.2f} -> "
+      f"{b['peak_allocated_bytes'] / 2**30:.2f} GiB, host {b['offload_host_bytes'] / 2**30:.2f} GiB; "
+      f"{a['tokens_per_s']:.0f} -> {b['tokens_per_s']:.0f} tokens/s")
+PY
+    done ;;
 esac
