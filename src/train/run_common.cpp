@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "io/checkpoint.h"
 #include "io/write_safetensors.h"
+#include "model/config.h"
 #include "train/export.h"
 #include "train/loss_plot.h"
 #include "train/trainer.h"
@@ -144,7 +145,9 @@ void RunReporter::finish(const TrainConfig& config, int64_t total_steps, const f
 
 DType export_dtype(const TrainConfig& config) {
   const io::Checkpoint source_checkpoint(config.model);
-  const io::TensorRecord* embed_record = source_checkpoint.find("model.embed_tokens.weight");
+  // The embedding under the family's prefix (a multimodal checkpoint's text tower is under model.language_model.).
+  const std::string prefix = ModelConfig::from_file(config.model).weight_prefix;
+  const io::TensorRecord* embed_record = source_checkpoint.find(prefix + "embed_tokens.weight");
   return embed_record && is_float(embed_record->dtype) ? embed_record->dtype : DType::BF16;
 }
 
