@@ -2,7 +2,8 @@
 """The Python tiny models load in spindle for every family the helper writes: a folder from
 tiny_model.write_model (llama; qwen2 with q/k/v biases and a tied head; qwen3 with q/k norms and
 head_dim apart from hidden/heads; qwen3_moe with experts and a dense layer; qwen3_5 with gated DeltaNet and
-gated attention layers; one with the demo's tokenizer) holds every tensor spindle's
+gated attention layers; qwen3_5_moe with experts and a shared expert in every layer; one with the demo's
+tokenizer) holds every tensor spindle's
 loader asks for, with the shapes it expects, and `spindle eval` scores a document on it.
 
 usage: check_tiny_model.py SPINDLE ROOT
@@ -15,7 +16,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_model import config, qwen3_5_config, qwen3_moe_config, write_model  # noqa: E402
+from tiny_model import config, qwen3_5_config, qwen3_5_moe_config, qwen3_moe_config, write_model  # noqa: E402
 
 spindle, root = sys.argv[1], sys.argv[2]
 cases = {
@@ -25,6 +26,7 @@ cases = {
     "qwen2_tokenizer": (config(model_type="qwen2"), {"tokenizer_dir": os.path.join(root, "demo", "tokenizer")}),
     "qwen3_moe": (qwen3_moe_config(), {}),
     "qwen3_5": (qwen3_5_config(), {}),
+    "qwen3_5_moe": (qwen3_5_moe_config(), {}),
 }
 failures = 0
 with tempfile.TemporaryDirectory() as tmp:

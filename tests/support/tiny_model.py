@@ -3,8 +3,9 @@ family and size, and a model folder holding it with random weights (numpy + safe
 
 The C++ tests' counterpart is tests/support/tiny_model.h; both default to the tiny GQA llama the
 parity checks train (4 query heads over 2 KV heads, so Ulysses 4 replicates KV heads). The tensors
-follow from the config (qwen2: q/k/v biases; qwen3: q/k norms; qwen3_moe: routers and experts; no lm_head when tied), so a new
-family or layer kind is a new entry in `layer_tensors` and its config keys, not a new maker.
+follow from the config (qwen2: q/k/v biases; qwen3: q/k norms; qwen3_moe: routers and experts;
+qwen3_5_moe: a shared expert too; no lm_head when tied), so a new family or layer kind is a new entry
+in `layer_tensors` and its config keys, not a new maker.
 
     from tiny_model import config, write_model
     write_model(path, config(model_type="qwen2", hidden_size=64), seed=3)
@@ -17,7 +18,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
 
 def config(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -66,6 +68,30 @@ def qwen3_5_config(**overrides):
     return config(**c)
 
 
+def qwen3_5_moe_config(**overrides):
+    """qwen3_5_moe (text-only) as tests/support/tiny_model.h's tiny_qwen3_5_moe(): qwen3_5_config()'s layers,
+    each with 4 experts of width 12 (2 per token, always renormalised) and a shared expert of width 16
+    behind its sigmoid gate; no dense intermediate_size (the family has none); no load-balancing loss
+    unless the caller turns output_router_logits on."""
+    c = qwen3_5_config(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+                       shared_expert_intermediate_size=16, output_router_logits=False, router_aux_loss_coef=0.001)
+    c["architectures"] = [ARCHITECTURES["qwen3_5_moe_text"]]
+    del c["intermediate_size"]
+    c.update(overrides)
+    return c
+
+
+def routed_expert_tensors(c, p):
+    """(name, shape, kind) of a MoE feed-forward's router and per-expert projections."""
+    h, experts, width = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"]
+    out = [(p + "mlp.gate.weight", (experts, h), "matrix")]
+    for e in range(experts):
+        out += [(p + f"mlp.experts.{e}.gate_proj.weight", (width, h), "matrix"),
+                (p + f"mlp.experts.{e}.up_proj.weight", (width, h), "matrix"),
+                (p + f"mlp.experts.{e}.down_proj.weight", (h, width), "matrix")]
+    return out
+
+
 def deltanet_tensors(c, p):
     """(name, shape, kind) of a gated DeltaNet layer's mixer (qwen3_5 "linear_attention" layers); A_log and
     dt_bias drawn as biases (zero: exp(A_log) = 1)."""
@@ -82,9 +108,9 @@ def deltanet_tensors(c, p):
 
 def layer_tensors(c, layer):
     """(name, shape, kind) of one decoder layer, kind "matrix", "bias" or "norm"."""
-    h, inter, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    h, inter, d = c["hidden_size"], c.get("intermediate_size"), c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-    if c["model_type"] == "qwen3_5_text":
+    if c["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text"):
         p = f"model.layers.{layer}."
         if c["layer_types"][layer] == "linear_attention":
             mixer = deltanet_tensors(c, p)
@@ -94,11 +120,17 @@ def layer_tensors(c, layer):
                      (p + "self_attn.v_proj.weight", (kv, h), "matrix"),
                      (p + "self_attn.o_proj.weight", (h, q), "matrix"),
                      (p + "self_attn.q_norm.weight", (d,), "norm"), (p + "self_attn.k_norm.weight", (d,), "norm")]
+        norms = [(p + "input_layernorm.weight", (h,), "norm"), (p + "post_attention_layernorm.weight", (h,), "norm")]
+        if c["model_type"] == "qwen3_5_moe_text":  # every layer: routed experts, a shared expert and its gate
+            shared = c["shared_expert_intermediate_size"]
+            return mixer + routed_expert_tensors(c, p) + [
+                (p + "mlp.shared_expert.gate_proj.weight", (shared, h), "matrix"),
+                (p + "mlp.shared_expert.up_proj.weight", (shared, h), "matrix"),
+                (p + "mlp.shared_expert.down_proj.weight", (h, shared), "matrix"),
+                (p + "mlp.shared_expert_gate.weight", (1, h), "matrix")] + norms
         return mixer + [(p + "mlp.gate_proj.weight", (inter, h), "matrix"),
                         (p + "mlp.up_proj.weight", (inter, h), "matrix"),
-                        (p + "mlp.down_proj.weight", (h, inter), "matrix"),
-                        (p + "input_layernorm.weight", (h,), "norm"),
-                        (p + "post_attention_layernorm.weight", (h,), "norm")]
+                        (p + "mlp.down_proj.weight", (h, inter), "matrix")] + norms
     qkv_bias = c["model_type"] == "qwen2" or c.get("attention_bias", False)
     o_bias = c["model_type"] != "qwen2" and c.get("attention_bias", False)
     p = f"model.layers.{layer}."
@@ -111,12 +143,7 @@ def layer_tensors(c, layer):
     if o_bias:
         out.append((p + "self_attn.o_proj.bias", (h,), "bias"))
     if is_moe_layer(c, layer):
-        experts, width = c["num_experts"], c["moe_intermediate_size"]
-        out.append((p + "mlp.gate.weight", (experts, h), "matrix"))
-        for e in range(experts):
-            out += [(p + f"mlp.experts.{e}.gate_proj.weight", (width, h), "matrix"),
-                    (p + f"mlp.experts.{e}.up_proj.weight", (width, h), "matrix"),
-                    (p + f"mlp.experts.{e}.down_proj.weight", (h, width), "matrix")]
+        out += routed_expert_tensors(c, p)
     else:
         out += [(p + "mlp.gate_proj.weight", (inter, h), "matrix"), (p + "mlp.up_proj.weight", (inter, h), "matrix"),
                 (p + "mlp.down_proj.weight", (h, inter), "matrix")]
