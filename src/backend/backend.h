@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "core/tensor.h"
@@ -376,6 +377,24 @@ class Backend {
                            Tensor& row_of_slot, Tensor& offsets) {
     (void)stream, (void)topk_index, (void)num_experts, (void)rows_token, (void)row_of_slot, (void)offsets;
     fail("moe_permute is not implemented on the {} backend", name());
+  }
+  // The experts' GEMMs over the routed rows sorted by expert, sized on the device: expert e owns
+  // rows offsets[e] … offsets[e+1]−1 (offsets I32 [E+1] from moe_permute), so a backend need not
+  // read them on the host. weights: the E expert matrices W_e [out, in], one dtype with x and y.
+  // transpose_weight (the forward): y [N, out] (=, or += when accumulate) x [N, in]·W_eᵀ per expert;
+  // otherwise (the input gradient): y [N, in] (=/+=) x [N, out]·W_e. Empty experts write nothing.
+  virtual void moe_grouped_gemm(Stream stream, const Tensor& x, const std::vector<Tensor>& weights,
+                                bool transpose_weight, const Tensor& offsets, Tensor& y, bool accumulate) {
+    (void)stream, (void)x, (void)weights, (void)transpose_weight, (void)offsets, (void)y, (void)accumulate;
+    fail("moe_grouped_gemm is not implemented on the {} backend", name());
+  }
+  // The experts' weight gradients: weight_grads[e] [out, in] += dy[rows of e]ᵀ·x[rows of e] for
+  // dy [N, out], x [N, in]; an undefined weight_grads[e] (a frozen expert) is skipped. The
+  // gradients have the compute dtype, or F32 for BF16 inputs (as gemm's C).
+  virtual void moe_grouped_gemm_weight_grad(Stream stream, const Tensor& dy, const Tensor& x, const Tensor& offsets,
+                                            std::vector<Tensor>& weight_grads) {
+    (void)stream, (void)dy, (void)x, (void)offsets, (void)weight_grads;
+    fail("moe_grouped_gemm_weight_grad is not implemented on the {} backend", name());
   }
   // out[t] (overwritten, [T, H]) = Σ_j topk_weight[t, j] · y[row_of_slot[t·k + j]], the slots summed
   // in ascending expert order; y [N, H] the experts' outputs.

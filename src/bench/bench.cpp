@@ -344,6 +344,10 @@ std::string format_report(const BenchReport& rep) {
        " (no recompute; frozen LoRA base weights counted as "
        "trained); executed FLOPs count what runs (recompute: the layers' dense forward again, and the attention "
        "forward again with 'all' but not with 'keep-attention')\n";
+  if (c.moe.num_experts > 0)
+    s += fmt::format("  N_matmul counts active parameters ({}): the router and {} of the {} experts per token of each "
+                     "mixture-of-experts layer (3·k·H·I), every other projection and the LM head\n",
+                     matmul_parameters(c), c.moe.experts_per_token, c.moe.num_experts);
   if (rep.peak_tflops > 0)
     s += fmt::format("  MFU = model FLOP/s / {:.1f} TFLOP/s (dense BF16 peak)\n", rep.peak_tflops);
   s += "\n";
@@ -428,7 +432,8 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
   j["optimizer_step_included"] = false;
   j["peak_tflops"] = rep.peak_tflops;
   j["flops_formula"] =
-      "model: 6*N_matmul*T + 3.5*L*4*Hq*D*sum over documents n*(n+1)/2; executed: as run (LoRA, recompute)";
+      "model: 6*N_matmul*T + 3.5*L*4*Hq*D*sum over documents n*(n+1)/2 (N_matmul: active parameters, MoE router + "
+      "k of E experts); executed: as run (LoRA, recompute)";
   auto& results = j["results"] = nlohmann::ordered_json::array();
   for (const BenchResult& r : rep.results) {
     nlohmann::ordered_json x;

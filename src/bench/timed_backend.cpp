@@ -142,6 +142,54 @@ void TimedBackend::swiglu_backward(Stream s, const Tensor& gate, const Tensor& u
                                    Tensor& dup) {
   timed(s, C::OtherOps, "swiglu_backward", [&] { inner_.swiglu_backward(s, gate, up, dout, dgate, dup); });
 }
+void TimedBackend::moe_router_forward(Stream s, const Tensor& logits, int64_t top_k, bool normalize, Tensor& probs,
+                                      Tensor& topk_index, Tensor& topk_weight) {
+  timed(s, C::OtherOps, "moe_router_forward",
+        [&] { inner_.moe_router_forward(s, logits, top_k, normalize, probs, topk_index, topk_weight); });
+}
+void TimedBackend::moe_router_backward(Stream s, const Tensor& probs, const Tensor& topk_index,
+                                       const Tensor& d_topk_weight, bool normalize, const Tensor& aux_grad,
+                                       const Tensor& token_doc, Tensor& dlogits) {
+  timed(s, C::OtherOps, "moe_router_backward", [&] {
+    inner_.moe_router_backward(s, probs, topk_index, d_topk_weight, normalize, aux_grad, token_doc, dlogits);
+  });
+}
+void TimedBackend::moe_router_statistics(Stream s, const Tensor& probs, const Tensor& topk_index,
+                                         const Tensor& token_doc, Tensor& counts, Tensor& prob_sums) {
+  timed(s, C::OtherOps, "moe_router_statistics",
+        [&] { inner_.moe_router_statistics(s, probs, topk_index, token_doc, counts, prob_sums); });
+}
+void TimedBackend::moe_permute(Stream s, const Tensor& topk_index, int64_t num_experts, Tensor& rows_token,
+                               Tensor& row_of_slot, Tensor& offsets) {
+  timed(s, C::OtherOps, "moe_permute",
+        [&] { inner_.moe_permute(s, topk_index, num_experts, rows_token, row_of_slot, offsets); });
+}
+// "moe_grouped_gemm N×n×k[ +=]" over all N routed rows: 2·N·n·k FLOPs, whatever the routing.
+void TimedBackend::moe_grouped_gemm(Stream s, const Tensor& x, const std::vector<Tensor>& weights,
+                                    bool transpose_weight, const Tensor& offsets, Tensor& y, bool accumulate) {
+  const int64_t n = x.rank() == 2 ? x.dim(0) : 0, k = x.rank() == 2 ? x.dim(1) : 0, m = y.rank() == 2 ? y.dim(1) : 0;
+  const std::string label = fmt::format("moe_grouped_gemm {}x{}x{}{}{}", n, m, k, transpose_weight ? "" : " (dx)",
+                                        accumulate ? " +=" : "");
+  timed(s, C::Gemm, label, [&] { inner_.moe_grouped_gemm(s, x, weights, transpose_weight, offsets, y, accumulate); },
+        2.0 * static_cast<double>(n) * static_cast<double>(m) * static_cast<double>(k));
+}
+void TimedBackend::moe_grouped_gemm_weight_grad(Stream s, const Tensor& dy, const Tensor& x, const Tensor& offsets,
+                                                std::vector<Tensor>& weight_grads) {
+  const int64_t n = x.rank() == 2 ? x.dim(0) : 0, k = x.rank() == 2 ? x.dim(1) : 0, m = dy.rank() == 2 ? dy.dim(1) : 0;
+  const std::string label = fmt::format("moe_grouped_gemm_weight_grad {}x{}x{}", m, k, n);
+  timed(s, C::Gemm, label, [&] { inner_.moe_grouped_gemm_weight_grad(s, dy, x, offsets, weight_grads); },
+        2.0 * static_cast<double>(n) * static_cast<double>(m) * static_cast<double>(k));
+}
+void TimedBackend::moe_combine(Stream s, const Tensor& y, const Tensor& row_of_slot, const Tensor& topk_index,
+                               const Tensor& topk_weight, Tensor& out) {
+  timed(s, C::OtherOps, "moe_combine",
+        [&] { inner_.moe_combine(s, y, row_of_slot, topk_index, topk_weight, out); });
+}
+void TimedBackend::moe_combine_backward(Stream s, const Tensor& dout, const Tensor& y, const Tensor& row_of_slot,
+                                        const Tensor& topk_weight, Tensor& dy, Tensor& d_topk_weight) {
+  timed(s, C::OtherOps, "moe_combine_backward",
+        [&] { inner_.moe_combine_backward(s, dout, y, row_of_slot, topk_weight, dy, d_topk_weight); });
+}
 void TimedBackend::gather_rows(Stream s, const Tensor& src, const Tensor& idx, Tensor& dst) {
   timed(s, C::OtherOps, "gather_rows", [&] { inner_.gather_rows(s, src, idx, dst); });
 }

@@ -120,6 +120,24 @@ class TimedBackend final : public Backend {
                        Tensor& w) override;
   void dequantize_absmax(Stream s, const Tensor& codes, const Tensor& code_map, const Tensor& absmax2,
                          int64_t blocksize2, double offset, Tensor& absmax) override;
+  // Mixture of experts: the grouped expert GEMMs count as GEMMs (label "moe_grouped_gemm …"), the
+  // router, permutation and combine with the other ops under their own names.
+  void moe_router_forward(Stream s, const Tensor& logits, int64_t top_k, bool normalize, Tensor& probs,
+                          Tensor& topk_index, Tensor& topk_weight) override;
+  void moe_router_backward(Stream s, const Tensor& probs, const Tensor& topk_index, const Tensor& d_topk_weight,
+                           bool normalize, const Tensor& aux_grad, const Tensor& token_doc, Tensor& dlogits) override;
+  void moe_router_statistics(Stream s, const Tensor& probs, const Tensor& topk_index, const Tensor& token_doc,
+                             Tensor& counts, Tensor& prob_sums) override;
+  void moe_permute(Stream s, const Tensor& topk_index, int64_t num_experts, Tensor& rows_token, Tensor& row_of_slot,
+                   Tensor& offsets) override;
+  void moe_grouped_gemm(Stream s, const Tensor& x, const std::vector<Tensor>& weights, bool transpose_weight,
+                        const Tensor& offsets, Tensor& y, bool accumulate) override;
+  void moe_grouped_gemm_weight_grad(Stream s, const Tensor& dy, const Tensor& x, const Tensor& offsets,
+                                    std::vector<Tensor>& weight_grads) override;
+  void moe_combine(Stream s, const Tensor& y, const Tensor& row_of_slot, const Tensor& topk_index,
+                   const Tensor& topk_weight, Tensor& out) override;
+  void moe_combine_backward(Stream s, const Tensor& dout, const Tensor& y, const Tensor& row_of_slot,
+                            const Tensor& topk_weight, Tensor& dy, Tensor& d_topk_weight) override;
   void cross_entropy(Stream stream, Tensor& logits, const Tensor& targets, const Tensor& weights, double loss_scale,
                      double grad_scale, Tensor& loss_sum, Tensor& token_ce) override;
   void adamw_step(Stream stream, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& hp) override;

@@ -16,10 +16,6 @@ constexpr std::string_view kQwen35CpuOnly =
     "its gated DeltaNet and gated attention layers have no CUDA kernels yet (partial RoPE, the output gate, the "
     "causal conv and the chunked delta rule)";
 
-constexpr std::string_view kQwen3MoeCpuOnly =
-    "its mixture-of-experts layers have no CUDA kernels yet (the router's top-k, the permutation of tokens by "
-    "expert, the weighted combine)";
-
 constexpr std::string_view kQwen35MoeCpuOnly =
     "its gated DeltaNet, gated attention and mixture-of-experts layers have no CUDA kernels yet (partial RoPE, the "
     "output gate, the causal conv, the chunked delta rule, the router's top-k, the permutation of tokens by expert, "
@@ -29,7 +25,7 @@ const ModelFamily kFamilies[] = {
     {"llama", "model.", read_llama_config},
     {"qwen2", "model.", read_qwen2_config},
     {"qwen3", "model.", read_qwen3_config},
-    {"qwen3_moe", "model.", read_qwen3_moe_config, {}, {}, kQwen3MoeCpuOnly},
+    {"qwen3_moe", "model.", read_qwen3_moe_config},
     // Qwen3.5 (gated DeltaNet + gated attention): the multimodal checkpoint's text tower, and the
     // text-only Qwen3_5ForCausalLM folder.
     {"qwen3_5", "model.language_model.", read_qwen3_5_config, "text_config", {"model.visual.", "mtp."}, kQwen35CpuOnly},

@@ -101,7 +101,8 @@ TEST_P(CudaModel, StepMatchesCpuReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, CudaModel, ::testing::Values("llama", "qwen2", "qwen3", "qwen2_lora", "llama_rslora"));
+INSTANTIATE_TEST_SUITE_P(Models, CudaModel,
+                         ::testing::Values("llama", "qwen2", "qwen3", "qwen2_lora", "llama_rslora", "qwen3_moe"));
 
 // The GEMM shapes of a LoRA projection (rank r on one side), in both dtypes, against the CPU.
 TEST(CudaLoraGemms, EveryLoraShapeMatchesCpu) {

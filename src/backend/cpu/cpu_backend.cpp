@@ -19,6 +19,7 @@
 #include "backend/cpu/gated_delta_ops.h"
 #include "backend/cpu/host_memory.h"
 #include "backend/cpu/gated_delta_state_ops.h"
+#include "backend/cpu/moe_grouped_gemm.h"
 #include "backend/cpu/moe_ops.h"
 #include "backend/cpu/shared_expert_ops.h"
 #include "core/error.h"
@@ -735,6 +736,14 @@ class CpuBackend final : public Backend {
   void moe_permute(Stream, const Tensor& topk_index, int64_t num_experts, Tensor& rows_token, Tensor& row_of_slot,
                    Tensor& offsets) override {
     cpu::moe_permute(topk_index, num_experts, rows_token, row_of_slot, offsets);
+  }
+  void moe_grouped_gemm(Stream, const Tensor& x, const std::vector<Tensor>& weights, bool transpose_weight,
+                        const Tensor& offsets, Tensor& y, bool accumulate) override {
+    cpu::moe_grouped_gemm(*this, x, weights, transpose_weight, offsets, y, accumulate);
+  }
+  void moe_grouped_gemm_weight_grad(Stream, const Tensor& dy, const Tensor& x, const Tensor& offsets,
+                                    std::vector<Tensor>& weight_grads) override {
+    cpu::moe_grouped_gemm_weight_grad(*this, dy, x, offsets, weight_grads);
   }
   void moe_combine(Stream, const Tensor& y, const Tensor& row_of_slot, const Tensor& topk_index,
                    const Tensor& topk_weight, Tensor& out) override {

@@ -101,6 +101,8 @@ void Context::check_device_error() {
     case kErrTarget:
       fail("cross_entropy: target {} at row {} is outside the vocabulary [0, {})", copy.value, copy.index,
            copy.limit);
+    case kErrExpertIndex:
+      fail("moe_permute: expert {} at slot {} is outside [0, {})", copy.value, copy.index, copy.limit);
     default: fail("a CUDA kernel reported error code {}", copy.code);
   }
 }

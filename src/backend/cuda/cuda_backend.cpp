@@ -27,6 +27,7 @@
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/host_memory.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/moe.h"
 #include "core/error.h"
 
 namespace spindle {
@@ -716,6 +717,175 @@ class CudaBackend final : public Backend {
                            src.dtype(), ctx_->device_error());
   }
 
+  // ---- mixture of experts (moe.cu, moe_grouped_gemm.cu) -----------------------------------------
+  void moe_router_forward(Stream stream, const Tensor& logits, int64_t top_k, bool normalize, Tensor& probs,
+                          Tensor& topk_index, Tensor& topk_weight) override {
+    require_compute(logits, "moe_router_forward");
+    SPINDLE_CHECK(logits.rank() == 2, "moe_router_forward: logits {} are not [T, E]", logits.describe());
+    const int64_t t = logits.dim(0), e = logits.dim(1);
+    SPINDLE_CHECK(top_k >= 1 && top_k <= e, "moe_router_forward: top_k {} of {} experts", top_k, e);
+    require_stat(probs, t * e, "moe_router_forward probs");
+    require_i32(topk_index, "moe_router_forward topk_index");
+    require_stat(topk_weight, t * top_k, "moe_router_forward topk_weight");
+    SPINDLE_CHECK(topk_index.numel() == t * top_k, "moe_router_forward: topk_index {} for [{}, {}]",
+                  topk_index.describe(), t, top_k);
+    cuda::moe_router_forward(s(stream), logits.data(), logits.dtype(), t, static_cast<int>(e),
+                             static_cast<int>(top_k), normalize, probs.data_as<float>(),
+                             topk_index.data_as<int32_t>(), topk_weight.data_as<float>());
+  }
+
+  void moe_router_backward(Stream stream, const Tensor& probs, const Tensor& topk_index, const Tensor& d_topk_weight,
+                           bool normalize, const Tensor& aux_grad, const Tensor& token_doc, Tensor& dlogits) override {
+    require_compute(dlogits, "moe_router_backward");
+    SPINDLE_CHECK(probs.rank() == 2 && topk_index.rank() == 2, "moe_router_backward: probs {} topk_index {}",
+                  probs.describe(), topk_index.describe());
+    const int64_t t = probs.dim(0), e = probs.dim(1), k = topk_index.dim(1);
+    require_stat(probs, t * e, "moe_router_backward probs");
+    require_i32(topk_index, "moe_router_backward topk_index");
+    require_stat(d_topk_weight, t * k, "moe_router_backward d_topk_weight");
+    SPINDLE_CHECK(topk_index.dim(0) == t && dlogits.shape() == probs.shape(),
+                  "moe_router_backward: topk_index {} dlogits {} for probs {}", topk_index.describe(),
+                  dlogits.describe(), probs.describe());
+    if (aux_grad.defined()) require_stat(aux_grad, e, "moe_router_backward aux_grad");
+    if (token_doc.defined()) {
+      require_i32(token_doc, "moe_router_backward token_doc");
+      SPINDLE_CHECK(token_doc.numel() == t, "moe_router_backward: token_doc {} for {} tokens", token_doc.describe(), t);
+    }
+    cuda::moe_router_backward(s(stream), probs.data_as<float>(), topk_index.data_as<int32_t>(),
+                              d_topk_weight.data_as<float>(), t, static_cast<int>(e), static_cast<int>(k), normalize,
+                              aux_grad.defined() ? aux_grad.data_as<float>() : nullptr,
+                              token_doc.defined() ? token_doc.data_as<int32_t>() : nullptr, dlogits.data(),
+                              dlogits.dtype());
+  }
+
+  void moe_router_statistics(Stream stream, const Tensor& probs, const Tensor& topk_index, const Tensor& token_doc,
+                             Tensor& counts, Tensor& prob_sums) override {
+    SPINDLE_CHECK(probs.rank() == 2 && topk_index.rank() == 2 && topk_index.dim(0) == probs.dim(0),
+                  "moe_router_statistics: probs {} topk_index {}", probs.describe(), topk_index.describe());
+    const int64_t t = probs.dim(0), e = probs.dim(1), k = topk_index.dim(1);
+    require_stat(probs, t * e, "moe_router_statistics probs");
+    require_i32(topk_index, "moe_router_statistics topk_index");
+    require_stat(counts, e, "moe_router_statistics counts");
+    require_stat(prob_sums, e, "moe_router_statistics prob_sums");
+    if (token_doc.defined()) {
+      require_i32(token_doc, "moe_router_statistics token_doc");
+      SPINDLE_CHECK(token_doc.numel() == t, "moe_router_statistics: token_doc {} for {} tokens", token_doc.describe(),
+                    t);
+    }
+    cuda::moe_router_statistics(s(stream), probs.data_as<float>(), topk_index.data_as<int32_t>(),
+                                token_doc.defined() ? token_doc.data_as<int32_t>() : nullptr, t, static_cast<int>(e),
+                                static_cast<int>(k), counts.data_as<float>(), prob_sums.data_as<float>());
+  }
+
+  void moe_permute(Stream stream, const Tensor& topk_index, int64_t num_experts, Tensor& rows_token,
+                   Tensor& row_of_slot, Tensor& offsets) override {
+    for (const Tensor* x : {&topk_index, &static_cast<const Tensor&>(rows_token),
+                            &static_cast<const Tensor&>(row_of_slot), &static_cast<const Tensor&>(offsets)})
+      require_i32(*x, "moe_permute");
+    SPINDLE_CHECK(topk_index.rank() == 2, "moe_permute: topk_index {} is not [T, k]", topk_index.describe());
+    const int64_t n = topk_index.numel();
+    SPINDLE_CHECK(num_experts >= 1 && rows_token.numel() == n && row_of_slot.numel() == n &&
+                      offsets.numel() == num_experts + 1,
+                  "moe_permute: topk_index {} experts {}: rows_token {} row_of_slot {} offsets {}",
+                  topk_index.describe(), num_experts, rows_token.describe(), row_of_slot.describe(),
+                  offsets.describe());
+    cuda::moe_permute(s(stream), topk_index.data_as<int32_t>(), topk_index.dim(0), static_cast<int>(topk_index.dim(1)),
+                      static_cast<int>(num_experts), rows_token.data_as<int32_t>(), row_of_slot.data_as<int32_t>(),
+                      offsets.data_as<int32_t>(), ctx_->device_error());
+  }
+
+  void moe_combine(Stream stream, const Tensor& y, const Tensor& row_of_slot, const Tensor& topk_index,
+                   const Tensor& topk_weight, Tensor& out) override {
+    require_compute(y, "moe_combine");
+    require_same(y, out, "moe_combine");
+    require_i32(row_of_slot, "moe_combine row_of_slot");
+    require_i32(topk_index, "moe_combine topk_index");
+    SPINDLE_CHECK(topk_index.rank() == 2 && out.rank() == 2 && y.rank() == 2, "moe_combine: y {} topk_index {} out {}",
+                  y.describe(), topk_index.describe(), out.describe());
+    const int64_t t = topk_index.dim(0), k = topk_index.dim(1), h = out.dim(1);
+    require_stat(topk_weight, t * k, "moe_combine topk_weight");
+    SPINDLE_CHECK(out.dim(0) == t && y.shape() == Shape({t * k, h}) && row_of_slot.numel() == t * k,
+                  "moe_combine: y {} row_of_slot {} out {} for topk_index {}", y.describe(), row_of_slot.describe(),
+                  out.describe(), topk_index.describe());
+    cuda::moe_combine(s(stream), y.data(), row_of_slot.data_as<int32_t>(), topk_index.data_as<int32_t>(),
+                      topk_weight.data_as<float>(), t, static_cast<int>(k), h, out.data(), y.dtype());
+  }
+
+  void moe_combine_backward(Stream stream, const Tensor& dout, const Tensor& y, const Tensor& row_of_slot,
+                            const Tensor& topk_weight, Tensor& dy, Tensor& d_topk_weight) override {
+    require_compute(dout, "moe_combine_backward");
+    require_same(dout, y, "moe_combine_backward");
+    require_same(dout, dy, "moe_combine_backward");
+    require_i32(row_of_slot, "moe_combine_backward row_of_slot");
+    SPINDLE_CHECK(topk_weight.rank() == 2 && dout.rank() == 2, "moe_combine_backward: topk_weight {} dout {}",
+                  topk_weight.describe(), dout.describe());
+    const int64_t t = topk_weight.dim(0), k = topk_weight.dim(1), h = dout.dim(1);
+    require_stat(topk_weight, t * k, "moe_combine_backward topk_weight");
+    require_stat(d_topk_weight, t * k, "moe_combine_backward d_topk_weight");
+    SPINDLE_CHECK(dout.dim(0) == t && y.shape() == Shape({t * k, h}) && dy.shape() == y.shape() &&
+                      row_of_slot.numel() == t * k,
+                  "moe_combine_backward: dout {} y {} dy {} row_of_slot {} for topk_weight {}", dout.describe(),
+                  y.describe(), dy.describe(), row_of_slot.describe(), topk_weight.describe());
+    cuda::moe_combine_backward(s(stream), dout.data(), y.data(), row_of_slot.data_as<int32_t>(),
+                               topk_weight.data_as<float>(), t, static_cast<int>(k), h, dy.data(),
+                               d_topk_weight.data_as<float>(), dout.dtype());
+  }
+
+  void moe_grouped_gemm(Stream stream, const Tensor& x, const std::vector<Tensor>& weights, bool transpose_weight,
+                        const Tensor& offsets, Tensor& y, bool accumulate) override {
+    const char* op = "moe_grouped_gemm";
+    require_compute(x, op);
+    require_same(x, y, op);
+    const int64_t experts = static_cast<int64_t>(weights.size());
+    require_expert_offsets(offsets, experts, op);
+    SPINDLE_CHECK(x.rank() == 2 && y.rank() == 2 && x.dim(0) == y.dim(0), "{}: x {} and y {} need the same rows", op,
+                  x.describe(), y.describe());
+    const int64_t k = x.dim(1), n = y.dim(1);
+    cuda::ExpertPointers table{};
+    for (int64_t e = 0; e < experts; ++e) {
+      const Tensor& w = weights[static_cast<size_t>(e)];
+      require_same(x, w, op);
+      // The forward's W_e is [n, k] (used transposed); the input gradient's is [k, n].
+      const Shape expect = transpose_weight ? Shape{n, k} : Shape{k, n};
+      SPINDLE_CHECK(w.shape() == expect, "{}: expert {} weight {} for x {} and y {} (expected {})", op, e,
+                    w.describe(), x.describe(), y.describe(), expect.str());
+      table.p[e] = w.data();
+    }
+    cuda::moe_grouped_gemm(s(stream), x.dtype(), x.data(), x.dim(0), k, table, static_cast<int>(experts),
+                           transpose_weight, offsets.data_as<int32_t>(), y.data(), n, accumulate);
+  }
+
+  void moe_grouped_gemm_weight_grad(Stream stream, const Tensor& dy, const Tensor& x, const Tensor& offsets,
+                                    std::vector<Tensor>& weight_grads) override {
+    const char* op = "moe_grouped_gemm_weight_grad";
+    require_compute(dy, op);
+    require_same(dy, x, op);
+    const int64_t experts = static_cast<int64_t>(weight_grads.size());
+    require_expert_offsets(offsets, experts, op);
+    SPINDLE_CHECK(dy.rank() == 2 && x.rank() == 2 && dy.dim(0) == x.dim(0), "{}: dy {} and x {} need the same rows",
+                  op, dy.describe(), x.describe());
+    const int64_t m = dy.dim(1), n = x.dim(1);
+    cuda::ExpertPointers table{};
+    DType grad = dy.dtype();
+    bool first = true;
+    for (int64_t e = 0; e < experts; ++e) {
+      Tensor& g = weight_grads[static_cast<size_t>(e)];
+      if (!g.defined()) continue;  // a frozen expert
+      require_device(g, op);
+      if (first) grad = g.dtype();
+      first = false;
+      if (!(g.dtype() == grad && (grad == dy.dtype() || (dy.dtype() == DType::BF16 && grad == DType::F32))))
+        fail("{}: expert {} gradient {} does not fit dy {} (the compute dtype, or F32 for BF16, one for all)", op, e,
+             g.describe(), dy.describe());
+      SPINDLE_CHECK(g.shape() == Shape({m, n}), "{}: expert {} gradient {} for dy {} and x {}", op, e, g.describe(),
+                    dy.describe(), x.describe());
+      table.p[e] = g.data();
+    }
+    if (first) return;  // every expert frozen
+    cuda::moe_grouped_gemm_weight_grad(s(stream), dy.dtype(), dy.data(), x.data(), dy.dim(0), m, n,
+                                       offsets.data_as<int32_t>(), table, static_cast<int>(experts), grad);
+  }
+
   // ---- loss ---------------------------------------------------------------------------------------
   void cross_entropy(Stream stream, Tensor& logits, const Tensor& targets, const Tensor& weights, double loss_scale,
                      double grad_scale, Tensor& loss_sum, Tensor& token_ce) override {
@@ -780,6 +950,14 @@ class CudaBackend final : public Backend {
     require_device(t, what);
     if (t.dtype() != DType::F32) fail("{}: statistics are F32 on the CUDA backend, got {}", what, t.describe());
     SPINDLE_CHECK(t.numel() == numel, "{}: {} elements expected, got {}", what, numel, t.describe());
+  }
+
+  // The experts' row offsets of a grouped GEMM: I32 [E + 1] on this device, E within the kernels' table.
+  void require_expert_offsets(const Tensor& offsets, int64_t experts, const char* what) const {
+    require_i32(offsets, what);
+    if (experts < 1 || experts > cuda::kMaxGroupedExperts)
+      fail("{}: {} experts; the CUDA grouped GEMM takes 1 … {}", what, experts, cuda::kMaxGroupedExperts);
+    SPINDLE_CHECK(offsets.numel() == experts + 1, "{}: offsets {} for {} experts", what, offsets.describe(), experts);
   }
 
   // The delta rule's shapes (backend.h): q, k [T, Hk, dk], v [T, Hv, dv], beta [T, Hv] of one compute

@@ -9,14 +9,32 @@ namespace spindle {
 
 namespace {
 
-// Each expert's block of routed rows, on the host: this model code runs every expert as its own
-// Linear over a row range, so it reads the E + 1 offsets once per layer call (a device→host copy).
-// The offsets stay a device tensor in the op interface; a backend with grouped GEMMs that take
-// device offsets can run the experts without this read.
+// Each expert's block of routed rows, on the host, for the per-expert Linear path (LoRA or
+// quantised experts): it reads the E + 1 offsets once per layer call (a device→host copy). The
+// grouped path (MixtureOfExperts::grouped_experts) passes the device offsets to the backend instead.
 void read_expert_rows(Backend& be, Stream st, MoeActivations& a) {
   std::vector<int32_t> offsets(static_cast<size_t>(a.offsets.numel()));
   be.copy_to_host(st, a.offsets, offsets.data());
   a.expert_rows.assign(offsets.begin(), offsets.end());
+}
+
+// One projection's base weights [out, in] across the experts, and their gradients (an undefined
+// Tensor for a frozen expert), for the grouped GEMMs.
+std::vector<Tensor> expert_weights(const std::vector<Linear>& experts) {
+  std::vector<Tensor> out;
+  out.reserve(experts.size());
+  for (const Linear& lin : experts) out.push_back(lin.weight->value);
+  return out;
+}
+std::vector<Tensor> expert_weight_grads(const std::vector<Linear>& experts, bool& any) {
+  std::vector<Tensor> out;
+  out.reserve(experts.size());
+  any = false;
+  for (const Linear& lin : experts) {
+    out.push_back(lin.weight->trainable ? lin.weight->grad : Tensor());
+    any = any || lin.weight->trainable;
+  }
+  return out;
 }
 
 }  // namespace
@@ -93,8 +111,19 @@ void MixtureOfExperts::allocate(Backend& be, DType dt, int64_t t, ActivationNeed
   if (needs.product && !(a.act.defined() && a.act.dim(0) == n)) a.act = be.empty(Shape{n, width_}, dt);
 }
 
+bool MixtureOfExperts::grouped_experts() const {
+  for (const std::vector<Linear>* experts : {&gate_, &up_, &down_})
+    for (const Linear& lin : *experts)
+      if (lin.quantized() || !lin.weight || lin.lora_a || lin.bias) return false;
+  return true;
+}
+
 void MixtureOfExperts::run_down(Backend& be, Stream st, const MoeActivations& a, const Tensor& act, Tensor& y,
                                 std::vector<LinearActivations>& down) const {
+  if (grouped_experts()) {
+    be.moe_grouped_gemm(st, act, expert_weights(down_), true, a.offsets, y, false);
+    return;
+  }
   for (int64_t e = 0; e < experts_; ++e) {
     const int64_t begin = a.expert_rows[e], end = a.expert_rows[e + 1];
     if (begin == end) continue;
@@ -117,11 +146,16 @@ void MixtureOfExperts::forward(const LayerContext& ctx, const Tensor& xn, FeedFo
   be.moe_router_forward(st, logits, top_k_, normalize_, a.probs, a.topk_index, a.topk_weight);
   if (ctx.router_aux && ctx.router_aux->collecting()) ctx.router_aux->add(st, a.probs, a.topk_index, ctx.batch.doc_ids);
   be.moe_permute(st, a.topk_index, experts_, a.rows_token, a.row_of_slot, a.offsets);
-  read_expert_rows(be, st, a);
+  const bool grouped = grouped_experts();
+  if (!grouped) read_expert_rows(be, st, a);
 
   Tensor x = be.empty(Shape{n, hidden_}, dt);  // [N, H] the routed rows' inputs
   be.gather_rows(st, xn, a.rows_token, x);
-  for (int64_t e = 0; e < experts_; ++e) {
+  if (grouped) {
+    be.moe_grouped_gemm(st, x, expert_weights(gate_), true, a.offsets, a.gate, false);
+    be.moe_grouped_gemm(st, x, expert_weights(up_), true, a.offsets, a.up, false);
+  }
+  for (int64_t e = 0; e < experts_ && !grouped; ++e) {
     const int64_t begin = a.expert_rows[e], end = a.expert_rows[e + 1];
     if (begin == end) continue;
     const Tensor xe = x.rows(begin, end);
@@ -162,7 +196,14 @@ void MixtureOfExperts::backward(const LayerContext& ctx, const Tensor& xn, const
   be.moe_combine_backward(st, dout, y, a.row_of_slot, a.topk_weight, dy, d_weight);
   y = Tensor();
   Tensor d_act = be.empty(Shape{n, width_}, dt);
-  for (int64_t e = 0; e < experts_; ++e) {
+  const bool grouped = grouped_experts();
+  bool trainable = false;
+  if (grouped) {
+    std::vector<Tensor> grads = expert_weight_grads(down_, trainable);
+    if (trainable) be.moe_grouped_gemm_weight_grad(st, dy, act, a.offsets, grads);
+    be.moe_grouped_gemm(st, dy, expert_weights(down_), false, a.offsets, d_act, false);
+  }
+  for (int64_t e = 0; e < experts_ && !grouped; ++e) {
     const int64_t begin = a.expert_rows[e], end = a.expert_rows[e + 1];
     if (begin == end) continue;
     Tensor de = d_act.rows(begin, end);
@@ -176,7 +217,15 @@ void MixtureOfExperts::backward(const LayerContext& ctx, const Tensor& xn, const
   Tensor x = be.empty(Shape{n, hidden_}, dt);  // the routed rows' inputs, gathered again
   be.gather_rows(st, xn, a.rows_token, x);
   Tensor dx = be.empty(Shape{n, hidden_}, dt);
-  for (int64_t e = 0; e < experts_; ++e) {
+  if (grouped) {
+    std::vector<Tensor> grads = expert_weight_grads(gate_, trainable);
+    if (trainable) be.moe_grouped_gemm_weight_grad(st, d_gate, x, a.offsets, grads);
+    be.moe_grouped_gemm(st, d_gate, expert_weights(gate_), false, a.offsets, dx, false);
+    grads = expert_weight_grads(up_, trainable);
+    if (trainable) be.moe_grouped_gemm_weight_grad(st, d_up, x, a.offsets, grads);
+    be.moe_grouped_gemm(st, d_up, expert_weights(up_), false, a.offsets, dx, true);
+  }
+  for (int64_t e = 0; e < experts_ && !grouped; ++e) {
     const int64_t begin = a.expert_rows[e], end = a.expert_rows[e + 1];
     if (begin == end) continue;
     const Tensor xe = x.rows(begin, end);

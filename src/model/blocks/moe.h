@@ -37,6 +37,10 @@ class MixtureOfExperts final : public FeedForward {
   // out [N, H] (overwritten) = down_e(act) on each expert's block of routed rows.
   void run_down(Backend& backend, Stream stream, const MoeActivations& a, const Tensor& act, Tensor& y,
                 std::vector<LinearActivations>& down) const;
+  // Whether every expert projection is a plain dense matrix (no LoRA, no bias, not quantised):
+  // then the experts run as the backend's grouped GEMMs, sized by the offsets on the device, and
+  // the offsets are never read on the host. Otherwise each expert is its own Linear.
+  bool grouped_experts() const;
 
   int64_t experts_, top_k_, width_, hidden_;
   bool normalize_;

@@ -1,0 +1,346 @@
+// The CUDA backend's mixture-of-experts ops against the CPU reference (F64) on random inputs:
+// router (decisive logits, so both pick the same experts), its backward and statistics, the
+// permutation (exact), the combine and its backward, and the grouped expert GEMMs (forward, input
+// gradient, weight gradient) over ragged and empty experts. Inputs are rounded to the GPU dtype
+// first; overwritten outputs are poisoned with NaN first. Skipped without a CUDA device.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/op_test_util.h"
+#include "core/error.h"
+
+using namespace spindle;
+using namespace spindle::test;
+
+namespace {
+
+double tol_for(DType t) { return t == DType::F32 ? 1e-5 : 1e-2; }
+
+double round_to(DType t, double v) {
+  switch (t) {
+    case DType::BF16: return bf16_to_f32(f32_to_bf16(static_cast<float>(v)));
+    case DType::F32: return static_cast<float>(v);
+    default: return v;
+  }
+}
+
+class CudaMoe : public ::testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override {
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA MoE tests need a GPU";
+    gpu = make_cuda_backend(0);
+    gs = gpu->default_stream();
+  }
+
+  std::vector<double> rand_values(int64_t n, DType t, double scale = 1.0) {
+    std::uniform_real_distribution<double> dist(-scale, scale);
+    std::vector<double> v(static_cast<size_t>(n));
+    for (double& x : v) {
+      do x = round_to(t, dist(rng));
+      while (x == 0.0);
+    }
+    return v;
+  }
+  Tensor on(Backend& be, const std::vector<double>& v, Shape shape, DType t) {
+    Tensor x = be.empty(shape, t);
+    from_host(be, v, x);
+    return x;
+  }
+  Tensor poisoned(Shape shape, DType t) {
+    Tensor x = gpu->empty(shape, t);
+    if (t == DType::I32) gpu->fill(gs, x, -7);
+    else gpu->fill(gs, x, std::nan(""));
+    return x;
+  }
+  // k distinct experts per token, drawn from the first `used` of E (the rest stay empty).
+  std::vector<int> routing(int64_t tokens, int64_t top_k, int64_t used) {
+    std::vector<int> out;
+    std::vector<int> all(static_cast<size_t>(used));
+    std::iota(all.begin(), all.end(), 0);
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::shuffle(all.begin(), all.end(), rng);
+      out.insert(out.end(), all.begin(), all.begin() + top_k);
+    }
+    return out;
+  }
+  // Logits where the top k are k given experts, 0.5 apart and ≥ 1.5 above the rest: both
+  // backends select the same experts in the same order.
+  std::vector<double> decisive_logits(int64_t tokens, int64_t experts, int64_t top_k, DType t,
+                                      std::vector<int>& expected) {
+    std::vector<double> z = rand_values(tokens * experts, t, 1.0);
+    expected = routing(tokens, top_k, experts);
+    for (int64_t i = 0; i < tokens; ++i)
+      for (int64_t j = 0; j < top_k; ++j)
+        z[i * experts + expected[i * top_k + j]] = round_to(t, 2.5 + 0.5 * static_cast<double>(top_k - j));
+    return z;
+  }
+
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  std::unique_ptr<Backend> gpu;
+  Stream gs, cs{};
+  std::mt19937_64 rng{20261202};
+};
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaMoe, ::testing::Values(DType::F32, DType::BF16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+TEST_P(CudaMoe, RouterForwardPicksTheCpuExpertsWithTheCpuWeights) {
+  const DType t = GetParam();
+  struct Case {
+    int64_t tokens, experts, top_k;
+  };
+  for (const Case c : {Case{37, 8, 2}, Case{300, 128, 8}, Case{129, 256, 8}, Case{5, 64, 40}})
+    for (bool normalize : {true, false}) {
+      SCOPED_TRACE(testing::Message() << "T " << c.tokens << " E " << c.experts << " k " << c.top_k << " normalize "
+                                      << normalize);
+      std::vector<int> expected;
+      const auto z = decisive_logits(c.tokens, c.experts, c.top_k, t, expected);
+      Tensor gz = on(*gpu, z, Shape{c.tokens, c.experts}, t);
+      Tensor probs = poisoned(Shape{c.tokens, c.experts}, DType::F32);
+      Tensor index = poisoned(Shape{c.tokens, c.top_k}, DType::I32);
+      Tensor weight = poisoned(Shape{c.tokens, c.top_k}, DType::F32);
+      gpu->moe_router_forward(gs, gz, c.top_k, normalize, probs, index, weight);
+      Tensor cz = on(*cpu, z, Shape{c.tokens, c.experts}, DType::F64);
+      Tensor cprobs = cpu->empty(Shape{c.tokens, c.experts}, DType::F64);
+      Tensor cindex = cpu->empty(Shape{c.tokens, c.top_k}, DType::I32);
+      Tensor cweight = cpu->empty(Shape{c.tokens, c.top_k}, DType::F64);
+      cpu->moe_router_forward(cs, cz, c.top_k, normalize, cprobs, cindex, cweight);
+      const auto got_index = to_host(*gpu, index), want_index = to_host(*cpu, cindex);
+      ASSERT_EQ(got_index, want_index);
+      for (size_t i = 0; i < expected.size(); ++i) ASSERT_EQ(got_index[i], expected[i]) << i;
+      expect_close(to_host(*gpu, probs), to_host(*cpu, cprobs), 1e-5, "probs");
+      expect_close(to_host(*gpu, weight), to_host(*cpu, cweight), 1e-5, "topk_weight");
+    }
+}
+
+TEST_P(CudaMoe, RouterBackwardAndStatisticsMatchCpu) {
+  const DType t = GetParam();
+  const int64_t tokens = 203, experts = 128, top_k = 8;
+  std::vector<int> expected;
+  const auto z = decisive_logits(tokens, experts, top_k, t, expected);
+  // The forward on the CPU; its F32-rounded probabilities feed both backends.
+  Tensor cz = on(*cpu, z, Shape{tokens, experts}, DType::F64);
+  Tensor cprobs = cpu->empty(Shape{tokens, experts}, DType::F64);
+  Tensor cindex = cpu->empty(Shape{tokens, top_k}, DType::I32);
+  Tensor cweight = cpu->empty(Shape{tokens, top_k}, DType::F64);
+  cpu->moe_router_forward(cs, cz, top_k, true, cprobs, cindex, cweight);
+  auto probs = to_host(*cpu, cprobs);
+  for (double& p : probs) p = static_cast<float>(p);
+  std::vector<int> index;
+  for (double v : to_host(*cpu, cindex)) index.push_back(static_cast<int>(v));
+  const auto dw = rand_values(tokens * top_k, DType::F32);
+  const auto aux = rand_values(experts, DType::F32, 0.1);
+  std::vector<int> docs(static_cast<size_t>(tokens));
+  for (int64_t i = 0; i < tokens; ++i) docs[i] = i % 17 == 16 ? -1 : static_cast<int>(i / 50);
+
+  Tensor gprobs = on(*gpu, probs, Shape{tokens, experts}, DType::F32);
+  Tensor gindex = int_tensor(*gpu, index);
+  Tensor gindex2 = gpu->empty(Shape{tokens, top_k}, DType::I32);
+  gpu->copy(gs, gindex, gindex2);
+  Tensor cindex2 = int_tensor(*cpu, index);
+  Tensor cindex_2d = cpu->empty(Shape{tokens, top_k}, DType::I32);
+  cpu->copy(cs, cindex2, cindex_2d);
+  Tensor cprobs_r = on(*cpu, probs, Shape{tokens, experts}, DType::F64);
+  for (bool normalize : {true, false})
+    for (bool with_aux : {true, false}) {
+      SCOPED_TRACE(testing::Message() << "normalize " << normalize << " aux " << with_aux);
+      Tensor gdl = poisoned(Shape{tokens, experts}, t);
+      gpu->moe_router_backward(gs, gprobs, gindex2, on(*gpu, dw, Shape{tokens, top_k}, DType::F32), normalize,
+                               with_aux ? on(*gpu, aux, Shape{experts}, DType::F32) : Tensor(),
+                               with_aux ? int_tensor(*gpu, docs) : Tensor(), gdl);
+      Tensor cdl = cpu->empty(Shape{tokens, experts}, DType::F64);
+      cpu->moe_router_backward(cs, cprobs_r, cindex_2d, on(*cpu, dw, Shape{tokens, top_k}, DType::F64), normalize,
+                               with_aux ? on(*cpu, aux, Shape{experts}, DType::F64) : Tensor(),
+                               with_aux ? int_tensor(*cpu, docs) : Tensor(), cdl);
+      expect_close(to_host(*gpu, gdl), to_host(*cpu, cdl), tol_for(t), "dlogits");
+    }
+  // Statistics add onto what the tensors hold.
+  std::vector<double> counts0(static_cast<size_t>(experts)), sums0 = rand_values(experts, DType::F32);
+  for (int64_t e = 0; e < experts; ++e) counts0[e] = static_cast<double>(e % 5);
+  for (bool with_docs : {true, false}) {
+    Tensor gcounts = on(*gpu, counts0, Shape{experts}, DType::F32), gsums = on(*gpu, sums0, Shape{experts}, DType::F32);
+    gpu->moe_router_statistics(gs, gprobs, gindex2, with_docs ? int_tensor(*gpu, docs) : Tensor(), gcounts, gsums);
+    Tensor ccounts = on(*cpu, counts0, Shape{experts}, DType::F64), csums = on(*cpu, sums0, Shape{experts}, DType::F64);
+    cpu->moe_router_statistics(cs, cprobs_r, cindex_2d, with_docs ? int_tensor(*cpu, docs) : Tensor(), ccounts, csums);
+    EXPECT_EQ(to_host(*gpu, gcounts), to_host(*cpu, ccounts));
+    expect_close(to_host(*gpu, gsums), to_host(*cpu, csums), 1e-6, "prob_sums");
+  }
+}
+
+TEST_P(CudaMoe, PermutationIsExactlyTheCpuOrder) {
+  struct Case {
+    int64_t tokens, experts, top_k, used;
+  };
+  // used < experts leaves the last experts empty; the shuffle leaves others empty at random.
+  for (const Case c : {Case{1, 4, 1, 4}, Case{50, 16, 2, 11}, Case{1000, 128, 8, 128}, Case{16384, 256, 8, 256},
+                       Case{3, 256, 8, 9}}) {
+    SCOPED_TRACE(testing::Message() << "T " << c.tokens << " E " << c.experts << " k " << c.top_k);
+    auto index = routing(c.tokens, c.top_k, c.used);
+    if (c.used > 2)  // expert 0 empty too: every routed 0 becomes 1 where that stays distinct
+      for (int64_t t = 0; t < c.tokens; ++t) {
+        int* row = index.data() + t * c.top_k;
+        if (std::find(row, row + c.top_k, 1) == row + c.top_k)
+          std::replace(row, row + c.top_k, 0, 1);
+      }
+    const int64_t n = c.tokens * c.top_k;
+    Tensor gflat = int_tensor(*gpu, index), gidx = gpu->empty(Shape{c.tokens, c.top_k}, DType::I32);
+    gpu->copy(gs, gflat, gidx);
+    Tensor rows_token = poisoned(Shape{n}, DType::I32), row_of_slot = poisoned(Shape{n}, DType::I32);
+    Tensor offsets = poisoned(Shape{c.experts + 1}, DType::I32);
+    gpu->moe_permute(gs, gidx, c.experts, rows_token, row_of_slot, offsets);
+    Tensor cflat = int_tensor(*cpu, index), cidx = cpu->empty(Shape{c.tokens, c.top_k}, DType::I32);
+    cpu->copy(cs, cflat, cidx);
+    Tensor crt = cpu->empty(Shape{n}, DType::I32), cros = cpu->empty(Shape{n}, DType::I32);
+    Tensor coff = cpu->empty(Shape{c.experts + 1}, DType::I32);
+    cpu->moe_permute(cs, cidx, c.experts, crt, cros, coff);
+    EXPECT_EQ(to_host(*gpu, rows_token), to_host(*cpu, crt));
+    EXPECT_EQ(to_host(*gpu, row_of_slot), to_host(*cpu, cros));
+    EXPECT_EQ(to_host(*gpu, offsets), to_host(*cpu, coff));
+  }
+}
+
+TEST_F(CudaMoe, PermutationReportsAnExpertOutOfRange) {
+  Tensor flat = int_tensor(*gpu, {0, 1, 2, 4}), idx = gpu->empty(Shape{2, 2}, DType::I32);
+  gpu->copy(gs, flat, idx);
+  Tensor a = gpu->empty(Shape{4}, DType::I32), b = gpu->empty(Shape{4}, DType::I32), off = gpu->empty(Shape{5}, DType::I32);
+  Tensor off_small = gpu->empty(Shape{4}, DType::I32);
+  gpu->moe_permute(gs, idx, 4, a, b, off);
+  try {
+    gpu->synchronize(gs);
+    FAIL() << "expert 4 of 4 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expert 4"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(gpu->moe_permute(gs, idx, 4, a, b, off_small), Error);  // offsets [4] for 4 experts
+}
+
+TEST_P(CudaMoe, CombineAndBackwardMatchCpu) {
+  const DType t = GetParam();
+  for (const int64_t hidden : {int64_t{2048}, int64_t{37}}) {
+    SCOPED_TRACE(testing::Message() << "H " << hidden);
+    const int64_t tokens = 97, experts = 32, top_k = 8, n = tokens * top_k;
+    const auto index = routing(tokens, top_k, experts);
+    Tensor cflat = int_tensor(*cpu, index), cidx = cpu->empty(Shape{tokens, top_k}, DType::I32);
+    cpu->copy(cs, cflat, cidx);
+    Tensor crt = cpu->empty(Shape{n}, DType::I32), cros = cpu->empty(Shape{n}, DType::I32);
+    Tensor coff = cpu->empty(Shape{experts + 1}, DType::I32);
+    cpu->moe_permute(cs, cidx, experts, crt, cros, coff);
+    std::vector<int> row_of_slot;
+    for (double v : to_host(*cpu, cros)) row_of_slot.push_back(static_cast<int>(v));
+    Tensor gflat = int_tensor(*gpu, index), gidx = gpu->empty(Shape{tokens, top_k}, DType::I32);
+    gpu->copy(gs, gflat, gidx);
+    Tensor gros = int_tensor(*gpu, row_of_slot);
+
+    const auto y = rand_values(n * hidden, t), w = rand_values(tokens * top_k, DType::F32),
+               dout = rand_values(tokens * hidden, t);
+    Tensor gout = poisoned(Shape{tokens, hidden}, t);
+    gpu->moe_combine(gs, on(*gpu, y, Shape{n, hidden}, t), gros, gidx, on(*gpu, w, Shape{tokens, top_k}, DType::F32),
+                     gout);
+    Tensor cout_ = cpu->empty(Shape{tokens, hidden}, DType::F64);
+    cpu->moe_combine(cs, on(*cpu, y, Shape{n, hidden}, DType::F64), cros, cidx,
+                     on(*cpu, w, Shape{tokens, top_k}, DType::F64), cout_);
+    expect_close(to_host(*gpu, gout), to_host(*cpu, cout_), tol_for(t), "combine");
+
+    Tensor gdy = poisoned(Shape{n, hidden}, t), gdw = poisoned(Shape{tokens, top_k}, DType::F32);
+    gpu->moe_combine_backward(gs, on(*gpu, dout, Shape{tokens, hidden}, t), on(*gpu, y, Shape{n, hidden}, t), gros,
+                              on(*gpu, w, Shape{tokens, top_k}, DType::F32), gdy, gdw);
+    Tensor cdy = cpu->empty(Shape{n, hidden}, DType::F64), cdw = cpu->empty(Shape{tokens, top_k}, DType::F64);
+    cpu->moe_combine_backward(cs, on(*cpu, dout, Shape{tokens, hidden}, DType::F64),
+                              on(*cpu, y, Shape{n, hidden}, DType::F64), cros,
+                              on(*cpu, w, Shape{tokens, top_k}, DType::F64), cdy, cdw);
+    expect_close(to_host(*gpu, gdy), to_host(*cpu, cdy), tol_for(t), "combine dy");
+    // The dot products sum `hidden` BF16 products in F32: relative 1e-5 of each, far below BF16 rounding.
+    expect_close(to_host(*gpu, gdw), to_host(*cpu, cdw), 1e-5, "combine d_topk_weight");
+  }
+}
+
+// Expert row counts with empty experts, one-row experts, a tail under one tile and experts
+// above one tile (128 rows) with ragged ends.
+std::vector<int> ragged_offsets(int64_t experts, std::mt19937_64& rng) {
+  std::vector<int> counts(static_cast<size_t>(experts));
+  std::uniform_int_distribution<int> small(0, 40), large(129, 300);
+  for (int64_t e = 0; e < experts; ++e) counts[e] = e % 4 == 0 ? 0 : e % 4 == 1 ? large(rng) : e % 4 == 2 ? 1 : small(rng);
+  std::vector<int> offsets{0};
+  for (int c : counts) offsets.push_back(offsets.back() + c);
+  return offsets;
+}
+
+TEST_P(CudaMoe, GroupedGemmsMatchCpuOverRaggedAndEmptyExperts) {
+  const DType t = GetParam();
+  struct Case {
+    int64_t experts, in, out;
+  };
+  // 96 × 136: the tensor-core kernel with a column tail; 36 × 20: sizes it does not take.
+  for (const Case c : {Case{9, 96, 136}, Case{6, 36, 20}, Case{130, 64, 48}}) {
+    SCOPED_TRACE(testing::Message() << "E " << c.experts << " in " << c.in << " out " << c.out);
+    const auto offsets = ragged_offsets(c.experts, rng);
+    const int64_t rows = offsets.back();
+    Tensor goff = int_tensor(*gpu, offsets), coff = int_tensor(*cpu, offsets);
+    std::vector<Tensor> gw, cw;
+    for (int64_t e = 0; e < c.experts; ++e) {
+      const auto w = rand_values(c.out * c.in, t);
+      gw.push_back(on(*gpu, w, Shape{c.out, c.in}, t));
+      cw.push_back(on(*cpu, w, Shape{c.out, c.in}, DType::F64));
+    }
+    const auto x = rand_values(rows * c.in, t), dy = rand_values(rows * c.out, t), base = rand_values(rows * c.in, t);
+    // Forward: y = x·W_eᵀ.
+    Tensor gy = poisoned(Shape{rows, c.out}, t);
+    gpu->moe_grouped_gemm(gs, on(*gpu, x, Shape{rows, c.in}, t), gw, true, goff, gy, false);
+    Tensor cy = cpu->empty(Shape{rows, c.out}, DType::F64);
+    cpu->moe_grouped_gemm(cs, on(*cpu, x, Shape{rows, c.in}, DType::F64), cw, true, coff, cy, false);
+    expect_close(to_host(*gpu, gy), to_host(*cpu, cy), tol_for(t), "forward");
+    // Input gradient, accumulated onto `base`: dx += dy·W_e.
+    Tensor gdx = on(*gpu, base, Shape{rows, c.in}, t);
+    gpu->moe_grouped_gemm(gs, on(*gpu, dy, Shape{rows, c.out}, t), gw, false, goff, gdx, true);
+    Tensor cdx = on(*cpu, base, Shape{rows, c.in}, DType::F64);
+    cpu->moe_grouped_gemm(cs, on(*cpu, dy, Shape{rows, c.out}, DType::F64), cw, false, coff, cdx, true);
+    expect_close(to_host(*gpu, gdx), to_host(*cpu, cdx), tol_for(t), "input gradient");
+    // Weight gradients onto random starting values, in the compute dtype and (BF16) in F32; one
+    // expert frozen.
+    for (DType grad : t == DType::BF16 ? std::vector<DType>{DType::BF16, DType::F32} : std::vector<DType>{DType::F32}) {
+      std::vector<Tensor> gdw, cdw;
+      std::vector<std::vector<double>> start;
+      for (int64_t e = 0; e < c.experts; ++e) {
+        start.push_back(rand_values(c.out * c.in, grad));
+        const bool frozen = e == 1;
+        gdw.push_back(frozen ? Tensor() : on(*gpu, start.back(), Shape{c.out, c.in}, grad));
+        cdw.push_back(frozen ? Tensor() : on(*cpu, start.back(), Shape{c.out, c.in}, DType::F64));
+      }
+      gpu->moe_grouped_gemm_weight_grad(gs, on(*gpu, dy, Shape{rows, c.out}, t), on(*gpu, x, Shape{rows, c.in}, t),
+                                        goff, gdw);
+      cpu->moe_grouped_gemm_weight_grad(cs, on(*cpu, dy, Shape{rows, c.out}, DType::F64),
+                                        on(*cpu, x, Shape{rows, c.in}, DType::F64), coff, cdw);
+      for (int64_t e = 0; e < c.experts; ++e) {
+        if (e == 1) continue;
+        SCOPED_TRACE(testing::Message() << "expert " << e << " grad " << dtype_name(grad));
+        expect_close(to_host(*gpu, gdw[e]), to_host(*cpu, cdw[e]), grad == DType::F32 && t == DType::F32 ? 1e-5 : 1e-2,
+                     "weight gradient");
+      }
+    }
+  }
+}
+
+TEST_F(CudaMoe, GroupedGemmRejectsMismatchedWeights) {
+  const std::vector<int> offsets{0, 3, 5};
+  Tensor off = int_tensor(*gpu, offsets);
+  Tensor x = gpu->empty(Shape{5, 16}, DType::BF16), y = gpu->empty(Shape{5, 8}, DType::BF16);
+  std::vector<Tensor> w{gpu->empty(Shape{8, 16}, DType::BF16), gpu->empty(Shape{16, 8}, DType::BF16)};
+  try {
+    gpu->moe_grouped_gemm(gs, x, w, true, off, y, false);
+    FAIL() << "a transposed expert weight was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expert 1"), std::string::npos) << e.what();
+  }
+  std::vector<Tensor> three{w[0], w[0], w[0]};
+  EXPECT_THROW(gpu->moe_grouped_gemm(gs, x, three, true, off, y, false), Error);  // offsets [3] for 3 experts
+}
+
+}  // namespace
