@@ -12,10 +12,6 @@ namespace spindle {
 
 namespace {
 
-constexpr std::string_view kQwen35CpuOnly =
-    "its gated DeltaNet and gated attention layers have no CUDA kernels yet (partial RoPE, the output gate, the "
-    "causal conv and the chunked delta rule)";
-
 constexpr std::string_view kQwen35MoeCpuOnly =
     "its gated DeltaNet, gated attention and mixture-of-experts layers have no CUDA kernels yet (partial RoPE, the "
     "output gate, the causal conv, the chunked delta rule, the router's top-k, the permutation of tokens by expert, "
@@ -28,8 +24,8 @@ const ModelFamily kFamilies[] = {
     {"qwen3_moe", "model.", read_qwen3_moe_config},
     // Qwen3.5 (gated DeltaNet + gated attention): the multimodal checkpoint's text tower, and the
     // text-only Qwen3_5ForCausalLM folder.
-    {"qwen3_5", "model.language_model.", read_qwen3_5_config, "text_config", {"model.visual.", "mtp."}, kQwen35CpuOnly},
-    {"qwen3_5_text", "model.", read_qwen3_5_config, {}, {"model.visual.", "mtp."}, kQwen35CpuOnly},
+    {"qwen3_5", "model.language_model.", read_qwen3_5_config, "text_config", {"model.visual.", "mtp."}},
+    {"qwen3_5_text", "model.", read_qwen3_5_config, {}, {"model.visual.", "mtp."}},
     // Qwen3.5-MoE / Qwen3.6 (the same layers, every feed-forward routed experts plus a shared expert):
     // the multimodal checkpoint's text tower, and the text-only Qwen3_5MoeForCausalLM folder.
     {"qwen3_5_moe", "model.language_model.", read_qwen3_5_moe_config, "text_config", {"model.visual.", "mtp."},

@@ -101,8 +101,11 @@ TEST_P(CudaModel, StepMatchesCpuReference) {
   }
 }
 
+// qwen3_5, qwen3_5_lora: gated DeltaNet and gated attention layers (conv, delta rule, gated norm, partial
+// RoPE, the output gate).
 INSTANTIATE_TEST_SUITE_P(Models, CudaModel,
-                         ::testing::Values("llama", "qwen2", "qwen3", "qwen2_lora", "llama_rslora", "qwen3_moe"));
+                         ::testing::Values("llama", "qwen2", "qwen3", "qwen2_lora", "llama_rslora", "qwen3_moe",
+                                           "qwen3_5", "qwen3_5_lora"));
 
 // The GEMM shapes of a LoRA projection (rank r on one side), in both dtypes, against the CPU.
 TEST(CudaLoraGemms, EveryLoraShapeMatchesCpu) {
