@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "backend/cpu/quant4_ops.h"
@@ -54,7 +55,21 @@ HostQuantized quantize_host(const float* w, int64_t n, const QuantizeOptions& o)
   const int64_t blocks = quant4::num_blocks(n, o.blocksize);
   q.packed.resize(static_cast<size_t>((n + 1) / 2));
   q.absmax.resize(static_cast<size_t>(blocks));
-  quant4::quantize(w, n, o.blocksize, *o.type, q.packed.data(), q.absmax.data());
+  // Blocks are independent, so whole blocks split over the host's threads give the same bytes; our
+  // own threads, because the OpenMP thread count may have been set to 1 by whoever ran before (a
+  // 72B model has 7e10 weights to quantise).
+  const int64_t threads =
+      std::clamp<int64_t>(blocks / 8, 1, std::max<int64_t>(1, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      const int64_t first = blocks * t / threads, last = blocks * (t + 1) / threads;
+      const int64_t begin = first * o.blocksize, end = std::min(n, last * o.blocksize);
+      if (end > begin)  // blocksize is even, so a block's first element is a byte's high nibble
+        quant4::quantize(w + begin, end - begin, o.blocksize, *o.type, q.packed.data() + begin / 2,
+                         q.absmax.data() + first);
+    });
+  for (std::thread& th : pool) th.join();
   if (o.double_quant) {
     q.offset = quant4::absmax_mean(q.absmax.data(), blocks);
     q.codes.resize(static_cast<size_t>(blocks));

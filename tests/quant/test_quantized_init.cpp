@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "backend/backend.h"
+#include "backend/cpu/quant4_ops.h"
 #include "io/checkpoint.h"
 #include "model/weights.h"
 #include "support/tiny_model.h"
@@ -109,6 +110,24 @@ TEST_P(QuantizedInit, RandomWeightsQuantisedAsDrawnAreTheBytesOfQuantisingAfterw
   const int64_t peak = be->memory_stats().peak_allocated_bytes - before;
 
   expect_same_bytes(whole_first, as_drawn);
+  // The host quantiser splits a matrix over threads by whole blocks: the bytes of one call over the
+  // whole matrix (what tests/quant checks against bitsandbytes).
+  const ModelWeights dense_model = ModelWeights::random(*be, config, c.dtype, 5);
+  for (size_t i = 0; i < dense_model.linears().size(); ++i) {
+    const Linear& d = *dense_model.linears()[i];
+    const Linear& q = *as_drawn.linears()[i];
+    SCOPED_TRACE(d.prefix);
+    const int64_t n = d.out * d.in;
+    Tensor f32 = be->empty(Shape{n}, DType::F32);
+    be->copy(be->default_stream(), d.weight->value.flat(0, n), f32);
+    std::vector<uint8_t> packed(static_cast<size_t>(n / 2));
+    std::vector<float> absmax(static_cast<size_t>(quant4::num_blocks(n, c.blocksize)));
+    quant4::quantize(f32.data_as<float>(), n, c.blocksize, *options.type, packed.data(), absmax.data());
+    EXPECT_EQ(std::memcmp(packed.data(), q.quant.packed->value.data(), packed.size()), 0);
+    if (!c.double_quant) {
+      EXPECT_EQ(std::memcmp(absmax.data(), q.quant.absmax->value.data(), absmax.size() * sizeof(float)), 0);
+    }
+  }
   const int64_t dense = dense_bytes(config, c.dtype);
   EXPECT_GE(whole_first_peak, dense);  // what bench did before: the dense model, then its 4-bit copy
   EXPECT_LT(peak, dense / 3) << "dense " << dense;
