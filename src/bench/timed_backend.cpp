@@ -142,6 +142,105 @@ void TimedBackend::swiglu_backward(Stream s, const Tensor& gate, const Tensor& u
                                    Tensor& dup) {
   timed(s, C::OtherOps, "swiglu_backward", [&] { inner_.swiglu_backward(s, gate, up, dout, dgate, dup); });
 }
+void TimedBackend::copy_columns(Stream stream, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
+                                int64_t width) {
+  timed(stream, C::OtherOps, "copy_columns", [&] { inner_.copy_columns(stream, src, src_col, dst, dst_col, width); });
+}
+void TimedBackend::rope_partial(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq,
+                                int64_t rotary_dim, int sign) {
+  timed(stream, C::OtherOps, "rope_partial",
+        [&] { inner_.rope_partial(stream, x, positions, inv_freq, rotary_dim, sign); });
+}
+void TimedBackend::sigmoid_gate_forward(Stream stream, const Tensor& x, const Tensor& gate, Tensor& out) {
+  timed(stream, C::OtherOps, "sigmoid_gate_forward", [&] { inner_.sigmoid_gate_forward(stream, x, gate, out); });
+}
+void TimedBackend::sigmoid_gate_backward(Stream stream, const Tensor& x, const Tensor& gate, const Tensor& dout,
+                                         Tensor& dx, Tensor& dgate) {
+  timed(stream, C::OtherOps, "sigmoid_gate_backward",
+        [&] { inner_.sigmoid_gate_backward(stream, x, gate, dout, dx, dgate); });
+}
+void TimedBackend::causal_conv1d_silu_forward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& doc_ids,
+                                              Tensor& y) {
+  timed(stream, C::OtherOps, "causal_conv1d_silu_forward",
+        [&] { inner_.causal_conv1d_silu_forward(stream, x, w, doc_ids, y); });
+}
+void TimedBackend::causal_conv1d_silu_backward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& doc_ids,
+                                               const Tensor& dy, Tensor& dx, Tensor* dw) {
+  timed(stream, C::OtherOps, "causal_conv1d_silu_backward",
+        [&] { inner_.causal_conv1d_silu_backward(stream, x, w, doc_ids, dy, dx, dw); });
+}
+void TimedBackend::l2norm_forward(Stream stream, const Tensor& x, double eps, Tensor& y, Tensor& rstd) {
+  timed(stream, C::OtherOps, "l2norm_forward", [&] { inner_.l2norm_forward(stream, x, eps, y, rstd); });
+}
+void TimedBackend::l2norm_backward(Stream stream, const Tensor& y, const Tensor& rstd, const Tensor& dy, Tensor& dx) {
+  timed(stream, C::OtherOps, "l2norm_backward", [&] { inner_.l2norm_backward(stream, y, rstd, dy, dx); });
+}
+void TimedBackend::gated_delta_gates_forward(Stream stream, const Tensor& a, const Tensor& b, const Tensor& a_log,
+                                             const Tensor& dt_bias, Tensor& g, Tensor& beta) {
+  timed(stream, C::OtherOps, "gated_delta_gates_forward",
+        [&] { inner_.gated_delta_gates_forward(stream, a, b, a_log, dt_bias, g, beta); });
+}
+void TimedBackend::gated_delta_gates_backward(Stream stream, const Tensor& a, const Tensor& beta, const Tensor& a_log,
+                                              const Tensor& dt_bias, const Tensor& g, const Tensor& dg,
+                                              const Tensor& dbeta, Tensor& da, Tensor& db, Tensor* da_log,
+                                              Tensor* ddt_bias) {
+  timed(stream, C::OtherOps, "gated_delta_gates_backward", [&] {
+    inner_.gated_delta_gates_backward(stream, a, beta, a_log, dt_bias, g, dg, dbeta, da, db, da_log, ddt_bias);
+  });
+}
+void TimedBackend::gated_delta_rule_forward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const Tensor& g, const Tensor& beta, const Tensor& doc_ids, double scale,
+                                            int64_t chunk_size, Tensor& out) {
+  timed(stream, C::Attention, "gated_delta_rule_forward",
+        [&] { inner_.gated_delta_rule_forward(stream, q, k, v, g, beta, doc_ids, scale, chunk_size, out); });
+}
+void TimedBackend::gated_delta_rule_backward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const Tensor& g, const Tensor& beta, const Tensor& doc_ids, double scale,
+                                             int64_t chunk_size, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                                             Tensor& dg, Tensor& dbeta) {
+  timed(stream, C::Attention, "gated_delta_rule_backward", [&] {
+    inner_.gated_delta_rule_backward(stream, q, k, v, g, beta, doc_ids, scale, chunk_size, dout, dq, dk, dv, dg, dbeta);
+  });
+}
+void TimedBackend::gated_delta_rule_forward_states(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
+                                                   const Tensor& g, const Tensor& beta, const Tensor& run_ids,
+                                                   double scale, int64_t chunk_size, const Tensor& initial_states,
+                                                   Tensor& out, Tensor& final_states) {
+  timed(stream, C::Attention, "gated_delta_rule_forward_states", [&] {
+    inner_.gated_delta_rule_forward_states(stream, q, k, v, g, beta, run_ids, scale, chunk_size, initial_states, out,
+                                           final_states);
+  });
+}
+void TimedBackend::gated_delta_rule_backward_states(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
+                                                    const Tensor& g, const Tensor& beta, const Tensor& run_ids,
+                                                    double scale, int64_t chunk_size, const Tensor& initial_states,
+                                                    const Tensor& dout, const Tensor& d_final_states, Tensor& dq,
+                                                    Tensor& dk, Tensor& dv, Tensor& dg, Tensor& dbeta,
+                                                    Tensor& d_initial_states) {
+  timed(stream, C::Attention, "gated_delta_rule_backward_states", [&] {
+    inner_.gated_delta_rule_backward_states(stream, q, k, v, g, beta, run_ids, scale, chunk_size, initial_states, dout,
+                                            d_final_states, dq, dk, dv, dg, dbeta, d_initial_states);
+  });
+}
+void TimedBackend::gated_rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& z, const Tensor& w, double eps,
+                                         Tensor& y, Tensor& rstd) {
+  timed(stream, C::OtherOps, "gated_rmsnorm_forward",
+        [&] { inner_.gated_rmsnorm_forward(stream, x, z, w, eps, y, rstd); });
+}
+void TimedBackend::gated_rmsnorm_backward(Stream stream, const Tensor& x, const Tensor& z, const Tensor& w,
+                                          const Tensor& rstd, const Tensor& dy, Tensor& dx, Tensor& dz, Tensor* dw) {
+  timed(stream, C::OtherOps, "gated_rmsnorm_backward",
+        [&] { inner_.gated_rmsnorm_backward(stream, x, z, w, rstd, dy, dx, dz, dw); });
+}
+void TimedBackend::shared_expert_gate_forward(Stream stream, const Tensor& shared, const Tensor& gate, Tensor& out) {
+  timed(stream, C::OtherOps, "shared_expert_gate_forward",
+        [&] { inner_.shared_expert_gate_forward(stream, shared, gate, out); });
+}
+void TimedBackend::shared_expert_gate_backward(Stream stream, const Tensor& shared, const Tensor& gate,
+                                               const Tensor& dout, Tensor& d_shared, Tensor& d_gate) {
+  timed(stream, C::OtherOps, "shared_expert_gate_backward",
+        [&] { inner_.shared_expert_gate_backward(stream, shared, gate, dout, d_shared, d_gate); });
+}
 void TimedBackend::moe_router_forward(Stream s, const Tensor& logits, int64_t top_k, bool normalize, Tensor& probs,
                                       Tensor& topk_index, Tensor& topk_weight) {
   timed(s, C::OtherOps, "moe_router_forward",

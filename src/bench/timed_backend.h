@@ -138,6 +138,49 @@ class TimedBackend final : public Backend {
                    const Tensor& topk_weight, Tensor& out) override;
   void moe_combine_backward(Stream s, const Tensor& dout, const Tensor& y, const Tensor& row_of_slot,
                             const Tensor& topk_weight, Tensor& dy, Tensor& d_topk_weight) override;
+  // Gated attention, gated DeltaNet and the shared expert's gate: the delta rule (the DeltaNet layers'
+  // sequence mixer) counts as attention, the rest with the other ops under their own names.
+  void copy_columns(Stream stream, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
+                    int64_t width) override;
+  void rope_partial(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq, int64_t rotary_dim,
+                    int sign) override;
+  void sigmoid_gate_forward(Stream stream, const Tensor& x, const Tensor& gate, Tensor& out) override;
+  void sigmoid_gate_backward(Stream stream, const Tensor& x, const Tensor& gate, const Tensor& dout, Tensor& dx,
+                             Tensor& dgate) override;
+  void causal_conv1d_silu_forward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& doc_ids,
+                                  Tensor& y) override;
+  void causal_conv1d_silu_backward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& doc_ids,
+                                   const Tensor& dy, Tensor& dx, Tensor* dw) override;
+  void l2norm_forward(Stream stream, const Tensor& x, double eps, Tensor& y, Tensor& rstd) override;
+  void l2norm_backward(Stream stream, const Tensor& y, const Tensor& rstd, const Tensor& dy, Tensor& dx) override;
+  void gated_delta_gates_forward(Stream stream, const Tensor& a, const Tensor& b, const Tensor& a_log,
+                                 const Tensor& dt_bias, Tensor& g, Tensor& beta) override;
+  void gated_delta_gates_backward(Stream stream, const Tensor& a, const Tensor& beta, const Tensor& a_log,
+                                  const Tensor& dt_bias, const Tensor& g, const Tensor& dg, const Tensor& dbeta,
+                                  Tensor& da, Tensor& db, Tensor* da_log, Tensor* ddt_bias) override;
+  void gated_delta_rule_forward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                const Tensor& beta, const Tensor& doc_ids, double scale, int64_t chunk_size,
+                                Tensor& out) override;
+  void gated_delta_rule_backward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                 const Tensor& beta, const Tensor& doc_ids, double scale, int64_t chunk_size,
+                                 const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dg,
+                                 Tensor& dbeta) override;
+  void gated_delta_rule_forward_states(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& g, const Tensor& beta, const Tensor& run_ids, double scale,
+                                       int64_t chunk_size, const Tensor& initial_states, Tensor& out,
+                                       Tensor& final_states) override;
+  void gated_delta_rule_backward_states(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const Tensor& g, const Tensor& beta, const Tensor& run_ids, double scale,
+                                        int64_t chunk_size, const Tensor& initial_states, const Tensor& dout,
+                                        const Tensor& d_final_states, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dg,
+                                        Tensor& dbeta, Tensor& d_initial_states) override;
+  void gated_rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& z, const Tensor& w, double eps, Tensor& y,
+                             Tensor& rstd) override;
+  void gated_rmsnorm_backward(Stream stream, const Tensor& x, const Tensor& z, const Tensor& w, const Tensor& rstd,
+                              const Tensor& dy, Tensor& dx, Tensor& dz, Tensor* dw) override;
+  void shared_expert_gate_forward(Stream stream, const Tensor& shared, const Tensor& gate, Tensor& out) override;
+  void shared_expert_gate_backward(Stream stream, const Tensor& shared, const Tensor& gate, const Tensor& dout,
+                                   Tensor& d_shared, Tensor& d_gate) override;
   void cross_entropy(Stream stream, Tensor& logits, const Tensor& targets, const Tensor& weights, double loss_scale,
                      double grad_scale, Tensor& loss_sum, Tensor& token_ce) override;
   void adamw_step(Stream stream, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& hp) override;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <set>
 
 #include "bench/bench.h"
 #include "bench/flops.h"
@@ -78,6 +79,41 @@ TEST(Bench, TimedBackendForwardsEveryOpUnchanged) {
   EXPECT_GT(totals[static_cast<size_t>(OpCategory::Gemm)], 0.0);
   EXPECT_GT(totals[static_cast<size_t>(OpCategory::OtherOps)], 0.0);
   EXPECT_EQ(totals[static_cast<size_t>(OpCategory::Communication)], 0.0);
+}
+
+// The same for the hybrid MoE family, whose layers use every op the dense model does not: gated
+// attention (partial RoPE, output gate), gated DeltaNet (conv, L2 norm, gates, the delta rule, gated
+// norm), routed experts (router, permutation, grouped GEMMs, combine) and the shared expert's gate.
+// An op the decorator does not forward would throw here (the Backend default) or change a result.
+TEST(Bench, TimedBackendForwardsTheHybridMoeOps) {
+  auto backend = make_cpu_backend(1);
+  const ModelConfig config = test::tiny_qwen3_5_moe().config();
+  const MicroBatch batch = make_micro_batch(*backend, {row_of(24, config.vocab_size)}, DType::F32);
+  auto run = [&](Backend& be, ModelWeights& weights) {
+    Decoder decoder(be, weights);
+    Tensor loss = be.zeros(Shape{1}, DType::F32);
+    weights.zero_grads(be);
+    decoder.step(batch, 1.0 / batch.num_items, loss, true);
+    return values(*backend, loss)[0];
+  };
+  ModelWeights plain = test::random_weights(*backend, config, DType::F32, 11, 10.0);
+  plain.train_all(*backend);
+  ModelWeights decorated = test::random_weights(*backend, config, DType::F32, 11, 10.0);
+  decorated.train_all(*backend);
+
+  OpRecorder recorder(*backend);
+  TimedBackend timed(*backend, recorder);
+  const float plain_loss = run(*backend, plain);
+  EXPECT_EQ(plain_loss, run(timed, decorated));
+  for (size_t i = 0; i < plain.parameters().size(); ++i)
+    EXPECT_EQ(values(*backend, plain.parameters()[i].grad), values(*backend, decorated.parameters()[i].grad))
+        << plain.parameters()[i].name;
+  std::set<std::string> labels;
+  for (const OpTime& t : recorder.op_table()) labels.insert(t.label);
+  for (const char* op : {"gated_delta_rule_forward", "gated_delta_rule_backward", "causal_conv1d_silu_forward",
+                         "gated_rmsnorm_backward", "rope_partial", "sigmoid_gate_backward", "moe_router_forward",
+                         "shared_expert_gate_forward", "shared_expert_gate_backward"})
+    EXPECT_TRUE(labels.count(op)) << op << " was not recorded";
 }
 
 // N_matmul and the LoRA count must be what ModelWeights allocates (tied and untied heads).
