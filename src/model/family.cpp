@@ -13,9 +13,8 @@ namespace spindle {
 namespace {
 
 constexpr std::string_view kQwen35MoeCpuOnly =
-    "its gated DeltaNet, gated attention and mixture-of-experts layers have no CUDA kernels yet (partial RoPE, the "
-    "output gate, the causal conv, the chunked delta rule, the router's top-k, the permutation of tokens by expert, "
-    "the weighted combine, the shared expert's gate)";
+    "the gate of its shared expert (out = shared expert(x)·σ(x·w_gate)) has no CUDA kernel yet; its gated DeltaNet, "
+    "gated attention and routed experts have";
 
 const ModelFamily kFamilies[] = {
     {"llama", "model.", read_llama_config},
