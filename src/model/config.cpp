@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "model/config_fields.h"
 #include "model/family.h"
 #include "model/layer.h"
 
@@ -19,18 +20,6 @@ int64_t require_int(const json& j, const char* key, const std::string& source) {
   if (!j[key].is_number_integer() || j[key].get<int64_t>() <= 0)
     fail("{}: \"{}\" must be a positive integer, got {}", source, key, j[key].dump());
   return j[key].get<int64_t>();
-}
-
-double number_or(const json& j, const char* key, double fallback, const std::string& source) {
-  if (!j.contains(key) || j[key].is_null()) return fallback;
-  if (!j[key].is_number()) fail("{}: \"{}\" must be a number, got {}", source, key, j[key].dump());
-  return j[key].get<double>();
-}
-
-bool bool_or(const json& j, const char* key, bool fallback, const std::string& source) {
-  if (!j.contains(key) || j[key].is_null()) return fallback;
-  if (!j[key].is_boolean()) fail("{}: \"{}\" must be true or false, got {}", source, key, j[key].dump());
-  return j[key].get<bool>();
 }
 
 // transformers 4 writes rope_theta at the top and rope_scaling (with "type" or "rope_type");

@@ -4,16 +4,14 @@
 
 #include "core/error.h"
 #include "model/config.h"
+#include "model/config_fields.h"
 
 namespace spindle {
 
 namespace {
 
 bool attention_bias(const nlohmann::json& j, const std::string& source) {
-  if (!j.contains("attention_bias") || j["attention_bias"].is_null()) return false;
-  if (!j["attention_bias"].is_boolean())
-    fail("{}: \"attention_bias\" must be true or false, got {}", source, j["attention_bias"].dump());
-  return j["attention_bias"].get<bool>();
+  return bool_or(j, "attention_bias", false, source);
 }
 
 void all_layers_attention_swiglu(ModelConfig& c) {

@@ -4,18 +4,11 @@
 
 #include "core/error.h"
 #include "model/config.h"
+#include "model/config_fields.h"
 
 namespace spindle {
 
 namespace {
-
-// A positive integer field, or transformers' default when config.json leaves it out.
-int64_t positive_int_or(const nlohmann::json& j, const char* key, int64_t fallback, const std::string& source) {
-  if (!j.contains(key) || j[key].is_null()) return fallback;
-  if (!j[key].is_number_integer() || j[key].get<int64_t>() <= 0)
-    fail("{}: \"{}\" must be a positive integer, got {}", source, key, j[key].dump());
-  return j[key].get<int64_t>();
-}
 
 bool has_partial_rotary_factor(const nlohmann::json& j) {
   for (const char* key : {"rope_parameters", "rope_scaling"})
@@ -48,13 +41,7 @@ std::vector<LayerKind> layer_kinds(const nlohmann::json& j, int64_t layers, cons
 }  // namespace
 
 void read_qwen3_5_config(const nlohmann::json& j, ModelConfig& c, const std::string& source) {
-  bool bias = false;
-  if (j.contains("attention_bias") && !j["attention_bias"].is_null()) {
-    if (!j["attention_bias"].is_boolean())
-      fail("{}: \"attention_bias\" must be true or false, got {}", source, j["attention_bias"].dump());
-    bias = j["attention_bias"].get<bool>();
-  }
-  c.qkv_bias = c.o_bias = bias;
+  c.qkv_bias = c.o_bias = bool_or(j, "attention_bias", false, source);
   c.qk_norm = true;
   c.zero_centered_norm = true;
   c.attn_output_gate = true;  // transformers applies the gate whatever attn_output_gate says

@@ -4,20 +4,10 @@
 
 #include "core/error.h"
 #include "model/config.h"
+#include "model/config_fields.h"
 #include "model/families/qwen3_5.h"
 
 namespace spindle {
-
-namespace {
-
-int64_t positive_int_or(const nlohmann::json& j, const char* key, int64_t fallback, const std::string& source) {
-  if (!j.contains(key) || j[key].is_null()) return fallback;
-  if (!j[key].is_number_integer() || j[key].get<int64_t>() <= 0)
-    fail("{}: \"{}\" must be a positive integer, got {}", source, key, j[key].dump());
-  return j[key].get<int64_t>();
-}
-
-}  // namespace
 
 void read_qwen3_5_moe_config(const nlohmann::json& j, ModelConfig& c, const std::string& source) {
   read_qwen3_5_config(j, c, source);
@@ -31,12 +21,7 @@ void read_qwen3_5_moe_config(const nlohmann::json& j, ModelConfig& c, const std:
     fail("{}: num_experts_per_tok {} is more than num_experts {}: each token picks its experts among num_experts",
          source, moe.experts_per_token, moe.num_experts);
   moe.norm_topk_prob = true;  // Qwen3_5MoeTopKRouter renormalises unconditionally
-  moe.output_router_logits = false;
-  if (j.contains("output_router_logits") && !j["output_router_logits"].is_null()) {
-    if (!j["output_router_logits"].is_boolean())
-      fail("{}: \"output_router_logits\" must be true or false, got {}", source, j["output_router_logits"].dump());
-    moe.output_router_logits = j["output_router_logits"].get<bool>();
-  }
+  moe.output_router_logits = bool_or(j, "output_router_logits", false, source);
   moe.router_aux_loss_coef = 0.001;
   if (j.contains("router_aux_loss_coef") && !j["router_aux_loss_coef"].is_null()) {
     if (!j["router_aux_loss_coef"].is_number() || j["router_aux_loss_coef"].get<double>() < 0)

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "model/config.h"
+#include "model/config_fields.h"
 #include "model/families/dense.h"
 
 namespace spindle {
@@ -32,14 +33,9 @@ void read_qwen3_moe_config(const nlohmann::json& j, ModelConfig& c, const std::s
   if (moe.experts_per_token > moe.num_experts)
     fail("{}: num_experts_per_tok {} is more than num_experts {}: each token picks its experts among num_experts",
          source, moe.experts_per_token, moe.num_experts);
-  auto flag = [&](const char* key, bool fallback) {
-    if (!j.contains(key) || j[key].is_null()) return fallback;
-    if (!j[key].is_boolean()) fail("{}: \"{}\" must be true or false, got {}", source, key, j[key].dump());
-    return j[key].get<bool>();
-  };
   // Defaults of transformers' Qwen3MoeConfig.
-  moe.norm_topk_prob = flag("norm_topk_prob", false);
-  moe.output_router_logits = flag("output_router_logits", false);
+  moe.norm_topk_prob = bool_or(j, "norm_topk_prob", false, source);
+  moe.output_router_logits = bool_or(j, "output_router_logits", false, source);
   moe.router_aux_loss_coef = 0.001;
   if (j.contains("router_aux_loss_coef") && !j["router_aux_loss_coef"].is_null()) {
     if (!j["router_aux_loss_coef"].is_number() || j["router_aux_loss_coef"].get<double>() < 0)
