@@ -162,6 +162,11 @@ def router_margin(model, docs, k):
     for logits in routers.logits:
         top = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True).values
         margin = min(margin, float((top[:, k - 1] - top[:, k]).min()))
+    if margin <= 1e-3:
+        # What a failed search looks at: per router call, its rows and the smallest spread of a row's
+        # logits over the experts (near 0: that token's router input is near 0 or the same for every expert).
+        spreads = [f"{tuple(l.shape)} {float((l.max(-1).values - l.min(-1).values).min()):.1e}" for l in routers.logits]
+        print("  router calls (rows, smallest logit spread): " + "; ".join(spreads[:8]))
     return margin
 
 
