@@ -113,11 +113,19 @@ class DryBackend final : public Backend {
   // A shared expert's sigmoid gate (qwen3_5_moe).
   void shared_expert_gate_forward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
   void shared_expert_gate_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
-  // Mixture-of-experts GEMMs (plans refuse MoE models, but every op has its no-op here).
+  // Mixture of experts (plans refuse MoE models, but every op has its no-op here).
   void moe_grouped_gemm(Stream, const Tensor&, const std::vector<Tensor>&, bool, const Tensor&, Tensor&,
                         bool) override {}
   void moe_grouped_gemm_weight_grad(Stream, const Tensor&, const Tensor&, const Tensor&,
                                     std::vector<Tensor>&) override {}
+  void moe_router_forward(Stream, const Tensor&, int64_t, bool, Tensor&, Tensor&, Tensor&) override {}
+  void moe_router_backward(Stream, const Tensor&, const Tensor&, const Tensor&, bool, const Tensor&, const Tensor&,
+                           Tensor&) override {}
+  void moe_router_statistics(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
+  void moe_permute(Stream, const Tensor&, int64_t, Tensor&, Tensor&, Tensor&) override {}
+  void moe_combine(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&) override {}
+  void moe_combine_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
+                            Tensor&) override {}
   // 4-bit base weights (QLoRA).
   void dequantize_4bit(Stream, const Tensor&, const Tensor&, int64_t, Quant4Type, Tensor&) override {}
   void dequantize_absmax(Stream, const Tensor&, const Tensor&, const Tensor&, int64_t, double, Tensor&) override {}
