@@ -32,6 +32,7 @@ Usage: python3 make_hf_refs.py [OUT_DIR | --out OUT_DIR] [--only CASE[,CASE...]]
 import argparse
 import json
 import os
+import re
 import sys
 import zlib
 
@@ -151,7 +152,11 @@ def reference_moe(model, docs, trainable, config):
 
 
 def router_margin(model, docs, k):
-    """The smallest gap between a token's k-th and (k+1)-th router probability, over every MoE layer."""
+    """The smallest gap between a token's k-th and (k+1)-th router logit, over every MoE layer. The
+    logits decide the top-k (the softmax keeps their order); a gap of 1e-3 is far above the F32-against-F64
+    rounding of a logit, so spindle and transformers pick the same experts. (The gap of the probabilities
+    is no measure: a confident router gives its second and third choices probabilities of 1e-6 and 1e-7,
+    a tiny difference between clearly ordered logits.)"""
     model.eval()
     routers = RouterLogits(model)
     with torch.no_grad():
@@ -160,19 +165,14 @@ def router_margin(model, docs, k):
     routers.close()
     margin = float("inf")
     for logits in routers.logits:
-        top = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True).values
+        top = logits.double().sort(dim=-1, descending=True).values
         margin = min(margin, float((top[:, k - 1] - top[:, k]).min()))
-    if margin <= 1e-3:
-        # What a failed search looks at: per router call, its rows and the smallest spread of a row's
-        # logits over the experts (near 0: that token's router input is near 0 or the same for every expert).
-        spreads = [f"{tuple(l.shape)} {float((l.max(-1).values - l.min(-1).values).min()):.1e}" for l in routers.logits]
-        print("  router calls (rows, smallest logit spread): " + "; ".join(spreads[:8]))
     return margin
 
 
 def make_routers_decisive(model, docs, config, seed):
     """Router weights large enough that routing is far from uniform, redrawn until no token has a
-    top-k near-tie (margin below 1e-3) in any MoE layer."""
+    top-k near-tie (router logits closer than 1e-3) in any MoE layer."""
     rng = torch.Generator().manual_seed(seed + 1)
     margins = []
     for attempt in range(50):
@@ -241,6 +241,26 @@ def add_mtp_tensors(folder, hidden):
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def fuse_experts(folder):
+    """Rewrites per-expert routed-expert tensors (what transformers 5's save_pretrained writes) in the layout
+    the released Qwen3.5/3.6-MoE checkpoints use: experts.gate_up_proj [E, 2I, H] (each expert's gate rows,
+    then its up rows) and experts.down_proj [E, H, I]."""
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    pattern = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    per_layer = {}
+    for name in list(tensors):
+        m = pattern.match(name)
+        if m:
+            per_layer.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = tensors.pop(name)
+    for prefix, parts in per_layer.items():
+        experts = 1 + max(e for e, _ in parts)
+        tensors[prefix + ".gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate")], parts[(e, "up")]], dim=0) for e in range(experts)]).contiguous()
+        tensors[prefix + ".down_proj"] = torch.stack([parts[(e, "down")] for e in range(experts)]).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def write_case(name, config, legacy_rope=None, lora=None, model_class=None):
     if ONLY is not None and name not in ONLY:
         return
@@ -273,6 +293,7 @@ def write_case(name, config, legacy_rope=None, lora=None, model_class=None):
     multimodal = any(n.startswith("model.visual.") for n, _ in model.named_parameters())
     if multimodal:
         add_mtp_tensors(folder, text_config(config).hidden_size)
+        fuse_experts(folder)  # the released layout; the text-only case keeps transformers' per-expert one
     if moe:
         notes["expert_layout"] = expert_layout(folder)
         try:

@@ -211,7 +211,7 @@ INSTANTIATE_TEST_SUITE_P(Models, HfParity, ::testing::Values("llama", "qwen2", "
                                                                 "qwen3_moe", "qwen3_moe_lora"));
 // Gated DeltaNet and gated attention layers (qwen3_5, text-only; slow-decay DeltaNet heads).
 INSTANTIATE_TEST_SUITE_P(Qwen35, HfParity, ::testing::Values("qwen3_5", "qwen3_5_lora"));
-// Qwen3.5-MoE / Qwen3.6: the multimodal checkpoint (tiny vision tower, fused experts, mtp.* tensors; the
-// load-balancing loss on), LoRA on it with nonzero B (shared expert, its gate, DeltaNet, attention), and
-// the text-only Qwen3_5MoeForCausalLM. Skipped until scripts/gpu/make_hf_refs.py has written them.
+// Qwen3.5-MoE / Qwen3.6: the multimodal checkpoint (tiny vision tower, experts fused as released, mtp.*
+// tensors; the load-balancing loss on), LoRA on it with nonzero B (shared expert, its gate, DeltaNet,
+// attention), and the text-only Qwen3_5MoeForCausalLM (per-expert tensors, as transformers 5 saves them).
 INSTANTIATE_TEST_SUITE_P(Qwen35Moe, HfParity, ::testing::Values("qwen3_5_moe", "qwen3_5_moe_lora", "qwen3_5_moe_text"));
