@@ -7,10 +7,11 @@ its kind (a PEFT "adapter" or a full HF "model"), its base (a testdata/hf model,
 repository root), a fixed document and spindle's per-token cross-entropy on it.
 
 For each case:
-  model    AutoModelForCausalLM.from_pretrained(folder): no missing, unexpected or mismatched keys, a tied
+  model    from_pretrained(folder) of the class config.json names: no missing, unexpected or mismatched keys, a tied
            head tied again, the parameters in the dtype config.json names when loaded with dtype="auto"
   adapter  PeftModel.from_pretrained(base, folder) with no warning about missing or unexpected keys, every
-           LoRA tensor of the file in the model, and AutoPeftModelForCausalLM finding the base through
+           LoRA tensor of the file in the model, and AutoPeftModelForCausalLM (AutoPeftModel for the
+           adapter of a multimodal base, through its auto_mapping) finding the base through
            base_model_name_or_path
 then the per-token cross-entropy from the loaded model's logits (fp32, CPU, so no TF32 or kernel choice
 blurs it) against spindle's: max |difference| must stay below --tolerance.
@@ -71,21 +72,31 @@ def token_ce(model, input_ids):
     return (-logp.gather(1, torch.tensor(input_ids[1:])[:, None])[:, 0]).tolist()
 
 
+def model_class(folder):
+    """The class config.json names (a multimodal checkpoint, e.g. Qwen3_5MoeForConditionalGeneration, keeps
+    its text model under model.language_model; AutoModelForCausalLM may pick the text-only class)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        architectures = json.load(f).get("architectures") or []
+    named = getattr(transformers, architectures[0], None) if architectures else None
+    return named or transformers.AutoModelForCausalLM
+
+
 def check_model(case, folder):
     problems = []
-    (model, info), complaints = load_quietly(lambda: transformers.AutoModelForCausalLM.from_pretrained(
+    (model, info), complaints = load_quietly(lambda: model_class(folder).from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager", output_loading_info=True))
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         if info.get(key):
             problems.append(f"{key}: {sorted(info[key])[:5]}")
     problems += [f"warning: {m}" for m in complaints]
-    config = json.load(open(os.path.join(folder, "config.json")))
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
     if config.get("dtype") != case["saved_dtype"]:
         problems.append(f"config.json dtype {config.get('dtype')!r}, expected {case['saved_dtype']!r}")
     if config.get("tie_word_embeddings"):
         if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
             problems.append("tie_word_embeddings is set but lm_head is not the embedding after loading")
-    auto = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    auto = model_class(folder).from_pretrained(folder, dtype="auto")
     dtypes = {str(p.dtype).replace("torch.", "") for p in auto.parameters()}
     if dtypes != {case["saved_dtype"]}:
         problems.append(f'dtype="auto" loads parameters as {sorted(dtypes)}, expected {case["saved_dtype"]}')
@@ -93,11 +104,11 @@ def check_model(case, folder):
 
 
 def check_adapter(case, folder):
-    from peft import AutoPeftModelForCausalLM, PeftModel
+    from peft import AutoPeftModel, AutoPeftModelForCausalLM, PeftModel
 
     problems = []
     base_dir = os.path.join(REPO, case["base"])
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
+    base = model_class(base_dir).from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
     model, complaints = load_quietly(lambda: PeftModel.from_pretrained(base, folder))
     problems += [f"warning: {m}" for m in complaints]
     saved = load_file(os.path.join(folder, "adapter_model.safetensors"))
@@ -117,9 +128,12 @@ def check_adapter(case, folder):
     cwd = os.getcwd()
     try:
         os.chdir(REPO)  # base_model_name_or_path is relative to the repository root
-        auto, complaints = load_quietly(lambda: AutoPeftModelForCausalLM.from_pretrained(
+        # An adapter of a multimodal base names its class in auto_mapping (as PEFT writes it), for AutoPeftModel.
+        with open(os.path.join(folder, "adapter_config.json")) as f:
+            auto_class = AutoPeftModel if json.load(f).get("auto_mapping") else AutoPeftModelForCausalLM
+        auto, complaints = load_quietly(lambda: auto_class.from_pretrained(
             os.path.abspath(os.path.join(cwd, folder)), dtype=torch.float32, attn_implementation="eager"))
-        problems += [f"AutoPeftModelForCausalLM warning: {m}" for m in complaints]
+        problems += [f"{auto_class.__name__} warning: {m}" for m in complaints]
         auto_ce = token_ce(auto.eval(), case["input_ids"])
     finally:
         os.chdir(cwd)
@@ -134,7 +148,8 @@ def main():
     import peft
 
     print(f"transformers {transformers.__version__}, peft {peft.__version__}, torch {torch.__version__}")
-    manifest = json.load(open(os.path.join(args.cases, "cases.json")))
+    with open(os.path.join(args.cases, "cases.json")) as f:
+        manifest = json.load(f)
     failed = []
     for case in manifest:
         folder = os.path.join(args.cases, case["name"])

@@ -85,6 +85,9 @@ ModelConfig ModelConfig::from_json(const json& file, const std::string& source) 
     fail("{}: model_type \"{}\" keeps the text model's settings under \"{}\", which is missing", source,
          c.model_type, section);
   const json& j = section.empty() ? file : file[section];
+  if (!section.empty() && file.contains("architectures") && file["architectures"].is_array() &&
+      !file["architectures"].empty() && file["architectures"][0].is_string())
+    c.multimodal_architecture = file["architectures"][0];
   c.vocab_size = require_int(j, "vocab_size", source);
   c.hidden_size = require_int(j, "hidden_size", source);
   // Families whose every MLP is a mixture of experts (qwen3_5_moe) have no intermediate_size: it is

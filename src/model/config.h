@@ -49,6 +49,10 @@ struct MoeConfig {
 struct ModelConfig {
   std::string model_type;  // a row of model/family.cpp
   std::string weight_prefix = "model.";  // the family's checkpoint prefix of the decoder's tensors
+  // A multimodal checkpoint's transformers class (config.json "architectures", e.g.
+  // Qwen3_5MoeForConditionalGeneration), whose text model spindle trains; empty for a text-only model.
+  // PEFT records it in an adapter's auto_mapping, where AutoPeftModel finds the base class.
+  std::string multimodal_architecture;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;

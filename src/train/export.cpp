@@ -226,13 +226,17 @@ void append_carried_tensors(const ModelWeights& weights, const fs::path& source_
 
 }  // namespace
 
-std::string peft_adapter_config_json(const LoraConfig& lora, const std::string& base_model_name_or_path) {
+std::string peft_adapter_config_json(const LoraConfig& lora, const std::string& base_model_name_or_path,
+                                     const std::string& model_type, const std::string& multimodal_architecture) {
   // The fields PEFT's LoraConfig.save_pretrained writes that describe plain LoRA; the newer optional
   // features (DoRA, rank/alpha patterns, ...) are written with their "off" values so PEFT reads the
   // same adapter spindle trained. nlohmann::json keeps keys sorted, as PEFT's json.dumps(sort_keys=True).
   nlohmann::json j;
   j["alpha_pattern"] = nlohmann::json::object();
   j["auto_mapping"] = nullptr;
+  if (!multimodal_architecture.empty())
+    j["auto_mapping"] = {{"base_model_class", multimodal_architecture},
+                         {"parent_library", fmt::format("transformers.models.{0}.modeling_{0}", model_type)}};
   j["base_model_name_or_path"] = base_model_name_or_path;
   j["bias"] = "none";
   j["exclude_modules"] = nullptr;
@@ -257,7 +261,13 @@ std::string peft_adapter_config_json(const LoraConfig& lora, const std::string& 
   j["rank_pattern"] = nlohmann::json::object();
   j["revision"] = nullptr;
   j["target_modules"] = lora.targets;
-  j["task_type"] = "CAUSAL_LM";
+  // PeftModelForCausalLM for a causal LM; PEFT leaves a multimodal base's task type unset (AutoPeftModel
+  // refuses a task type, and AutoPeftModelForCausalLM would build the text-only class, whose tensor
+  // names the adapter's do not match).
+  if (multimodal_architecture.empty())
+    j["task_type"] = "CAUSAL_LM";
+  else
+    j["task_type"] = nullptr;
   j["use_dora"] = false;
   j["use_rslora"] = lora.rslora;
   return j.dump(2) + "\n";
@@ -278,7 +288,8 @@ void save_peft_adapter(Backend& backend, const ModelWeights& weights, const fs::
   if (tensors.empty()) fail("cannot save a PEFT adapter to {}: LoRA rank is set but no adapter tensors exist", dir.string());
   io::write_safetensors((folder.path() / "adapter_model.safetensors").string(), tensors, *host, {{"format", "pt"}});
   write_file_synced(folder.path() / "adapter_config.json",
-                    peft_adapter_config_json(weights.lora, base_model_name_or_path));
+                    peft_adapter_config_json(weights.lora, base_model_name_or_path, weights.config.model_type,
+                                             weights.config.multimodal_architecture));
   folder.commit();
 }
 

@@ -39,7 +39,10 @@ void save_hf_model(Backend& backend, const ModelWeights& weights, const std::fil
                    const std::filesystem::path& out_dir, const HfModelExportOptions& options = {});
 
 // The adapter_config.json text save_peft_adapter writes (exposed for tests and for callers that
-// want to show it).
-std::string peft_adapter_config_json(const LoraConfig& lora, const std::string& base_model_name_or_path);
+// want to show it). For the text model of a multimodal checkpoint (`multimodal_architecture`, e.g.
+// Qwen3_5MoeForConditionalGeneration) it is what PEFT writes for such a base: no task type, and an
+// auto_mapping naming the class, so AutoPeftModel loads the multimodal base the adapter's names belong to.
+std::string peft_adapter_config_json(const LoraConfig& lora, const std::string& base_model_name_or_path,
+                                     const std::string& model_type = "", const std::string& multimodal_architecture = "");
 
 }  // namespace spindle

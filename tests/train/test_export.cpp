@@ -672,10 +672,45 @@ TEST(PythonStackCases, ExportsReloadToTheCrossEntropySpindleComputed) {
     record("qwen2_merged_bf16", "model", "qwen2", "bfloat16", doc, ce);
   }
 
+  {  // qwen3_5_moe, the multimodal checkpoint (Qwen3.6's layout: fused experts, a vision tower, mtp.*):
+     // LoRA on the attention, DeltaNet, shared-expert and shared-gate projections, under PEFT's names
+     // for the multimodal model (base_model.model.model.language_model.layers...).
+    ModelWeights w = load_model(*be, case_dir("qwen3_5_moe"));
+    add_trained_lora(*be, w,
+                     lora_config(4, 8, false, {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
+                                               "in_proj_b", "in_proj_a", "out_proj", "gate_proj", "up_proj",
+                                               "down_proj", "shared_expert_gate"}),
+                     35);
+    const std::vector<int32_t> doc = fixed_document(w.config.vocab_size);
+    const std::vector<double> ce = per_token_ce(*be, w, doc);
+    save_peft_adapter(*be, w, root / "qwen3_5_moe_adapter", "testdata/hf/qwen3_5_moe");
+    ModelWeights back = load_model(*be, case_dir("qwen3_5_moe"));
+    back.load_peft_adapter(*be, (root / "qwen3_5_moe_adapter").string());
+    expect_same_ce(per_token_ce(*be, back, doc), ce, "qwen3_5_moe_adapter");
+    // As PEFT writes it for a multimodal base: AutoPeftModel finds the class in auto_mapping.
+    const nlohmann::json config = read_json(root / "qwen3_5_moe_adapter" / "adapter_config.json");
+    EXPECT_TRUE(config["task_type"].is_null());
+    EXPECT_EQ(config["auto_mapping"]["base_model_class"], "Qwen3_5MoeForConditionalGeneration");
+    EXPECT_EQ(config["auto_mapping"]["parent_library"], "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe");
+    record("qwen3_5_moe_adapter", "adapter", "qwen3_5_moe", "float32", doc, ce);
+  }
+  {  // qwen3_5_moe fully fine-tuned, F32: the vision tower and mtp.* carried over, the experts fused as read.
+    ModelWeights w = load_model(*be, case_dir("qwen3_5_moe"));
+    perturb(*be, w, 36);
+    const std::vector<int32_t> doc = fixed_document(w.config.vocab_size);
+    const std::vector<double> ce = per_token_ce(*be, w, doc);
+    HfModelExportOptions options;
+    options.dtype = DType::F32;
+    save_hf_model(*be, w, case_dir("qwen3_5_moe"), root / "qwen3_5_moe_full", options);
+    ModelWeights back = load_model(*be, root / "qwen3_5_moe_full");
+    expect_same_ce(per_token_ce(*be, back, doc), ce, "qwen3_5_moe_full");
+    record("qwen3_5_moe_full", "model", "qwen3_5_moe", "float32", doc, ce);
+  }
+
   const fs::path manifest_path = root / "cases.json";
   write_bytes((manifest_path.string() + ".tmp"), manifest.dump(1) + "\n");
   fs::rename(manifest_path.string() + ".tmp", manifest_path);
-  EXPECT_EQ(read_json(manifest_path).size(), 4u);
+  EXPECT_EQ(read_json(manifest_path).size(), 6u);
 }
 
 // ---- mixture-of-experts checkpoint layouts --------------------------------------------------------
