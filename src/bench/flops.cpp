@@ -39,6 +39,21 @@ StepFlops step_flops(const ModelConfig& c, const FlopSetup& s) {
                                      : static_cast<double>(std::min<int64_t>(s.recomputed_layers, c.num_layers)) /
                                            static_cast<double>(c.num_layers));
   f.dense_executed = ((frozen ? 4 : 6) * base + 6 * lora) * T + share * 2 * (layer_base + lora) * T;
+  if (s.mlp_tiled) {
+    // Weights (with their LoRA pairs) of the dense MLPs' gate and up, and of their down projections.
+    double gate_up = 0, down = 0;
+    const ParameterCounts counts = count_parameters(c);
+    for (const LinearSpec& lin : counts.linears) {
+      const bool adapted = s.lora_rank > 0 && lin.lora_target &&
+                           (s.lora_targets.empty() ||
+                            std::find(s.lora_targets.begin(), s.lora_targets.end(), lin.module) != s.lora_targets.end());
+      const double weights = static_cast<double>(lin.out * lin.in) +
+                             (adapted ? static_cast<double>(s.lora_rank * (lin.in + lin.out)) : 0.0);
+      if (lin.prefix.ends_with(".mlp.gate_proj") || lin.prefix.ends_with(".mlp.up_proj")) gate_up += weights;
+      else if (lin.prefix.ends_with(".mlp.down_proj")) down += weights;
+    }
+    f.dense_executed += 2 * T * ((1 - share) * gate_up - share * down);
+  }
   f.attention_executed = (3.5 + (s.recompute == RecomputeMode::All ? share : 0.0)) * attention_forward;
   return f;
 }

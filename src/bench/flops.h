@@ -18,7 +18,10 @@
 //   (4 instead of 6 per weight and token), recomputed layers run their forward twice (dense 2·N
 //   more; attention 1 × forward more with --recompute all, none with keep-attention, which keeps
 //   each layer's attention output from the first forward), for the recomputed layers only
-//   (--recompute-layers).
+//   (--recompute-layers). With the SwiGLU MLP in token tiles (--mlp-tile-tokens) the backward
+//   runs each MLP's gate and up projections again (2·N_gate,up more per token) and a recomputed
+//   layer's recompute stops at the MLP's input (2·N_gate,up,down less): a kept layer pays two
+//   projections more, a recomputed one saves the down projection's second forward.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +47,7 @@ struct FlopSetup {
   std::vector<std::string> lora_targets;  // PEFT names of the projections carrying LoRA; empty: all
   RecomputeMode recompute = RecomputeMode::None;
   int64_t recomputed_layers = -1;  // how many layers `recompute` applies to (-1: all)
+  bool mlp_tiled = false;          // --mlp-tile-tokens > 0
 };
 
 // Parameters in matrix products per token (N_matmul above), base weights and LoRA separately.

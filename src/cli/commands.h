@@ -31,6 +31,12 @@ void add_check_command(CLI::App& app, CommandList& commands);
 void add_bench_command(CLI::App& app, CommandList& commands);
 void add_plan_command(CLI::App& app, CommandList& commands);
 
+// --mlp-tile-tokens's help (sft, dpo, check, bench, plan; parsed by parse_mlp_tile_tokens).
+inline constexpr const char* kMlpTileTokensHelp =
+    "run the SwiGLU MLPs over the tokens in tiles of N (16k = 16384): only one tile's [N, intermediate] tensors are "
+    "live, for recomputing gate and up in backward; 0: untiled; auto: untiled unless --recompute auto finds that "
+    "only tiled settings fit (docs/memory.md)";
+
 // --seq of bench and plan: "32768", "32k", "32k,64k,128k" (k = 1024).
 std::vector<int64_t> parse_sequence_lengths(const std::string& text);
 

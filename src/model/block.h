@@ -101,6 +101,10 @@ struct SwigluActivations {
   Tensor act;       // [T, F] silu(gate)·up: only in the recompute scratch set; a kept layer
                     // recomputes it in backward (one elementwise pass for T·F less per layer)
   LinearActivations gate_proj, up_proj, down_proj;
+  // > 0: the MLP runs over its tokens in tiles of at most this many rows (--mlp-tile-tokens) and
+  // the record holds no tensor at all: the backward recomputes each tile's gate and up from the MLP
+  // input, so no [T, F] tensor outlives one tile (blocks/swiglu_mlp.h).
+  int64_t tile_tokens = 0;
 };
 
 // Mixture of experts (blocks/moe.h): E experts of width I, k per token; N = T·k routed rows, the
@@ -138,6 +142,10 @@ struct ActivationNeeds {
   bool intermediates = false;  // everything backward reads but the core
   bool core = false;           // the mixer's expensive output (attention: attn, lse; DeltaNet: core)
   bool product = false;        // the feed-forward's inner product kept (scratch set only)
+  // A SwiGLU MLP in token tiles of this many rows (0: untiled): with it the feed-forward provides
+  // no intermediate at all (SwigluActivations::tile_tokens). DecoderLayer gives it to a layer whose
+  // feed-forward is a SwiGLU MLP only (a MoE layer's shared expert stays untiled).
+  int64_t mlp_tile_tokens = 0;
 };
 
 class Mixer {

@@ -74,6 +74,13 @@ struct DecoderOptions {
   // layer's. The last layer's stay (its backward comes first). Losses and gradients are
   // bit-identical with and without (the copies are exact). Ignored for kept layers.
   bool offload = false;
+  // Token tiling of the SwiGLU MLPs (--mlp-tile-tokens; 0: untiled): each MLP runs over its tokens in
+  // tiles of at most this many rows and keeps only its input, so no layer holds a [T, F]
+  // intermediate beyond one tile's (blocks/swiglu_mlp.h). Losses and gradients equal the untiled
+  // ones up to the order in which weight gradients sum over the tiles. A recomputed layer's recompute
+  // then stops at the MLP's input (its backward recomputes gate and up per tile); a kept layer's MLP
+  // backward recomputes them too (two more projections per token).
+  int64_t mlp_tile_tokens = 0;
   // Upper bound of the logits chunk of the fused LM-head loss. 256 MiB is 883 rows of Qwen2.5's
   // 151936-word vocabulary in bf16: the chunk's two GEMMs ran at 620 TFLOP/s with 64 MiB (220
   // rows) on an H200, against ~780 for large ones.

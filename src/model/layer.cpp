@@ -119,10 +119,11 @@ void DecoderLayer::allocate(Backend& be, DType dt, int64_t t, ActivationNeeds ne
     a.xn2 = be.empty(Shape{t, h}, dt);
     a.rstd2 = be.empty(Shape{t}, st);
   }
-  feed_forward_->allocate(be, dt, t, {true, false, needs.product}, a.feed_forward);
+  const int64_t tile = feed_forward_->kind() == FeedForwardKind::SwiGLU ? needs.mlp_tile_tokens : 0;
+  feed_forward_->allocate(be, dt, t, {true, false, needs.product, tile}, a.feed_forward);
 }
 
-void DecoderLayer::forward(const LayerContext& ctx, LayerActivations& a, Tensor& x_out, bool run_core) const {
+void DecoderLayer::forward_to_feed_forward(const LayerContext& ctx, LayerActivations& a, bool run_core) const {
   Backend& be = ctx.backend;
   const Stream st = ctx.stream;
   be.rmsnorm_forward(st, a.x_in, rmsnorm_multiplier(be, st, input_norm_->value, zero_centered_norm_), norm_eps_, a.xn1,
@@ -131,8 +132,22 @@ void DecoderLayer::forward(const LayerContext& ctx, LayerActivations& a, Tensor&
   be.axpy(st, 1.0, a.x_in, a.x_mid);
   be.rmsnorm_forward(st, a.x_mid, rmsnorm_multiplier(be, st, post_norm_->value, zero_centered_norm_), norm_eps_, a.xn2,
                      a.rstd2);
+}
+
+void DecoderLayer::forward(const LayerContext& ctx, LayerActivations& a, Tensor& x_out, bool run_core) const {
+  forward_to_feed_forward(ctx, a, run_core);
   feed_forward_->forward(ctx, a.xn2, a.feed_forward, x_out);
-  be.axpy(st, 1.0, a.x_mid, x_out);
+  ctx.backend.axpy(ctx.stream, 1.0, a.x_mid, x_out);
+}
+
+void DecoderLayer::recompute(const LayerContext& ctx, LayerActivations& a, bool run_core) const {
+  // The record may be the scratch set another layer tiled in: only this layer's kind decides.
+  if (feed_forward_->kind() == FeedForwardKind::SwiGLU && a.feed_forward.swiglu.tile_tokens > 0) {
+    forward_to_feed_forward(ctx, a, run_core);
+    return;
+  }
+  Tensor discard = ctx.backend.empty(Shape{ctx.tokens(), hidden_}, ctx.dtype);  // [T, H] the output, unused
+  forward(ctx, a, discard, run_core);
 }
 
 void DecoderLayer::backward(const LayerContext& ctx, const LayerActivations& a, Tensor& d_res,

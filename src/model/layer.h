@@ -44,6 +44,10 @@ class DecoderLayer {
   // for `tokens` are kept.
   void allocate(Backend& backend, DType dtype, int64_t tokens, ActivationNeeds needs, LayerActivations& a) const;
   void forward(const LayerContext& ctx, LayerActivations& a, Tensor& x_out, bool run_core) const;
+  // The forward again inside the backward of a recomputed layer: what backward reads, without the
+  // output. A token-tiled MLP (SwigluActivations::tile_tokens) recomputes its own intermediates in
+  // its backward, so the recompute stops at the feed-forward's input.
+  void recompute(const LayerContext& ctx, LayerActivations& a, bool run_core) const;
   // d_res holds ∂L/∂x_out on entry and ∂L/∂x_in on exit (the residual path carries it through);
   // without need_input_grad the input norm's backward is skipped unless its weight trains.
   void backward(const LayerContext& ctx, const LayerActivations& a, Tensor& d_res, bool need_input_grad) const;
@@ -63,6 +67,9 @@ class DecoderLayer {
   Parameter* post_norm_;   // [H]
   std::unique_ptr<Mixer> mixer_;
   std::unique_ptr<FeedForward> feed_forward_;
+
+  // x_mid and xn2 (the feed-forward's input) from x_in: the forward's first half.
+  void forward_to_feed_forward(const LayerContext& ctx, LayerActivations& a, bool run_core) const;
 };
 
 // The HF tensor prefix of layer `layer`: "model.layers.3." (the family's weight prefix).

@@ -64,6 +64,10 @@ void Linear::forward(Backend& be, Stream st, const Tensor& x, Tensor& y, LinearA
   }
 }
 
+void Linear::save_for_backward(Backend& be, Stream st, const Tensor& x, LinearActivations& a) const {
+  if (lora_a) be.gemm(st, x, false, lora_a->value, true, a.xa, 1.0, 0.0);
+}
+
 // In BF16 the rank-r term of dx goes first, as in the forward.
 void Linear::backward(Backend& be, Stream st, const Tensor& x, const Tensor& dy, const LinearActivations& a,
                       Tensor* dx, bool accumulate_dx) const {

@@ -88,6 +88,9 @@ struct Linear {
   void allocate(Backend& backend, LinearActivations& a, int64_t tokens, DType dtype) const;
   // y [T, out] = x [T, in]·Wᵀ (+ b) (+ s·(x·Aᵀ)·Bᵀ); a.xa filled for backward.
   void forward(Backend& backend, Stream stream, const Tensor& x, Tensor& y, LinearActivations& a) const;
+  // Only what forward saves for backward (a.xa = x·Aᵀ, the forward's product on the same input;
+  // nothing without LoRA), for a caller that recomputes a projection's record but not its output.
+  void save_for_backward(Backend& backend, Stream stream, const Tensor& x, LinearActivations& a) const;
   // Parameter gradients accumulate when trainable; dx = dy·W (+ LoRA term), or += when
   // accumulate_dx; no input gradient when dx is null.
   void backward(Backend& backend, Stream stream, const Tensor& x, const Tensor& dy, const LinearActivations& a,

@@ -23,4 +23,15 @@ void check_recompute_layers(RecomputeMode mode, int64_t recompute_layers);
 // activations with a mode that recomputes nothing, throws an Error naming the option.
 bool parse_offload(const std::string& value, RecomputeMode mode);
 
+// --mlp-tile-tokens: N >= 0 tokens per tile of the SwiGLU MLPs (DecoderOptions::mlp_tile_tokens; 0:
+// untiled; "16k" = 16384), or "auto" (kMlpTileAuto): untiled unless --recompute auto finds that only
+// a tiled setting fits (then kAutoMlpTileTokens). Anything else throws an Error naming the option.
+constexpr int64_t kMlpTileAuto = -1;
+int64_t parse_mlp_tile_tokens(const std::string& value);
+// The tile size --recompute auto and `plan --max-seq` try: for Qwen2.5-7B in BF16 one [16k, 18944]
+// buffer is 0.6 GiB (the tiled backward holds five), and 16k-row GEMMs still run near the peak.
+constexpr int64_t kAutoMlpTileTokens = 16384;
+// A parsed value as the decoder runs it when --recompute auto has not chosen: auto is untiled.
+inline int64_t mlp_tile_tokens_to_run(int64_t parsed) { return parsed == kMlpTileAuto ? 0 : parsed; }
+
 }  // namespace spindle

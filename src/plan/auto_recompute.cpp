@@ -36,6 +36,7 @@ Planned plan_with(PlanOptions o, const RecomputeSetting& setting, int64_t seq) {
   o.recompute = setting.recompute;
   o.recompute_layers = setting.recompute_layers;
   o.offload = setting.offload;
+  o.mlp_tile_tokens = setting.mlp_tile_tokens;
   o.seq_lengths = {seq};
   o.device_memory_gib = 0;
   const PlanReport report = run_plan(o);
@@ -56,6 +57,15 @@ int64_t host_budget(const PlanOptions& o) {
 bool fits(const Planned& p, int64_t usable_bytes, const PlanOptions& o) {
   const int64_t host = host_budget(o);
   return p.peak <= usable_bytes && (host == 0 || p.host <= host);
+}
+
+// The MLP tilings --recompute auto tries: the one given, or with auto untiled then
+// kAutoMlpTileTokens (only when the model has a SwiGLU MLP layer to tile).
+std::vector<int64_t> candidate_tiles(const PlanOptions& o, const ModelConfig& config) {
+  if (o.mlp_tile_tokens != kMlpTileAuto) return {o.mlp_tile_tokens};
+  for (int64_t l = 0; l < config.num_layers; ++l)
+    if (config.layer_kind(l).feed_forward == FeedForwardKind::SwiGLU) return {0, kAutoMlpTileTokens};
+  return {0};
 }
 
 }  // namespace
@@ -118,10 +128,15 @@ int64_t machine_device_memory(const std::string& device, int index) {
 #endif
 }
 
+RecomputeSetting most_frugal_setting(const PlanOptions& base) {
+  return {"all", -1, true, candidate_tiles(base, ModelConfig::from_file(base.model)).back()};
+}
+
 std::string RecomputeSetting::describe() const {
   std::string s = recompute;
   if (recompute != "none" && recompute_layers >= 0) s += fmt::format(" on the first {} layers", recompute_layers);
   if (offload) s += ", activations offloaded to host memory";
+  if (mlp_tile_tokens > 0) s += fmt::format(", MLP in {}-token tiles", mlp_tile_tokens);
   return s;
 }
 
@@ -196,23 +211,28 @@ AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device
   flops.doc_length = base.doc_length;
   flops.lora_rank = base.full ? 0 : base.lora_rank;
   std::vector<Candidate> candidates;
-  auto add = [&](const std::string& mode, int64_t n, bool offload) {
+  auto add = [&](const std::string& mode, int64_t n, bool offload, int64_t tile) {
     Candidate c;
-    c.setting = {mode, mode == "none" || n == layers ? -1 : n, offload};
+    c.setting = {mode, mode == "none" || n == layers ? -1 : n, offload, tile};
     flops.recompute = parse_recompute_mode(mode);
     flops.recomputed_layers = c.setting.recompute_layers;
+    flops.mlp_tiled = tile > 0;
     c.cost = bench::step_flops(config, flops).executed();
     candidates.push_back(c);
   };
-  for (bool offload : {false, true}) {
-    if (offload ? false : offload_only) continue;
-    if (!offload) add("none", 0, false);
-    for (const char* mode : {"keep-attention", "all"})
-      for (int64_t n = 1; n <= layers; ++n) add(mode, n, offload);
-  }
+  const std::vector<int64_t> tiles = candidate_tiles(base, config);
+  for (int64_t tile : tiles)
+    for (bool offload : {false, true}) {
+      if (offload ? false : offload_only) continue;
+      if (!offload) add("none", 0, false, tile);
+      for (const char* mode : {"keep-attention", "all"})
+        for (int64_t n = 1; n <= layers; ++n) add(mode, n, offload, tile);
+    }
   // Fewest FLOPs first; offload after every setting without it (its copies run beside compute but
-  // share the host link and memory: a setting that fits without is not slower for lack of them).
+  // share the host link and memory: a setting that fits without is not slower for lack of them);
+  // tiled (auto) after every untiled setting.
   std::stable_sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    if ((a.setting.mlp_tile_tokens > 0) != (b.setting.mlp_tile_tokens > 0)) return a.setting.mlp_tile_tokens == 0;
     if (a.setting.offload != b.setting.offload) return !a.setting.offload;
     return a.cost < b.cost;
   });
@@ -229,8 +249,8 @@ AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device
     if (least.peak == 0 || p.peak < least.peak) least = p;
   }
 
-  // Nothing fits: what would, with the setting that needs least (all, offloaded).
-  const RecomputeSetting smallest{"all", -1, true};
+  // Nothing fits: what would, with the setting that needs least (all, offloaded, tiled when allowed).
+  const RecomputeSetting smallest = most_frugal_setting(base);
   std::string would;
   parallel::MeshFlags flags;
   if (base.dp) flags.dp = base.dp;
@@ -254,16 +274,15 @@ AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device
         continue;
       const Planned p = plan_with(o, smallest, seq);
       if (fits(p, choice.usable_bytes, o))
-        would = fmt::format("--sp {} over {} processes ({} per device, recompute all with --offload activations)",
-                            sp, o.world, format_bytes(p.peak));
+        would = fmt::format("--sp {} over {} processes ({} per device, recompute {})", sp, o.world,
+                            format_bytes(p.peak), smallest.describe());
     } catch (const Error&) {
       // a mesh the heads do not allow: try the next
     }
   }
   const int64_t fits = longest_fitting_seq(base, smallest, choice.usable_bytes, seq);
   const std::string longest =
-      fits > 0 ? fmt::format("--seq {} (the longest that fits on this mesh, recompute all with --offload activations)",
-                             fits)
+      fits > 0 ? fmt::format("--seq {} (the longest that fits on this mesh, recompute {})", fits, smallest.describe())
              : std::string("no length on this mesh (the weights and optimizer state alone do not fit)");
   fail("--recompute auto: no setting fits {} per device ({} usable after the margin, docs/memory.md) at {} tokens: "
        "the one needing least plans {}. It would fit with {}{}",

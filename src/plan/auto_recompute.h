@@ -30,8 +30,13 @@ struct RecomputeSetting {
   std::string recompute = "none";  // none | all | keep-attention
   int64_t recompute_layers = -1;   // first N layers (-1: all)
   bool offload = false;            // --offload activations
+  int64_t mlp_tile_tokens = 0;     // --mlp-tile-tokens (0: untiled)
   std::string describe() const;    // "keep-attention on the first 12 of 28 layers, offloaded"
 };
+
+// The setting that needs least device memory: recompute all with offload, and with --mlp-tile-tokens
+// auto the MLP in kAutoMlpTileTokens-token tiles (the one given otherwise).
+RecomputeSetting most_frugal_setting(const PlanOptions& base);
 
 struct AutoChoice {
   RecomputeSetting setting;
@@ -47,7 +52,10 @@ struct AutoChoice {
 // recompute, bench/flops.h), every setting without offload before those with it; the first whose
 // peak fits usable_memory(device_bytes), and whose offloaded host tensors fit three quarters of the
 // machine's physical memory, is returned. `offload_only`: the user asked for
-// --offload activations, so only recomputing settings with offload are candidates. Throws an Error
+// --offload activations, so only recomputing settings with offload are candidates. The SwiGLU MLP
+// tiling is base.mlp_tile_tokens when given; when auto, every untiled candidate comes first and the
+// same candidates with kAutoMlpTileTokens-token tiles after them (tiling costs two projections more
+// per token where a layer is kept, and is only needed where nothing untiled fits). Throws an Error
 // when nothing fits, with the smallest --sp (more processes) and the longest --seq that would.
 AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device_bytes, bool offload_only = false);
 

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/config.h"
+#include "model/recompute.h"
 
 namespace spindle::plan {
 
@@ -27,6 +28,8 @@ struct PlanOptions {
   std::string recompute = "all";     // none | all | keep-attention
   int64_t recompute_layers = -1;
   bool offload = false;              // --offload activations: recomputed layers' kept tensors in host memory
+  int64_t mlp_tile_tokens = kMlpTileAuto;  // --mlp-tile-tokens: rows per SwiGLU MLP tile, 0 untiled (auto: untiled
+                                           // here; choose_recompute tries tiles when nothing untiled fits)
   bool optimizer = true;             // AdamW state (sft holds it; `spindle bench`'s step does not)
   std::string device = "cuda";       // the device planned for: cuda (BF16) or cpu (F32)
   std::string dtype = "auto";        // auto | f32 | f64 | bf16

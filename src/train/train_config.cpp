@@ -49,6 +49,7 @@ void TrainConfig::validate() const {
     check_recompute_layers(parse_recompute_mode(recompute), recompute_layers);
     parse_offload(offload, parse_recompute_mode(recompute));
   }
+  parse_mlp_tile_tokens(mlp_tile_tokens);
   if (device != "auto" && device != "cpu" && device != "cuda")
     fail("--device must be auto, cpu or cuda, got \"{}\"", device);
   if (dtype != "auto" && dtype != "f32" && dtype != "f64" && dtype != "bf16")

@@ -173,6 +173,38 @@ TEST(Bench, FlopFormulasCountTheAllocatedParameters) {
   }
 }
 
+// --mlp-tile-tokens: the MLP backward runs gate and up again; a recomputed layer's recompute stops at
+// the MLP's input, so there only the down projection's second forward goes.
+TEST(Bench, TiledMlpFlopsCountTheProjectionsRunAgain) {
+  auto backend = make_cpu_backend(1);
+  const ModelConfig config = ModelConfig::from_file(kQwen2);
+  ModelWeights weights = ModelWeights::random(*backend, config, DType::F32, 1);
+  weights.add_lora(*backend, test::lora_on_every_projection(4, 8), 2);
+  double gate_up = 0, down = 0;  // weights with their LoRA pairs
+  for (const Parameter& p : weights.parameters()) {
+    if (p.name.find(".mlp.gate_proj.") != std::string::npos || p.name.find(".mlp.up_proj.") != std::string::npos)
+      gate_up += static_cast<double>(p.value.numel());
+    else if (p.name.find(".mlp.down_proj.") != std::string::npos)
+      down += static_cast<double>(p.value.numel());
+  }
+  ASSERT_GT(gate_up, 0.0);
+  ASSERT_GT(down, 0.0);
+  FlopSetup setup;
+  setup.tokens = 100;
+  setup.lora_rank = 4;
+  for (RecomputeMode mode : {RecomputeMode::None, RecomputeMode::All}) {
+    setup.recompute = mode;
+    setup.mlp_tiled = false;
+    const StepFlops untiled = step_flops(config, setup);
+    setup.mlp_tiled = true;
+    const StepFlops tiled = step_flops(config, setup);
+    EXPECT_DOUBLE_EQ(tiled.model(), untiled.model());
+    EXPECT_DOUBLE_EQ(tiled.attention_executed, untiled.attention_executed);
+    const double change = mode == RecomputeMode::None ? 2.0 * gate_up * 100 : -2.0 * down * 100;
+    EXPECT_DOUBLE_EQ(tiled.dense_executed, untiled.dense_executed + change) << recompute_mode_name(mode);
+  }
+}
+
 TEST(Bench, MixtureOfExpertsFlopsCountTheActiveExperts) {
   // A token multiplies the router and k of the E experts: routed experts count k/E of their weights.
   const ModelConfig config = test::tiny_qwen3_moe().config();

@@ -2,8 +2,9 @@
 """`--recompute auto` (bench, sft, plan) on the CPU backend, with the device's memory given by
 --device-memory: the choice is the fastest setting whose planned peak fits (none when it fits; else
 keep-attention or all on the fewest first layers, the others keeping everything; offload only when
-nothing fits without it), the run's measured peak stays within the budget, and a budget nothing fits
-is refused before the step with the longest sequence that would fit."""
+nothing fits without it; the MLP in token tiles only when nothing untiled fits), the run's measured
+peak stays within the budget, and a budget nothing fits is refused before the step with the longest
+sequence that would fit."""
 import json
 import os
 import subprocess
@@ -109,6 +110,40 @@ check(p.returncode != 0 and "--seq" in p.stderr and "no setting fits" in p.stder
       and "tokens/s" not in p.stderr, f"too small a budget is refused: {p.stderr.strip().splitlines()[-1:]}")
 p = run([spindle, "plan", "--recompute", "auto", "--device-memory", "12 bytes"] + common, ok=False)
 check(p.returncode != 0 and "--device-memory" in p.stderr, "a bad --device-memory is refused")
+
+# A wide MLP (intermediate 16 x hidden): below what every untiled setting needs, the MLP in token tiles
+# (--mlp-tile-tokens auto lets the choice tile) with the fewest FLOPs that fits; a tile size given
+# is kept. The tiles are 16384 tokens, more than the row: the saving is the kept layers' gate and up
+# and the backward's fewer whole-row intermediates.
+wide = tempfile.mkdtemp(prefix="spindle-auto-wide-")
+with open(os.path.join(wide, "config.json"), "w") as f:
+    json.dump({"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 512,
+               "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu"}, f)
+wide_common = ["--model", wide, "--seq", str(SEQ), "--device", "cpu"]
+wide_untiled = json.loads(run([spindle, "plan", "--bench-step", "--json", "--recompute", "all", "--offload",
+                               "activations"] + wide_common).stdout)["results"][0]["peak_allocated_bytes"]
+wide_tiled = json.loads(run([spindle, "plan", "--bench-step", "--json", "--recompute", "all", "--offload",
+                             "activations", "--mlp-tile-tokens", "16k"] + wide_common).stdout)["results"][0][
+    "peak_allocated_bytes"]
+check(wide_tiled < wide_untiled, f"wide MLP: tiles plan {wide_tiled} bytes, untiled {wide_untiled}")
+budget = (wide_tiled + wide_untiled) // 2
+with tempfile.TemporaryDirectory() as tmp:
+    report = os.path.join(tmp, "bench.json")
+    p = run([spindle, "bench", "--threads", "1", "--steps", "1", "--warmup", "1", "--profile-steps", "0",
+             "--recompute", "auto", "--device-memory", str(budget), "--json-file", report] + wide_common, ok=False)
+    r = None
+    if p.returncode == 0:
+        with open(report) as f:
+            r = json.load(f)["results"][0]
+    check(r is not None and r["mlp_tile_tokens"] == 16384 and r["peak_allocated_bytes"] <= budget
+          and "16384-token tiles" in p.stderr,
+          f"wide MLP, budget {budget}: {r and (r['recompute'], r['recompute_layers'], r['offload'], r['mlp_tile_tokens'])}"
+          f", measured {r and r['peak_allocated_bytes']} ({p.stderr.strip()[-300:]})")
+    p = run([spindle, "bench", "--threads", "1", "--steps", "1", "--warmup", "0", "--profile-steps", "0",
+             "--recompute", "auto", "--mlp-tile-tokens", "0", "--device-memory", str(budget)] + wide_common, ok=False)
+    check(p.returncode != 0 and "no setting fits" in p.stderr,
+          f"wide MLP, budget {budget}, --mlp-tile-tokens 0: refused ({p.stderr.strip().splitlines()[-1:]})")
 
 # sft: the choice from the plan of its rows (--max-length) with the AdamW state, and its peak within.
 with tempfile.TemporaryDirectory() as tmp:
