@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <random>
 
@@ -14,6 +15,7 @@
 #include "data/document.h"
 #include "model/batch.h"
 #include "model/decoder.h"
+#include "model/router_aux_loss.h"
 #include "model/weights.h"
 #include "parallel/fsdp.h"
 #include "parallel/sequence_shard.h"
@@ -50,7 +52,6 @@ void validate(const BenchOptions& o) {
     check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
     parse_offload(o.offload, parse_recompute_mode(o.recompute));
   }
-  parse_mlp_tile_tokens(o.mlp_tile_tokens);
   if (o.sp < 0 || o.ulysses < 0 || o.ring < 0) fail("--sp, --ulysses and --ring must be positive");
   if (o.doc_length < 0 || o.doc_length == 1)
     fail("--doc-length {}: a document needs at least 2 tokens (0: one document per step)", o.doc_length);
@@ -121,6 +122,9 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   PackedRow row =
       synthetic_row(seq, o.doc_length, config.vocab_size, o.seed + seq + static_cast<uint64_t>(dp_index));
   const double loss_scale = 1.0 / static_cast<double>(row.num_items() * mesh.dp);
+  int64_t step_tokens = 0;  // real tokens of the step over every replica: the router aux loss's N
+  for (int32_t doc : row.doc_ids) step_tokens += doc >= 0;
+  step_tokens *= mesh.dp;
   const bool whole_row_causal = is_one_causal_document(row) && seq % mesh.sp == 0 && mesh.ring == 1;
   if (mesh.sp > 1) row = parallel::shard_row(row, mesh)[par.run.mesh->sp_rank()];
   MicroBatch batch = make_micro_batch(backend, {row}, dtype);
@@ -129,23 +133,31 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   const RecomputeMode recompute = parse_recompute_mode(o.recompute);
   DecoderOptions decoder_options = recompute_options(recompute, config.num_layers, o.recompute_layers);
   decoder_options.offload = parse_offload(o.offload, recompute);
-  decoder_options.mlp_tile_tokens = mlp_tile_tokens_to_run(parse_mlp_tile_tokens(o.mlp_tile_tokens));
   r.recompute = o.recompute;
   r.recompute_layers = o.recompute_layers;
   r.offload = decoder_options.offload;
-  r.mlp_tile_tokens = decoder_options.mlp_tile_tokens;
   Stream stream = backend.default_stream();
   Tensor loss = backend.zeros(Shape{1}, stat_dtype(dtype));
+
+  // MoE models: the router load-balancing loss as sft runs it (model/router_aux_loss.h).
+  std::unique_ptr<RouterAuxLoss> router_aux;
+  if (const double c = router_aux_loss_coefficient(config, o.router_aux_loss_coef); c > 0)
+    router_aux = std::make_unique<RouterAuxLoss>(backend, config, dtype, c);
+  std::function<void(Tensor&)> reduce;
+  if (par.run.world) reduce = [&](Tensor& t) { par.run.world->all_reduce_sum(stream, t); };
 
   // The optimizer step is not part of the timed step (see format_report).
   auto one_step = [&](Decoder& decoder, Backend& be) {
     if (par.fsdp) par.fsdp->zero_grads();
     else weights.zero_grads(be);
+    if (router_aux) router_aux->begin_step(step_tokens, reduce);
     decoder.step(batch, loss_scale, loss, true);
+    if (router_aux) router_aux->end_step();
   };
 
   Decoder decoder(backend, weights, decoder_options);
   par.attach(decoder);
+  decoder.set_router_aux_loss(router_aux.get());
   for (int i = 0; i < o.warmup; ++i) one_step(decoder, backend);
   backend.synchronize(stream);
   backend.fill(stream, loss, 0.0);
@@ -174,7 +186,6 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   setup.lora_rank = o.full ? 0 : o.lora_rank;
   setup.recompute = recompute;
   setup.recomputed_layers = o.recompute_layers;
-  setup.mlp_tiled = decoder_options.mlp_tile_tokens > 0;
   const StepFlops flops = step_flops(config, setup);
   const double step_s = total_ms / 1000.0 / o.steps;
   r.model_flops = flops.model();
@@ -189,6 +200,7 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
     CommTimer comm_timer(recorder, stream, par);
     Decoder profiled(timed, weights, decoder_options);
     par.attach(profiled);
+    profiled.set_router_aux_loss(router_aux.get());
     auto wall = make_device_timer(backend);
     const int start = wall->mark(stream);
     for (int i = 0; i < o.profile_steps; ++i) one_step(profiled, timed);
@@ -368,13 +380,12 @@ std::string format_report(const BenchReport& rep) {
                      r.tokens_per_s, mean, r.model_tflops, mfu, r.executed_tflops,
                      gib(r.memory.peak_allocated_bytes), gib(r.memory.peak_reserved_bytes),
                      gib(r.memory.device_used_bytes), r.loss);
-    if (r.offload || r.mlp_tile_tokens > 0 || o.recompute == "auto")
-      s += fmt::format("{:>8}  recompute {}{}{}{}\n", "", r.recompute,
+    if (r.offload || o.recompute == "auto")
+      s += fmt::format("{:>8}  recompute {}{}{}\n", "", r.recompute,
                        r.recompute_layers >= 0 ? fmt::format(" on the first {} layers", r.recompute_layers) : "",
                        r.offload ? fmt::format(", activations offloaded: {} of host memory at the peak",
                                                gib(r.memory.peak_host_allocated_bytes))
-                                 : "",
-                       r.mlp_tile_tokens > 0 ? fmt::format(", MLP in {}-token tiles", r.mlp_tile_tokens) : "");
+                                 : "");
   }
   bool any_split = false;
   for (const BenchResult& r : rep.results) any_split |= r.split_measured;
@@ -463,7 +474,6 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
     x["recompute"] = r.recompute;  // as run (auto: the choice)
     x["recompute_layers"] = r.recompute_layers;
     x["offload"] = r.offload ? "activations" : "none";
-    x["mlp_tile_tokens"] = r.mlp_tile_tokens;
     x["offload_host_bytes"] = r.memory.peak_host_allocated_bytes;  // host memory of offload at its peak
     if (r.split_measured) {
       auto& split = x["split_ms"];

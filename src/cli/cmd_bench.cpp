@@ -62,8 +62,8 @@ int run_bench_command(BenchArgs& args) {
       p.double_quant = o.double_quant;
       p.quant_block_size = o.quant_block_size;
       p.optimizer = false;  // bench's step has no optimizer state
+      p.router_aux_loss_coef = o.router_aux_loss_coef;
       p.device = o.device;
-      p.mlp_tile_tokens = parse_mlp_tile_tokens(o.mlp_tile_tokens);
       p.world = group.world_size;
       p.sp = o.sp;
       p.ulysses = o.ulysses;
@@ -72,7 +72,6 @@ int run_bench_command(BenchArgs& args) {
       chosen.recompute = choice.setting.recompute;
       chosen.recompute_layers = choice.setting.recompute_layers;
       chosen.offload = choice.setting.offload ? "activations" : "none";
-      chosen.mlp_tile_tokens = std::to_string(choice.setting.mlp_tile_tokens);
       if (main_rank)
         std::fprintf(stderr, "bench: seq %lld: %s\n", static_cast<long long>(seq), choice.summary(0).c_str());
     };
@@ -146,13 +145,15 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
                   "none, or activations: recomputed layers' inputs (and kept attention) in host memory, copied "
                   "beside compute (docs/memory.md)")
       ->capture_default_str();
-  cmd->add_option("--mlp-tile-tokens", o.mlp_tile_tokens, kMlpTileTokensHelp)->capture_default_str();
   cmd->add_option("--device-memory", args->device_memory,
                   "with --recompute auto: the memory per device to fit (bytes, or 80GiB; default: the GPU's, or "
                   "the machine's RAM with --device cpu)");
   cmd->add_option("--recompute-layers", o.recompute_layers,
                   "apply --recompute to the first N layers only; the others keep every activation (-1: all)")
       ->capture_default_str();
+  cmd->add_option("--router-aux-loss-coef", o.router_aux_loss_coef,
+                  "MoE models: the step adds C x the router load-balancing loss, as sft (0: off; default: the "
+                  "config's router_aux_loss_coef when its output_router_logits is true, else off)");
   cmd->add_option("--steps", o.steps, "timed steps per length")->capture_default_str();
   cmd->add_option("--warmup", o.warmup, "untimed steps first")->capture_default_str();
   cmd->add_option("--profile-steps", o.profile_steps,

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
+
+#include "backend/cuda/gated_delta_scratch.h"
 
 namespace spindle::plan {
 
@@ -10,6 +13,7 @@ struct DryBackend::Allocation {
   int64_t bytes = 0;
   std::string phase;
   bool host = false;  // from empty_host
+  std::vector<char> contents;  // small tensors only (kBackedBytes): what dry ops wrote, else zeros
 };
 
 DryBackend::DryBackend(Device modelled, int64_t alignment)
@@ -21,7 +25,7 @@ void DryBackend::set_phase(const std::string& phase) { phase_ = phase; }
 
 Tensor DryBackend::empty(Shape shape, DType dtype) {
   const int64_t bytes = shape.numel() * static_cast<int64_t>(dtype_size(dtype));
-  auto* a = new Allocation{self_, (bytes + alignment_ - 1) / alignment_ * alignment_, phase_};
+  auto* a = new Allocation{self_, (bytes + alignment_ - 1) / alignment_ * alignment_, phase_, false, {}};
   live_ += a->bytes;
   live_by_phase_[a->phase] += a->bytes;
   if (live_ > peak_) {
@@ -30,6 +34,10 @@ Tensor DryBackend::empty(Shape shape, DType dtype) {
     peak_phase_ = phase_;
   }
   auto storage = std::make_shared<Storage>();
+  if (bytes <= kBackedBytes) {
+    a->contents.assign(static_cast<size_t>(bytes), 0);
+    storage->data = a->contents.data();
+  }
   storage->bytes = static_cast<size_t>(bytes);
   storage->device = device_;
   storage->release = &DryBackend::release;
@@ -40,7 +48,7 @@ Tensor DryBackend::empty(Shape shape, DType dtype) {
 Tensor DryBackend::empty_host(Shape shape, DType dtype) {
   const int64_t bytes = shape.numel() * static_cast<int64_t>(dtype_size(dtype));
   // Host allocations pad as the CPU backend's do (64 bytes); pinned pages on CUDA are not modelled.
-  auto* a = new Allocation{self_, std::max<int64_t>(64, (bytes + 63) / 64 * 64), phase_, true};
+  auto* a = new Allocation{self_, std::max<int64_t>(64, (bytes + 63) / 64 * 64), phase_, true, {}};
   host_live_ += a->bytes;
   host_peak_ = std::max(host_peak_, host_live_);
   auto storage = std::make_shared<Storage>();
@@ -66,7 +74,62 @@ void DryBackend::on_release(const Allocation& a) {
   live_by_phase_[a.phase] -= a.bytes;
 }
 
-void DryBackend::copy_to_host(Stream, const Tensor& src, void* dst) { std::memset(dst, 0, src.bytes()); }
+// A tensor's memory, when it has some (small tensors; see kBackedBytes), else null.
+void DryBackend::copy_from_host(Stream, const void* src, Tensor& dst) {
+  if (dst.data() && dst.bytes()) std::memcpy(dst.data(), src, dst.bytes());
+}
+
+void DryBackend::copy_to_host(Stream, const Tensor& src, void* dst) {
+  if (!src.bytes()) return;
+  if (src.data()) std::memcpy(dst, src.data(), src.bytes());
+  else std::memset(dst, 0, src.bytes());
+}
+
+void DryBackend::moe_permute(Stream, const Tensor& topk_index, int64_t num_experts, Tensor&, Tensor&,
+                             Tensor& offsets) {
+  // A balanced routing: expert e's rows start at ⌊N·e/E⌋ of the N = T·k routed rows.
+  if (!offsets.data() || offsets.dtype() != DType::I32 || offsets.numel() != num_experts + 1) return;
+  auto* first = offsets.data_as<int32_t>();
+  const int64_t rows = topk_index.numel();
+  for (int64_t e = 0; e <= num_experts; ++e) first[e] = static_cast<int32_t>(rows * e / num_experts);
+}
+
+void DryBackend::scratch(const std::vector<size_t>& bytes) {
+  if (device_.kind != DeviceKind::CUDA) return;  // the CPU backend's own buffers are not tensors
+  const std::string phase = phase_;
+  phase_ = kWorkspacePhase;
+  std::vector<Tensor> held;
+  for (size_t b : bytes)
+    if (b) held.push_back(empty(Shape{static_cast<int64_t>(b)}, DType::U8));
+  phase_ = phase;
+}
+
+namespace {
+
+cuda::DeltaRuleShape delta_rule_shape(const Tensor& q, const Tensor& v, int64_t chunk_size) {
+  // As the CUDA backend builds it (cuda_backend.cpp): the kernels' chunk is at most kDeltaRuleMaxChunk.
+  return {q.dim(0),
+          static_cast<int>(q.dim(1)),
+          static_cast<int>(v.dim(1)),
+          static_cast<int>(q.dim(2)),
+          static_cast<int>(v.dim(2)),
+          static_cast<int>(std::clamp<int64_t>(chunk_size, 1, cuda::kDeltaRuleMaxChunk))};
+}
+
+}  // namespace
+
+void DryBackend::gated_delta_rule_forward(Stream, const Tensor& q, const Tensor&, const Tensor& v, const Tensor&,
+                                          const Tensor&, const Tensor&, double, int64_t chunk_size, Tensor&) {
+  if (q.rank() != 3 || v.rank() != 3 || q.dim(0) == 0) return;
+  scratch(cuda::delta_rule_scratch(delta_rule_shape(q, v, chunk_size)).forward());
+}
+
+void DryBackend::gated_delta_rule_backward(Stream, const Tensor& q, const Tensor&, const Tensor& v, const Tensor&,
+                                           const Tensor&, const Tensor&, double, int64_t chunk_size, const Tensor&,
+                                           Tensor&, Tensor&, Tensor&, Tensor&, Tensor&) {
+  if (q.rank() != 3 || v.rank() != 3 || q.dim(0) == 0) return;
+  scratch(cuda::delta_rule_scratch(delta_rule_shape(q, v, chunk_size)).backward());
+}
 
 MemoryStats DryBackend::memory_stats() {
   MemoryStats m;

@@ -10,12 +10,23 @@
 //
 // Every Backend op must have an override here that does nothing (an op left to its throwing
 // default makes plans of the models that use it fail with that op's name).
+//
+// Two things go beyond counting tensors:
+// - Planning for the CUDA backend, the ops whose CUDA kernels take device scratch from the same
+//   memory pool for the length of a call (the gated delta rule's F32 buffers) allocate that scratch
+//   here too, sized by the functions the kernels size it with, under the part kWorkspacePhase.
+// - Host reads of routing: a mixture-of-experts layer whose experts are not grouped GEMMs (4-bit
+//   experts) reads each expert's first row from moe_permute's offsets on the host. Small tensors
+//   (at most kBackedBytes) are backed by zeroed host memory, and moe_permute writes a balanced
+//   routing into its offsets (every expert ⌊N/E⌋ or ⌈N/E⌉ rows), so the step sizes every
+//   expert's work as a real routing would (docs/memory.md: which sizes depend on the routing).
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 
@@ -23,6 +34,11 @@ namespace spindle::plan {
 
 class DryBackend final : public Backend {
  public:
+  // The part of the peak that the modelled backend's per-call scratch takes (CUDA only).
+  static constexpr const char* kWorkspacePhase = "backend workspaces";
+  // Tensors of at most this many bytes have zeroed host memory behind them (see above).
+  static constexpr int64_t kBackedBytes = 4096;
+
   // `modelled`: the device the plan is for (its kind decides the dtypes callers choose).
   // `alignment`: allocations round up to this many bytes, as the modelled allocator does.
   DryBackend(Device modelled, int64_t alignment);
@@ -46,8 +62,8 @@ class DryBackend final : public Backend {
   void stream_wait(Stream, Stream) override {}
 
   Tensor empty(Shape shape, DType dtype) override;
-  void copy_from_host(Stream, const void*, Tensor&) override {}
-  void copy_to_host(Stream, const Tensor& src, void* dst) override;  // zeros: nothing was computed
+  void copy_from_host(Stream, const void* src, Tensor& dst) override;  // kept only in small tensors
+  void copy_to_host(Stream, const Tensor& src, void* dst) override;  // zeros unless a dry op wrote it
   void copy(Stream, const Tensor&, Tensor&) override {}
   void fill(Stream, Tensor&, double) override {}
   MemoryStats memory_stats() override;
@@ -95,11 +111,12 @@ class DryBackend final : public Backend {
                                  Tensor&) override {}
   void gated_delta_gates_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                   const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor*, Tensor*) override {}
-  void gated_delta_rule_forward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                const Tensor&, double, int64_t, Tensor&) override {}
-  void gated_delta_rule_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                 const Tensor&, double, int64_t, const Tensor&, Tensor&, Tensor&, Tensor&, Tensor&,
-                                 Tensor&) override {}
+  // CUDA: the kernels' F32 scratch (backend/cuda/gated_delta_scratch.h) for the length of the call.
+  void gated_delta_rule_forward(Stream, const Tensor& q, const Tensor&, const Tensor& v, const Tensor&, const Tensor&,
+                                const Tensor&, double, int64_t chunk_size, Tensor&) override;
+  void gated_delta_rule_backward(Stream, const Tensor& q, const Tensor&, const Tensor& v, const Tensor&,
+                                 const Tensor&, const Tensor&, double, int64_t chunk_size, const Tensor&, Tensor&,
+                                 Tensor&, Tensor&, Tensor&, Tensor&) override;
   void gated_delta_rule_forward_states(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                        const Tensor&, const Tensor&, double, int64_t, const Tensor&, Tensor&,
                                        Tensor&) override {}
@@ -113,7 +130,7 @@ class DryBackend final : public Backend {
   // A shared expert's sigmoid gate (qwen3_5_moe).
   void shared_expert_gate_forward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
   void shared_expert_gate_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
-  // Mixture of experts (plans refuse MoE models, but every op has its no-op here).
+  // Mixture of experts: moe_permute writes a balanced routing's offsets (see above); the rest do nothing.
   void moe_grouped_gemm(Stream, const Tensor&, const std::vector<Tensor>&, bool, const Tensor&, Tensor&,
                         bool) override {}
   void moe_grouped_gemm_weight_grad(Stream, const Tensor&, const Tensor&, const Tensor&,
@@ -122,7 +139,8 @@ class DryBackend final : public Backend {
   void moe_router_backward(Stream, const Tensor&, const Tensor&, const Tensor&, bool, const Tensor&, const Tensor&,
                            Tensor&) override {}
   void moe_router_statistics(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
-  void moe_permute(Stream, const Tensor&, int64_t, Tensor&, Tensor&, Tensor&) override {}
+  void moe_permute(Stream, const Tensor& topk_index, int64_t num_experts, Tensor& rows_token, Tensor& row_of_slot,
+                   Tensor& offsets) override;
   void moe_combine(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&) override {}
   void moe_combine_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
                             Tensor&) override {}
@@ -136,6 +154,8 @@ class DryBackend final : public Backend {
   struct Allocation;
   static void release(void* data, void* context);
   void on_release(const Allocation& a);
+  // Allocates scratch of these byte counts under kWorkspacePhase and frees it again (CUDA only).
+  void scratch(const std::vector<size_t>& bytes);
 
   Device device_;
   int64_t alignment_;

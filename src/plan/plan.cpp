@@ -1,12 +1,14 @@
 #include "plan/plan.h"
 
 #include <algorithm>
+#include <functional>
 #include <memory>
 
 #include "backend/cpu/quant4_ops.h"
 #include "bench/bench.h"
 #include "core/error.h"
 #include "model/decoder.h"
+#include "model/router_aux_loss.h"
 #include "model/weights.h"
 #include "parallel/fsdp.h"
 #include "parallel/mesh.h"
@@ -31,8 +33,9 @@ constexpr const char* kForward = "forward activations";
 constexpr const char* kHead = "LM head and loss";
 constexpr const char* kBackward = "backward and recompute";
 constexpr const char* kReduce = "gradient reduction";
-const char* const kPhaseOrder[] = {kWeights, kTrainable, kShards, kOptimizer, kBatch,
-                                   kGathers, kForward,   kHead,   kBackward,  kReduce};
+constexpr const char* kWorkspaces = DryBackend::kWorkspacePhase;  // CUDA kernels' scratch during one call
+const char* const kPhaseOrder[] = {kWeights, kTrainable, kShards,   kOptimizer, kBatch,     kGathers,
+                                   kForward, kHead,      kBackward, kReduce,    kWorkspaces};
 
 // Labels the allocations of each part of a step: around every window of the decoder's units (the
 // FSDP hooks when sharded, nothing else otherwise) it switches the DryBackend's phase.
@@ -109,7 +112,7 @@ DType plan_dtype(const PlanOptions& o) {
 }
 
 RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parallel::MeshConfig& mesh_config,
-                   DType dtype, int rank, int64_t seq) {
+                   DType dtype, double aux_coefficient, int rank, int64_t seq) {
   // The CUDA pool hands out 512-byte multiples; the CPU backend pads to 64 bytes.
   const bool cuda = o.device == "cuda";
   DryBackend backend(Device{cuda ? DeviceKind::CUDA : DeviceKind::CPU, 0}, cuda ? 512 : 64);
@@ -151,6 +154,12 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
       optimizer = std::make_unique<AdamWOptimizer>(backend, weights, AdamWConfig{});
     }
   }
+  // The router load-balancing loss's statistics and gradient, held for the run (sft: StepRunner).
+  std::unique_ptr<RouterAuxLoss> router_aux;
+  if (aux_coefficient > 0) {
+    backend.set_phase(kBatch);
+    router_aux = std::make_unique<RouterAuxLoss>(backend, config, dtype, aux_coefficient);
+  }
   RankPlan r;
   r.rank = rank;
   r.steady_bytes = backend.live_bytes();
@@ -158,6 +167,9 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
   // The step, as `spindle bench` and sft run it: this rank's shard of one row.
   backend.set_phase(kBatch);
   PackedRow row = bench::synthetic_row(seq, o.doc_length, config.vocab_size, 1);
+  int64_t step_tokens = 0;  // real tokens of the step over every replica, the aux loss's N
+  for (int32_t doc : row.doc_ids) step_tokens += doc >= 0;
+  step_tokens *= mesh_config.dp;
   const bool whole_row_causal = is_one_causal_document(row) && seq % mesh_config.sp == 0 && mesh_config.ring == 1;
   if (mesh_config.sp > 1) row = parallel::shard_row(row, mesh_config)[static_cast<size_t>(mesh->sp_rank())];
   MicroBatch batch = make_micro_batch(backend, {row}, dtype);
@@ -167,17 +179,23 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
   const RecomputeMode recompute = parse_recompute_mode(o.recompute);
   DecoderOptions decoder_options = recompute_options(recompute, config.num_layers, o.recompute_layers);
   decoder_options.offload = o.offload;
-  decoder_options.mlp_tile_tokens = mlp_tile_tokens_to_run(o.mlp_tile_tokens);
   Decoder decoder(backend, weights, decoder_options);
   std::unique_ptr<AttentionStrategy> attention;
   if (mesh && mesh_config.sp > 1) attention = parallel::make_sequence_parallel_attention(*mesh, config);
   decoder.set_attention(attention.get());
   PhaseHooks hooks(backend, fsdp.get());
   decoder.set_parameter_hooks(&hooks);
+  if (router_aux) {
+    std::function<void(Tensor&)> reduce;
+    if (world) reduce = [&](Tensor& t) { world->all_reduce_sum(backend.default_stream(), t); };
+    router_aux->begin_step(step_tokens, std::move(reduce));
+    decoder.set_router_aux_loss(router_aux.get());
+  }
   Tensor loss = backend.zeros(Shape{1}, stat_dtype(dtype));
   backend.reset_peak_memory();
   backend.set_phase(kForward);
   decoder.step(batch, 1.0, loss, true);
+  if (router_aux) router_aux->end_step();
 
   r.peak_allocated_bytes = backend.peak_bytes();
   r.peak_phase = backend.peak_phase();
@@ -214,18 +232,12 @@ PlanReport run_plan(const PlanOptions& o) {
   if (o.seq_lengths.empty()) fail("--seq needs at least one length");
   check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
   if (o.offload) parse_offload("activations", parse_recompute_mode(o.recompute));
-  if (o.mlp_tile_tokens < kMlpTileAuto)
-    fail("--mlp-tile-tokens must be auto, 0 (untiled) or a positive number of tokens, got {}", o.mlp_tile_tokens);
   PlanReport rep;
   rep.options = o;
   rep.config = ModelConfig::from_file(o.model);
-  // How many tokens each expert receives depends on the router's choices, which a step that computes
-  // nothing does not make: refuse rather than print a number that is not the engine's.
-  for (int64_t l = 0; l < rep.config.num_layers; ++l)
-    if (rep.config.layer_kind(l).feed_forward == FeedForwardKind::MixtureOfExperts)
-      fail("spindle plan does not model mixture-of-experts layers yet ({} layer {}): their buffers depend on "
-           "the routing; measure the peak with `spindle bench --json` instead",
-           rep.config.model_type, l);
+  // Mixture-of-experts layers size their buffers by the T·k routed rows, whatever the routing; the
+  // per-expert path of 4-bit experts runs on the DryBackend's balanced routing (docs/memory.md).
+  rep.router_aux_loss_coef = router_aux_loss_coefficient(rep.config, o.router_aux_loss_coef);
   const DType dtype = plan_dtype(o);
   if (dtype == DType::BF16 && o.device != "cuda") fail("--dtype bf16 is the CUDA backend's; the CPU computes in f32 or f64");
   if (dtype == DType::F64 && o.device == "cuda") fail("--dtype f64 runs on the CPU backend only (--device cpu)");
@@ -250,7 +262,7 @@ PlanReport run_plan(const PlanOptions& o) {
     LengthPlan length;
     length.seq = seq;
     for (int rank = 0; rank < mesh.world_size(); ++rank)
-      length.ranks.push_back(plan_rank(o, rep.config, mesh, dtype, rank, seq));
+      length.ranks.push_back(plan_rank(o, rep.config, mesh, dtype, rep.router_aux_loss_coef, rank, seq));
     rep.lengths.push_back(std::move(length));
   }
   return rep;
@@ -259,7 +271,8 @@ PlanReport run_plan(const PlanOptions& o) {
 std::string format_plan(const PlanReport& rep) {
   const PlanOptions& o = rep.options;
   std::string s = fmt::format(
-      "plan: {} ({} layers, hidden {}), {} on {}, {} {} world {} (dp {} x sp {}: ulysses {} x ring {}), recompute {}{}{}\n",
+      "plan: {} ({} layers, hidden {}), {} on {}, {} {} world {} (dp {} x sp {}: ulysses {} x ring {}), recompute "
+      "{}{}{}{}\n",
       o.model, rep.config.num_layers, rep.config.hidden_size,
       o.full ? std::string("full fine-tuning")
              : fmt::format("LoRA r{}{}", o.lora_rank,
@@ -269,9 +282,8 @@ std::string format_plan(const PlanReport& rep) {
       o.device, rep.dtype,
       o.optimizer ? "with AdamW state," : "without optimizer state,", rep.world, rep.dp, rep.sp, rep.ulysses, rep.ring,
       o.recompute, o.recompute_layers >= 0 ? fmt::format(" (first {} layers)", o.recompute_layers) : "",
-      o.offload ? ", activations offloaded to host memory" : "");
-  if (mlp_tile_tokens_to_run(o.mlp_tile_tokens) > 0)
-    s += fmt::format("SwiGLU MLPs in tiles of {} tokens (--mlp-tile-tokens)\n", o.mlp_tile_tokens);
+      o.offload ? ", activations offloaded to host memory" : "",
+      rep.router_aux_loss_coef > 0 ? fmt::format(", router aux loss {:g}", rep.router_aux_loss_coef) : "");
   s += "predicted peak of live tensors per rank (the allocator's own slack and the backend's fixed workspaces "
        "come on top; docs/memory.md)\n";
   for (const LengthPlan& l : rep.lengths) {
@@ -307,11 +319,11 @@ nlohmann::ordered_json plan_json(const PlanReport& rep) {
   j["recompute"] = rep.options.recompute;
   j["recompute_layers"] = rep.options.recompute_layers;
   j["offload"] = rep.options.offload ? "activations" : "none";
-  j["mlp_tile_tokens"] = mlp_tile_tokens_to_run(rep.options.mlp_tile_tokens);
   j["lora_rank"] = rep.options.full ? 0 : rep.options.lora_rank;
   j["quantize"] = rep.options.quantize.empty() ? "none" : rep.options.quantize;
   j["double_quant"] = rep.options.double_quant;
   j["optimizer"] = rep.options.optimizer;
+  j["router_aux_loss_coef"] = rep.router_aux_loss_coef;
   j["results"] = nlohmann::ordered_json::array();
   for (const LengthPlan& l : rep.lengths) {
     nlohmann::ordered_json x;

@@ -11,7 +11,6 @@
 #include <nlohmann/json.hpp>
 
 #include "model/config.h"
-#include "model/recompute.h"
 
 namespace spindle::plan {
 
@@ -28,9 +27,10 @@ struct PlanOptions {
   std::string recompute = "all";     // none | all | keep-attention
   int64_t recompute_layers = -1;
   bool offload = false;              // --offload activations: recomputed layers' kept tensors in host memory
-  int64_t mlp_tile_tokens = kMlpTileAuto;  // --mlp-tile-tokens: rows per SwiGLU MLP tile, 0 untiled (auto: untiled
-                                           // here; choose_recompute tries tiles when nothing untiled fits)
   bool optimizer = true;             // AdamW state (sft holds it; `spindle bench`'s step does not)
+  // MoE models: the router load-balancing loss, as sft's --router-aux-loss-coef (-1: the config's rule;
+  // model/router_aux_loss.h): its statistics and gradient vector are planned when it is on.
+  double router_aux_loss_coef = -1;
   std::string device = "cuda";       // the device planned for: cuda (BF16) or cpu (F32)
   std::string dtype = "auto";        // auto | f32 | f64 | bf16
   int world = 1;                     // processes (GPUs) of the job
@@ -66,6 +66,7 @@ struct PlanReport {
   ModelConfig config;
   int world = 1, dp = 1, sp = 1, ulysses = 1, ring = 1;
   std::string dtype;
+  double router_aux_loss_coef = 0;   // the coefficient the step runs with (0: off)
   std::vector<LengthPlan> lengths;
 };
 

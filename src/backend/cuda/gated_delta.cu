@@ -556,8 +556,6 @@ void run_state(cudaStream_t s, const Geometry& ge, const T* q, const T* k, const
   CUDA_CHECK_LAUNCH();
 }
 
-size_t p_bytes(const Geometry& ge) { return sizeof(float) * ge.chunks() * ge.hv * ge.chunk * ge.chunk; }
-
 }  // namespace
 
 void gated_delta_rule_forward(cudaStream_t s, const DeltaRuleShape& sh, DType io, const void* q, const void* k,
@@ -566,8 +564,9 @@ void gated_delta_rule_forward(cudaStream_t s, const DeltaRuleShape& sh, DType io
   check_shape(sh, "gated_delta_rule_forward");
   if (sh.tokens == 0) return;
   const Geometry ge = geometry(sh);
-  Scratch w(s, sizeof(float) * ge.tokens * ge.hv * ge.dk), u(s, sizeof(float) * ge.tokens * ge.hv * ge.dv),
-      p(s, p_bytes(ge));
+  // As DeltaRuleScratch::forward lists them (spindle plan counts that list).
+  const DeltaRuleScratch bytes = delta_rule_scratch(sh);
+  Scratch w(s, bytes.per_key), u(s, bytes.per_value), p(s, bytes.in_chunk);
   dispatch_compute(io, "gated_delta_rule_forward", [&](auto z) {
     using T = decltype(z);
     const T* qt = static_cast<const T*>(q);
@@ -585,10 +584,11 @@ void gated_delta_rule_backward(cudaStream_t s, const DeltaRuleShape& sh, DType i
   check_shape(sh, "gated_delta_rule_backward");
   if (sh.tokens == 0) return;
   const Geometry ge = geometry(sh);
-  const size_t per_key = sizeof(float) * ge.tokens * ge.hv * ge.dk, per_value = sizeof(float) * ge.tokens * ge.hv * ge.dv;
-  const size_t per_state = sizeof(float) * ge.chunks() * ge.hv * ge.dk * ge.dv;
+  // As DeltaRuleScratch::backward lists them (spindle plan counts that list).
+  const DeltaRuleScratch bytes = delta_rule_scratch(sh);
+  const size_t per_key = bytes.per_key, per_value = bytes.per_value, per_state = bytes.per_state;
   Scratch w(s, per_key), u(s, per_value), vnew(s, per_value), dvnew(s, per_value), states(s, per_state),
-      dstates(s, per_state), dqh(s, per_key), dkh(s, per_key), p(s, p_bytes(ge));
+      dstates(s, per_state), dqh(s, per_key), dkh(s, per_key), p(s, bytes.in_chunk);
   dispatch_compute(io, "gated_delta_rule_backward", [&](auto z) {
     using T = decltype(z);
     const T* qt = static_cast<const T*>(q);

@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>
 
+#include "backend/cuda/gated_delta_scratch.h"
 #include "core/dtype.h"
 
 namespace spindle::cuda {
@@ -49,14 +50,7 @@ void gated_rmsnorm_backward(cudaStream_t s, const void* x, const void* z, const 
                             const void* dy, void* dx, void* dz, void* dw, DType io, int64_t rows, int64_t c);
 
 // ---- gated_delta.cu: the chunked gated delta rule ------------------------------------------------
-struct DeltaRuleShape {
-  int64_t tokens;
-  int key_heads, value_heads;  // value head h reads key head h / (value_heads / key_heads)
-  int dk, dv;                  // at most kDeltaRuleMaxDim each
-  int chunk;                   // tokens per chunk, at most kDeltaRuleMaxChunk
-};
-constexpr int kDeltaRuleMaxDim = 128;
-constexpr int kDeltaRuleMaxChunk = 64;
+// DeltaRuleShape, kDeltaRuleMaxDim, kDeltaRuleMaxChunk and the scratch sizes: gated_delta_scratch.h.
 // q, k [T, Hk, dk]; v, out [T, Hv, dv]; beta [T, Hv] (io); g F32 [T, Hv]; doc_ids I32 [T].
 void gated_delta_rule_forward(cudaStream_t s, const DeltaRuleShape& sh, DType io, const void* q, const void* k,
                               const void* v, const float* g, const void* beta, const int32_t* doc_ids, float scale,
