@@ -52,6 +52,7 @@ void validate(const BenchOptions& o) {
     check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
     parse_offload(o.offload, parse_recompute_mode(o.recompute));
   }
+  parse_mlp_tile_tokens(o.mlp_tile_tokens);
   if (o.sp < 0 || o.ulysses < 0 || o.ring < 0) fail("--sp, --ulysses and --ring must be positive");
   if (o.doc_length < 0 || o.doc_length == 1)
     fail("--doc-length {}: a document needs at least 2 tokens (0: one document per step)", o.doc_length);
@@ -133,9 +134,11 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   const RecomputeMode recompute = parse_recompute_mode(o.recompute);
   DecoderOptions decoder_options = recompute_options(recompute, config.num_layers, o.recompute_layers);
   decoder_options.offload = parse_offload(o.offload, recompute);
+  decoder_options.mlp_tile_tokens = mlp_tile_tokens_to_run(parse_mlp_tile_tokens(o.mlp_tile_tokens));
   r.recompute = o.recompute;
   r.recompute_layers = o.recompute_layers;
   r.offload = decoder_options.offload;
+  r.mlp_tile_tokens = decoder_options.mlp_tile_tokens;
   Stream stream = backend.default_stream();
   Tensor loss = backend.zeros(Shape{1}, stat_dtype(dtype));
 
@@ -186,6 +189,7 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   setup.lora_rank = o.full ? 0 : o.lora_rank;
   setup.recompute = recompute;
   setup.recomputed_layers = o.recompute_layers;
+  setup.mlp_tiled = decoder_options.mlp_tile_tokens > 0;
   const StepFlops flops = step_flops(config, setup);
   const double step_s = total_ms / 1000.0 / o.steps;
   r.model_flops = flops.model();
@@ -380,12 +384,13 @@ std::string format_report(const BenchReport& rep) {
                      r.tokens_per_s, mean, r.model_tflops, mfu, r.executed_tflops,
                      gib(r.memory.peak_allocated_bytes), gib(r.memory.peak_reserved_bytes),
                      gib(r.memory.device_used_bytes), r.loss);
-    if (r.offload || o.recompute == "auto")
-      s += fmt::format("{:>8}  recompute {}{}{}\n", "", r.recompute,
+    if (r.offload || r.mlp_tile_tokens > 0 || o.recompute == "auto")
+      s += fmt::format("{:>8}  recompute {}{}{}{}\n", "", r.recompute,
                        r.recompute_layers >= 0 ? fmt::format(" on the first {} layers", r.recompute_layers) : "",
                        r.offload ? fmt::format(", activations offloaded: {} of host memory at the peak",
                                                gib(r.memory.peak_host_allocated_bytes))
-                                 : "");
+                                 : "",
+                       r.mlp_tile_tokens > 0 ? fmt::format(", MLP in {}-token tiles", r.mlp_tile_tokens) : "");
   }
   bool any_split = false;
   for (const BenchResult& r : rep.results) any_split |= r.split_measured;
@@ -474,6 +479,7 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
     x["recompute"] = r.recompute;  // as run (auto: the choice)
     x["recompute_layers"] = r.recompute_layers;
     x["offload"] = r.offload ? "activations" : "none";
+    x["mlp_tile_tokens"] = r.mlp_tile_tokens;
     x["offload_host_bytes"] = r.memory.peak_host_allocated_bytes;  // host memory of offload at its peak
     if (r.split_measured) {
       auto& split = x["split_ms"];

@@ -31,8 +31,9 @@ struct BenchOptions {
   int64_t recompute_layers = -1;       // the first N layers recompute; the others keep all (-1: every layer)
   std::string offload = "none";        // none | activations: recomputed layers' kept tensors in host memory
   double router_aux_loss_coef = -1;    // MoE: the router load-balancing loss, as sft's flag (-1: the config's rule)
+  std::string mlp_tile_tokens = "auto";  // SwiGLU MLP tiles: N tokens, 0 untiled, auto (model/recompute.h)
   // --recompute auto: called before each length runs with the options to fill in (recompute,
-  // recompute_layers, offload), from `spindle plan`'s choice (plan/auto_recompute.h).
+  // recompute_layers, offload, mlp_tile_tokens), from `spindle plan`'s choice (plan/auto_recompute.h).
   std::function<void(int64_t seq, BenchOptions& chosen)> choose_recompute;
   int warmup = 2, steps = 3;
   int profile_steps = 1;               // extra steps through the timing decorator (0: no split)
@@ -61,6 +62,7 @@ struct BenchResult {
   std::string recompute;               // the setting this length ran with (auto: the one chosen)
   int64_t recompute_layers = -1;
   bool offload = false;
+  int64_t mlp_tile_tokens = 0;         // as run: rows per SwiGLU MLP tile (0: untiled)
   bool split_measured = false;
   // Per step, by OpCategory: attention, gemm, communication (on the compute stream), other ops,
   // overlapped communication (on another stream; not part of idle = step − the first four).

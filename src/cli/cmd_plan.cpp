@@ -22,6 +22,7 @@ struct PlanArgs {
   bool bench_step = false;
   bool max_seq = false;
   std::string offload = "none";
+  std::string mlp_tile_tokens = "auto";
   std::string device_memory;
   std::string host_memory;
 };
@@ -31,6 +32,7 @@ int run_plan_command(PlanArgs& args) {
   if (args.bench_step) args.options.optimizer = false;
   args.options.offload = args.offload == "activations";
   if (args.offload != "none" && args.offload != "activations") parse_offload(args.offload, RecomputeMode::All);
+  args.options.mlp_tile_tokens = parse_mlp_tile_tokens(args.mlp_tile_tokens);
   int64_t device_bytes = 0;
   if (!args.device_memory.empty()) {
     device_bytes = plan::parse_memory_size(args.device_memory);
@@ -43,8 +45,9 @@ int run_plan_command(PlanArgs& args) {
     if (device_bytes <= 0) fail("--max-seq needs the device's memory: give --device-memory (bytes or e.g. 80GiB)");
     const bool automatic = args.options.recompute == "auto";
     const plan::RecomputeSetting setting =
-        automatic ? plan::RecomputeSetting{"all", -1, true}
-                  : plan::RecomputeSetting{args.options.recompute, args.options.recompute_layers, args.options.offload};
+        automatic ? plan::most_frugal_setting(args.options)
+                  : plan::RecomputeSetting{args.options.recompute, args.options.recompute_layers, args.options.offload,
+                                           mlp_tile_tokens_to_run(args.options.mlp_tile_tokens)};
     const int64_t usable = plan::usable_memory(device_bytes, args.options.device);
     int64_t peak = 0;
     const int64_t longest =
@@ -57,6 +60,7 @@ int run_plan_command(PlanArgs& args) {
       j["recompute"] = setting.recompute;
       j["recompute_layers"] = setting.recompute_layers;
       j["offload"] = setting.offload ? "activations" : "none";
+      j["mlp_tile_tokens"] = setting.mlp_tile_tokens;
       j["max_seq"] = longest;
       j["peak_allocated_bytes"] = peak;
       std::printf("%s\n", j.dump(2).c_str());
@@ -83,6 +87,7 @@ int run_plan_command(PlanArgs& args) {
     chosen.recompute = choice.setting.recompute;
     chosen.recompute_layers = choice.setting.recompute_layers;
     chosen.offload = choice.setting.offload;
+    chosen.mlp_tile_tokens = choice.setting.mlp_tile_tokens;
     const plan::PlanReport report = plan::run_plan(chosen);
     if (args.json) {
       nlohmann::ordered_json j = plan::plan_json(report);
@@ -97,6 +102,7 @@ int run_plan_command(PlanArgs& args) {
       r["recompute_chosen"] = choice.setting.recompute;
       r["recompute_layers_chosen"] = choice.setting.recompute_layers;
       r["offload_chosen"] = choice.setting.offload ? "activations" : "none";
+      r["mlp_tile_tokens_chosen"] = choice.setting.mlp_tile_tokens;
       doc["results"].push_back(r);
     } else {
       std::printf("seq %lld: %s\n", static_cast<long long>(seq), choice.summary(report.config.num_layers).c_str());
@@ -127,6 +133,7 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--offload", args->offload,
                   "none, or activations: recomputed layers' inputs (and kept attention) in host memory")
       ->capture_default_str();
+  cmd->add_option("--mlp-tile-tokens", args->mlp_tile_tokens, kMlpTileTokensHelp)->capture_default_str();
   cmd->add_option("--router-aux-loss-coef", o.router_aux_loss_coef,
                   "MoE models: plan the router load-balancing loss as sft runs it with this coefficient (0: off; "
                   "default: the config's router_aux_loss_coef when its output_router_logits is true, else off)");
@@ -148,7 +155,8 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
                   "three quarters of it");
   cmd->add_flag("--max-seq", args->max_seq,
                 "print the longest row that fits --device-memory (up to 64M tokens) with the --recompute / --offload "
-                "given; with auto, recompute all with offload, the setting that needs least");
+                "/ --mlp-tile-tokens given; with auto, recompute all with offload and (--mlp-tile-tokens auto) the MLP "
+                "in 16k-token tiles, the setting that needs least");
   cmd->add_flag("--json", args->json, "print one JSON document instead of the table");
   commands.push_back({cmd, [args] { return run_plan_command(*args); }});
 }

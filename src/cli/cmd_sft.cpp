@@ -156,6 +156,7 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
                   "none, or activations: recomputed layers' inputs (and kept attention outputs) go to host memory "
                   "during forward and come back ahead of backward (docs/memory.md)")
       ->capture_default_str();
+  cmd->add_option("--mlp-tile-tokens", c.mlp_tile_tokens, kMlpTileTokensHelp)->capture_default_str();
   cmd->add_option("--device-memory", c.device_memory,
                   "with --recompute auto: the memory per device to fit (bytes, or 80GiB; default: the GPU's, or the "
                   "machine's RAM on the CPU)");
@@ -201,6 +202,7 @@ void resolve_auto_recompute(TrainConfig& config) {
   p.quant_block_size = config.quant_block_size;
   p.router_aux_loss_coef = config.router_aux_loss_coef;
   p.device = device.cuda ? "cuda" : "cpu";
+  p.mlp_tile_tokens = parse_mlp_tile_tokens(config.mlp_tile_tokens);
   p.dtype = config.dtype;
   p.world = process.world_size;
   p.dp = config.dp;
@@ -218,6 +220,7 @@ void resolve_auto_recompute(TrainConfig& config) {
   config.recompute = choice.setting.recompute;
   config.recompute_layers = choice.setting.recompute_layers;
   config.offload = choice.setting.offload ? "activations" : "none";
+  config.mlp_tile_tokens = std::to_string(choice.setting.mlp_tile_tokens);
   if (process.rank == 0) std::fprintf(stderr, "%s\n", choice.summary(0).c_str());
 }
 

@@ -179,6 +179,7 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
   const RecomputeMode recompute = parse_recompute_mode(o.recompute);
   DecoderOptions decoder_options = recompute_options(recompute, config.num_layers, o.recompute_layers);
   decoder_options.offload = o.offload;
+  decoder_options.mlp_tile_tokens = mlp_tile_tokens_to_run(o.mlp_tile_tokens);
   Decoder decoder(backend, weights, decoder_options);
   std::unique_ptr<AttentionStrategy> attention;
   if (mesh && mesh_config.sp > 1) attention = parallel::make_sequence_parallel_attention(*mesh, config);
@@ -232,6 +233,8 @@ PlanReport run_plan(const PlanOptions& o) {
   if (o.seq_lengths.empty()) fail("--seq needs at least one length");
   check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
   if (o.offload) parse_offload("activations", parse_recompute_mode(o.recompute));
+  if (o.mlp_tile_tokens < kMlpTileAuto)
+    fail("--mlp-tile-tokens must be auto, 0 (untiled) or a positive number of tokens, got {}", o.mlp_tile_tokens);
   PlanReport rep;
   rep.options = o;
   rep.config = ModelConfig::from_file(o.model);
@@ -284,6 +287,8 @@ std::string format_plan(const PlanReport& rep) {
       o.recompute, o.recompute_layers >= 0 ? fmt::format(" (first {} layers)", o.recompute_layers) : "",
       o.offload ? ", activations offloaded to host memory" : "",
       rep.router_aux_loss_coef > 0 ? fmt::format(", router aux loss {:g}", rep.router_aux_loss_coef) : "");
+  if (mlp_tile_tokens_to_run(o.mlp_tile_tokens) > 0)
+    s += fmt::format("SwiGLU MLPs in tiles of {} tokens (--mlp-tile-tokens)\n", o.mlp_tile_tokens);
   s += "predicted peak of live tensors per rank (the allocator's own slack and the backend's fixed workspaces "
        "come on top; docs/memory.md)\n";
   for (const LengthPlan& l : rep.lengths) {
@@ -319,6 +324,7 @@ nlohmann::ordered_json plan_json(const PlanReport& rep) {
   j["recompute"] = rep.options.recompute;
   j["recompute_layers"] = rep.options.recompute_layers;
   j["offload"] = rep.options.offload ? "activations" : "none";
+  j["mlp_tile_tokens"] = mlp_tile_tokens_to_run(rep.options.mlp_tile_tokens);
   j["lora_rank"] = rep.options.full ? 0 : rep.options.lora_rank;
   j["quantize"] = rep.options.quantize.empty() ? "none" : rep.options.quantize;
   j["double_quant"] = rep.options.double_quant;

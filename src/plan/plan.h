@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/config.h"
+#include "model/recompute.h"
 
 namespace spindle::plan {
 
@@ -27,6 +28,8 @@ struct PlanOptions {
   std::string recompute = "all";     // none | all | keep-attention
   int64_t recompute_layers = -1;
   bool offload = false;              // --offload activations: recomputed layers' kept tensors in host memory
+  int64_t mlp_tile_tokens = kMlpTileAuto;  // --mlp-tile-tokens: rows per SwiGLU MLP tile, 0 untiled (auto: untiled
+                                           // here; choose_recompute tries tiles when nothing untiled fits)
   bool optimizer = true;             // AdamW state (sft holds it; `spindle bench`'s step does not)
   // MoE models: the router load-balancing loss, as sft's --router-aux-loss-coef (-1: the config's rule;
   // model/router_aux_loss.h): its statistics and gradient vector are planned when it is on.

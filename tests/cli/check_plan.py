@@ -75,6 +75,18 @@ offload_cases = [
      (2, ["--sp", "2", "--ulysses", "2"])),
 ]
 cases += offload_cases
+# SwiGLU MLPs in token tiles: one tile's intermediates, gate and up recomputed in backward; tiles that
+# divide the row's tokens and that do not, with offload, and under sequence parallelism.
+cases += [
+    ("qwen2 LoRA, MLP in 40-token tiles, recompute all", "qwen2", 96,
+     ["--recompute", "all", "--mlp-tile-tokens", "40"], (1, [])),
+    ("qwen3 full, MLP in 32-token tiles, no recompute", "qwen3", 96,
+     ["--full", "--recompute", "none", "--mlp-tile-tokens", "32"], (1, [])),
+    ("llama MLP in 16-token tiles, offload, keep-attention", "llama", 64,
+     ["--recompute", "keep-attention", "--offload", "activations", "--mlp-tile-tokens", "16"], (1, [])),
+    ("qwen3 MLP in 20-token tiles, Ulysses sp 2", "qwen3", 96, ["--recompute", "all", "--mlp-tile-tokens", "20"],
+     (2, ["--sp", "2", "--ulysses", "2"])),
+]
 
 # A hybrid model (gated DeltaNet and gated attention layers): the config alone is enough for both.
 hybrid = tempfile.mkdtemp(prefix="spindle-plan-")
@@ -142,5 +154,12 @@ for bad, needle in ((["--world", "3", "--sp", "2"], "--sp"), (["--seq", "0"], "-
     print(f"{'ok  ' if ok else 'FAIL'} refuses {' '.join(bad)}: {p.stderr.strip().splitlines()[-1] if p.stderr else ''}")
     if not ok:
         failures.append(" ".join(bad))
+
+p = subprocess.run([spindle, "plan", "--model", os.path.join(hf, "qwen2"), "--mlp-tile-tokens", "lots"],
+                   capture_output=True, text=True, timeout=60)
+ok = p.returncode != 0 and "--mlp-tile-tokens" in p.stderr and "Traceback" not in p.stderr
+print(f"{'ok  ' if ok else 'FAIL'} refuses --mlp-tile-tokens lots: {p.stderr.strip().splitlines()[-1] if p.stderr else ''}")
+if not ok:
+    failures.append("--mlp-tile-tokens lots")
 
 sys.exit(f"{len(failures)} failed: {failures}" if failures else 0)
