@@ -346,18 +346,12 @@ class Backend {
   // dout[t]) and d_topk_weight [T, k] (stat dtype) = ⟨y[row of (t, j)], dout[t]⟩.
   virtual void moe_combine_backward(Stream stream, const Tensor& dout, const Tensor& y, const Tensor& row_of_slot,
                                     const Tensor& topk_weight, Tensor& dy, Tensor& d_topk_weight) = 0;
-  // A shared expert's gate (qwen3_5_moe, refused on CUDA until this has a kernel; the default throws): out[t] += σ(gate[t])·shared[t] for out, shared [T, H] and
+  // A shared expert's gate (qwen3_5_moe): out[t] += σ(gate[t])·shared[t] for out, shared [T, H] and
   // gate [T, 1] (one logit per token). The backward overwrites d_shared [T, H] = σ(gate[t])·dout[t]
   // and d_gate [T, 1] = σ'(gate[t])·⟨dout[t], shared[t]⟩.
-  virtual void shared_expert_gate_forward(Stream stream, const Tensor& shared, const Tensor& gate, Tensor& out) {
-    (void)stream, (void)shared, (void)gate, (void)out;
-    fail("shared_expert_gate_forward is not implemented on the {} backend", name());
-  }
+  virtual void shared_expert_gate_forward(Stream stream, const Tensor& shared, const Tensor& gate, Tensor& out) = 0;
   virtual void shared_expert_gate_backward(Stream stream, const Tensor& shared, const Tensor& gate, const Tensor& dout,
-                                           Tensor& d_shared, Tensor& d_gate) {
-    (void)stream, (void)shared, (void)gate, (void)dout, (void)d_shared, (void)d_gate;
-    fail("shared_expert_gate_backward is not implemented on the {} backend", name());
-  }
+                                           Tensor& d_shared, Tensor& d_gate) = 0;
 
   // ---- loss ------------------------------------------------------------------------------------
   // Cross-entropy on a chunk of logits [N, V] (weights: stat dtype, F32 or F64), in place: logits become

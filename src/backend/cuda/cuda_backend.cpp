@@ -831,6 +831,25 @@ class CudaBackend final : public Backend {
                                d_topk_weight.data_as<float>(), dout.dtype());
   }
 
+  // The shared expert's gate: shared, out [T, H] and the logits [T, 1] (or [T]) of one compute dtype.
+  void shared_expert_gate_forward(Stream stream, const Tensor& shared, const Tensor& gate, Tensor& out) override {
+    const int64_t hidden = shared_gate_shape(shared, gate, out, "shared_expert_gate_forward");
+    cuda::shared_expert_gate_forward(s(stream), shared.data(), gate.data(), shared.dim(0), hidden, out.data(),
+                                     shared.dtype());
+  }
+
+  void shared_expert_gate_backward(Stream stream, const Tensor& shared, const Tensor& gate, const Tensor& dout,
+                                   Tensor& d_shared, Tensor& d_gate) override {
+    const char* op = "shared_expert_gate_backward";
+    const int64_t hidden = shared_gate_shape(shared, gate, dout, op);
+    require_same(shared, d_shared, op);
+    require_same(shared, d_gate, op);
+    SPINDLE_CHECK(d_shared.shape() == shared.shape() && d_gate.numel() == gate.numel(), "{}: d_shared {} d_gate {}",
+                  op, d_shared.describe(), d_gate.describe());
+    cuda::shared_expert_gate_backward(s(stream), shared.data(), gate.data(), dout.data(), shared.dim(0), hidden,
+                                      d_shared.data(), d_gate.data(), shared.dtype());
+  }
+
   void moe_grouped_gemm(Stream stream, const Tensor& x, const std::vector<Tensor>& weights, bool transpose_weight,
                         const Tensor& offsets, Tensor& y, bool accumulate) override {
     const char* op = "moe_grouped_gemm";
@@ -958,6 +977,17 @@ class CudaBackend final : public Backend {
     if (experts < 1 || experts > cuda::kMaxGroupedExperts)
       fail("{}: {} experts; the CUDA grouped GEMM takes 1 … {}", what, experts, cuda::kMaxGroupedExperts);
     SPINDLE_CHECK(offsets.numel() == experts + 1, "{}: offsets {} for {} experts", what, offsets.describe(), experts);
+  }
+
+  // [T, H] `shared` and `other`, one logit per token in `gate`, all of one compute dtype: returns H.
+  int64_t shared_gate_shape(const Tensor& shared, const Tensor& gate, const Tensor& other, const char* op) const {
+    require_compute(shared, op);
+    require_same(shared, gate, op);
+    require_same(shared, other, op);
+    SPINDLE_CHECK(shared.rank() == 2 && other.shape() == shared.shape() && gate.numel() == shared.dim(0),
+                  "{}: shared {} gate {} (one logit per token) and {}", op, shared.describe(), gate.describe(),
+                  other.describe());
+    return shared.dim(1);
   }
 
   // The delta rule's shapes (backend.h): q, k [T, Hk, dk], v [T, Hv, dv], beta [T, Hv] of one compute
