@@ -103,6 +103,11 @@ class Backend {
   // dst = src converted to dst's dtype (same element count; shapes may differ).
   virtual void copy(Stream stream, const Tensor& src, Tensor& dst) = 0;
   virtual void fill(Stream stream, Tensor& t, double value) = 0;
+  // t (any float dtype) [n] = the counter-based uniform values of core/random_hash.h: v_i of stream
+  // (seed, sequence) on ±half_width, computed in double, then stored as copy() stores a double (F64
+  // as is; F32 rounded to nearest even; BF16/F16 through that F32, rounded to nearest even). Every
+  // backend writes the same bits (ModelWeights::random draws its weights on the backend this way).
+  virtual void fill_random_uniform(Stream stream, Tensor& t, uint64_t seed, uint64_t sequence, double half_width) = 0;
   virtual MemoryStats memory_stats() = 0;
   virtual void reset_peak_memory() = 0;  // peaks restart from the current values
 
@@ -255,6 +260,9 @@ class Backend {
                                          const Tensor& g, const Tensor& beta, const Tensor& doc_ids, double scale,
                                          int64_t chunk_size, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
                                          Tensor& dg, Tensor& dbeta) = 0;
+  // The CUDA backend has no kernels for the two ops below yet (state passing between ranks stops
+  // with a message naming --ring 1 before it calls them); the defaults throw.
+  //
   // The gated delta rule as above with a state entering and leaving every run of equal run_ids
   // I32 [T] (runs play the documents' part): run n starts from initial_states[n] instead of zero
   // and leaves its last state in final_states[n]; both [N, Hv, dk, dv] in the stat dtype, N runs.
@@ -263,7 +271,9 @@ class Backend {
   virtual void gated_delta_rule_forward_states(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& g, const Tensor& beta, const Tensor& run_ids,
                                                double scale, int64_t chunk_size, const Tensor& initial_states,
-                                               Tensor& out, Tensor& final_states) = 0;
+                                               Tensor& out, Tensor& final_states) {
+    fail("gated_delta_rule_forward_states is not implemented on the {} backend", name());
+  }
   // dq, dk, dv, dg, dbeta and d_initial_states [N, Hv, dk, dv] overwritten from dout and
   // d_final_states = ∂L/∂final_states (what later tokens, on other ranks, make of each run's last state).
   virtual void gated_delta_rule_backward_states(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -271,7 +281,9 @@ class Backend {
                                                 double scale, int64_t chunk_size, const Tensor& initial_states,
                                                 const Tensor& dout, const Tensor& d_final_states, Tensor& dq,
                                                 Tensor& dk, Tensor& dv, Tensor& dg, Tensor& dbeta,
-                                                Tensor& d_initial_states) = 0;
+                                                Tensor& d_initial_states) {
+    fail("gated_delta_rule_backward_states is not implemented on the {} backend", name());
+  }
   // Gated RMSNorm: y[R, C] = x·rstd·w[C]·silu(z), rstd[R] = (mean x² + eps)^-½ saved (stat dtype);
   // the backward overwrites dx and dz and adds into *dw (null: frozen).
   virtual void gated_rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& z, const Tensor& w, double eps,
@@ -291,6 +303,18 @@ class Backend {
   // [ceil(K/blocksize2)].
   virtual void dequantize_absmax(Stream stream, const Tensor& codes, const Tensor& code_map, const Tensor& absmax2,
                                  int64_t blocksize2, double offset, Tensor& absmax) = 0;
+  // The inverse, as bitsandbytes' quantize_4bit computes it (its fast-math arithmetic, the GPU's
+  // approximate reciprocal included: backend/cpu/quant4_ops.h): w [n] (F32, BF16 or F16, read
+  // exactly; F64 is rounded to F32 first) -> packed U8 [(n+1)/2] and absmax F32 [ceil(n/blocksize)],
+  // the layout above. Quantising a model's projections at load runs this on the device.
+  virtual void quantize_4bit(Stream stream, const Tensor& w, int64_t blocksize, Quant4Type type, Tensor& packed,
+                             Tensor& absmax) = 0;
+  // Double quantisation of absmax F32 [K] (bitsandbytes' compress_statistics) around `offset` (an
+  // F32 value: the absmax' mean, which the caller forms on the host, quant4::absmax_mean, in the
+  // order torch's reference has): codes U8 [K] and absmax2 F32 [ceil(K/blocksize2)] such that
+  // dequantize_absmax with the same code_map F32 [256] (the sorted signed dynamic map) gives them back.
+  virtual void quantize_absmax(Stream stream, const Tensor& absmax, const Tensor& code_map, double offset,
+                               int64_t blocksize2, Tensor& codes, Tensor& absmax2) = 0;
 
   // ---- mixture of experts (routed SwiGLU experts) ----------------------------------------------
   // T tokens, E experts, k experts per token, N = T·k routed rows. Per-expert sizes stay in device
@@ -339,12 +363,18 @@ class Backend {
   // dout[t]) and d_topk_weight [T, k] (stat dtype) = ⟨y[row of (t, j)], dout[t]⟩.
   virtual void moe_combine_backward(Stream stream, const Tensor& dout, const Tensor& y, const Tensor& row_of_slot,
                                     const Tensor& topk_weight, Tensor& dy, Tensor& d_topk_weight) = 0;
-  // A shared expert's gate (qwen3_5_moe): out[t] += σ(gate[t])·shared[t] for out, shared [T, H] and
+  // A shared expert's gate (qwen3_5_moe, refused on CUDA until this has a kernel; the default throws): out[t] += σ(gate[t])·shared[t] for out, shared [T, H] and
   // gate [T, 1] (one logit per token). The backward overwrites d_shared [T, H] = σ(gate[t])·dout[t]
   // and d_gate [T, 1] = σ'(gate[t])·⟨dout[t], shared[t]⟩.
-  virtual void shared_expert_gate_forward(Stream stream, const Tensor& shared, const Tensor& gate, Tensor& out) = 0;
+  virtual void shared_expert_gate_forward(Stream stream, const Tensor& shared, const Tensor& gate, Tensor& out) {
+    (void)stream, (void)shared, (void)gate, (void)out;
+    fail("shared_expert_gate_forward is not implemented on the {} backend", name());
+  }
   virtual void shared_expert_gate_backward(Stream stream, const Tensor& shared, const Tensor& gate, const Tensor& dout,
-                                           Tensor& d_shared, Tensor& d_gate) = 0;
+                                           Tensor& d_shared, Tensor& d_gate) {
+    (void)stream, (void)shared, (void)gate, (void)dout, (void)d_shared, (void)d_gate;
+    fail("shared_expert_gate_backward is not implemented on the {} backend", name());
+  }
 
   // ---- loss ------------------------------------------------------------------------------------
   // Cross-entropy on a chunk of logits [N, V] (weights: stat dtype, F32 or F64), in place: logits become

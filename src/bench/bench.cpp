@@ -1,6 +1,7 @@
 #include "bench/bench.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <numeric>
@@ -286,6 +287,7 @@ BenchReport run_bench(const BenchOptions& options, const std::function<void(cons
   // BF16 storage with F32 accumulation on CUDA (the product); F32 on the CPU reference.
   const DType dtype = backend->device().kind == DeviceKind::CUDA ? DType::BF16 : DType::F32;
   // --quantize: each projection is quantised as it is drawn, so the dense model never exists on the device.
+  const auto build_start = std::chrono::steady_clock::now();
   ModelWeights weights =
       ModelWeights::random(*backend, report.config, dtype, options.seed,
                            parse_quantize_options(options.quantize, options.double_quant, options.quant_block_size));
@@ -310,6 +312,8 @@ BenchReport run_bench(const BenchOptions& options, const std::function<void(cons
     }
   if (par.run.world) par.fsdp = std::make_unique<parallel::Fsdp>(*backend, weights, *par.run.world);
   backend->synchronize(backend->default_stream());
+  report.model_build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - build_start).count();
+  if (options.on_model_built) options.on_model_built(report.model_build_s);
 
   for (int64_t seq : options.seq_lengths) {
     BenchResult r;
@@ -358,6 +362,8 @@ std::string format_report(const BenchReport& rep) {
     s += fmt::format("  {} processes, one GPU each: dp {} x sp {} (ulysses {} x ring {}), FSDP over all; tokens/s counts "
                      "all replicas, TFLOP/s and MFU are per GPU, memory is rank 0's\n",
                      rep.world, rep.dp, rep.sp, rep.ulysses, rep.ring);
+  s += fmt::format("  model built in {:.1f} s (random weights drawn{} by the backend)\n", rep.model_build_s,
+                   o.quantize.empty() || o.quantize == "none" ? "" : " and quantised");
   s += "  step = forward + backward (gradients zeroed first); the optimizer step is not included\n";
   s += std::string("  model FLOPs = 6·N_matmul·T + 3.5·L·4·Hq·D·") +
        (o.doc_length > 0 ? "Σ n(n+1)/2 over the documents" : "T(T+1)/2") +
@@ -450,6 +456,7 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
   j["ring"] = rep.ring;
   j["parameters"] = rep.parameters;
   j["trainable_parameters"] = rep.trainable_parameters;
+  j["model_build_s"] = rep.model_build_s;
   j["optimizer_step_included"] = false;
   j["peak_tflops"] = rep.peak_tflops;
   j["flops_formula"] =

@@ -35,6 +35,8 @@ struct BenchOptions {
   // --recompute auto: called before each length runs with the options to fill in (recompute,
   // recompute_layers, offload, mlp_tile_tokens), from `spindle plan`'s choice (plan/auto_recompute.h).
   std::function<void(int64_t seq, BenchOptions& chosen)> choose_recompute;
+  // Called once the model is on the device (BenchReport::model_build_s set), before any length runs.
+  std::function<void(double model_build_s)> on_model_built;
   int warmup = 2, steps = 3;
   int profile_steps = 1;               // extra steps through the timing decorator (0: no split)
   int op_table_rows = 0;               // the text report lists the profiled step's N most costly ops
@@ -79,6 +81,9 @@ struct BenchReport {
   std::string device_name;
   double peak_tflops = 0;
   int64_t parameters = 0, trainable_parameters = 0;
+  // Wall seconds from the first weight to the model ready on the device: random weights drawn (and
+  // quantised, with --quantize) by the backend, LoRA adapters, FSDP shards.
+  double model_build_s = 0;
   std::vector<BenchResult> results;
 };
 

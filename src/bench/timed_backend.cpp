@@ -61,6 +61,9 @@ void TimedBackend::copy(Stream s, const Tensor& src, Tensor& dst) {
 void TimedBackend::fill(Stream s, Tensor& t, double value) {
   timed(s, C::OtherOps, "fill", [&] { inner_.fill(s, t, value); });
 }
+void TimedBackend::fill_random_uniform(Stream s, Tensor& t, uint64_t seed, uint64_t sequence, double half_width) {
+  timed(s, C::OtherOps, "fill_random_uniform", [&] { inner_.fill_random_uniform(s, t, seed, sequence, half_width); });
+}
 void TimedBackend::scale(Stream s, Tensor& x, double alpha) {
   timed(s, C::OtherOps, "scale", [&] { inner_.scale(s, x, alpha); });
 }
@@ -303,6 +306,15 @@ void TimedBackend::dequantize_absmax(Stream s, const Tensor& codes, const Tensor
                                      int64_t blocksize2, double offset, Tensor& absmax) {
   timed(s, C::OtherOps, "dequantize_absmax",
         [&] { inner_.dequantize_absmax(s, codes, code_map, absmax2, blocksize2, offset, absmax); });
+}
+void TimedBackend::quantize_4bit(Stream s, const Tensor& w, int64_t blocksize, Quant4Type type, Tensor& packed,
+                                 Tensor& absmax) {
+  timed(s, C::OtherOps, "quantize_4bit", [&] { inner_.quantize_4bit(s, w, blocksize, type, packed, absmax); });
+}
+void TimedBackend::quantize_absmax(Stream s, const Tensor& absmax, const Tensor& code_map, double offset,
+                                   int64_t blocksize2, Tensor& codes, Tensor& absmax2) {
+  timed(s, C::OtherOps, "quantize_absmax",
+        [&] { inner_.quantize_absmax(s, absmax, code_map, offset, blocksize2, codes, absmax2); });
 }
 void TimedBackend::cross_entropy(Stream s, Tensor& logits, const Tensor& targets, const Tensor& weights,
                                  double loss_scale, double grad_scale, Tensor& loss_sum, Tensor& token_ce) {

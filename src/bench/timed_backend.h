@@ -77,6 +77,7 @@ class TimedBackend final : public Backend {
   void copy_to_host(Stream stream, const Tensor& src, void* dst) override;
   void copy(Stream stream, const Tensor& src, Tensor& dst) override;
   void fill(Stream stream, Tensor& t, double value) override;
+  void fill_random_uniform(Stream s, Tensor& t, uint64_t seed, uint64_t sequence, double half_width) override;
   MemoryStats memory_stats() override { return inner_.memory_stats(); }
   void reset_peak_memory() override { inner_.reset_peak_memory(); }
   // Activation offload's copies run on their own stream beside the ops; they are not timed as ops.
@@ -120,6 +121,11 @@ class TimedBackend final : public Backend {
                        Tensor& w) override;
   void dequantize_absmax(Stream s, const Tensor& codes, const Tensor& code_map, const Tensor& absmax2,
                          int64_t blocksize2, double offset, Tensor& absmax) override;
+  // Quantising at load (no step runs them; forwarded for completeness, labelled by name).
+  void quantize_4bit(Stream s, const Tensor& w, int64_t blocksize, Quant4Type type, Tensor& packed,
+                     Tensor& absmax) override;
+  void quantize_absmax(Stream s, const Tensor& absmax, const Tensor& code_map, double offset, int64_t blocksize2,
+                       Tensor& codes, Tensor& absmax2) override;
   // Mixture of experts: the grouped expert GEMMs count as GEMMs (label "moe_grouped_gemm …"), the
   // router, permutation and combine with the other ops under their own names.
   void moe_router_forward(Stream s, const Tensor& logits, int64_t top_k, bool normalize, Tensor& probs,

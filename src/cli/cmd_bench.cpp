@@ -45,6 +45,8 @@ int run_bench_command(BenchArgs& args) {
     }
   };
   const bool main_rank = group.rank == 0;  // every rank runs the sweep; rank 0 reports
+  if (main_rank)
+    args.options.on_model_built = [](double seconds) { std::fprintf(stderr, "bench: model built in %.1f s\n", seconds); };
   if (args.options.recompute == "auto") {
     // Each length's setting from the plan of this run, before the length allocates anything.
     const int64_t device_bytes = args.device_memory.empty()

@@ -4,7 +4,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "backend/cpu/quant4_ops.h"
@@ -28,78 +27,38 @@ Tensor upload(Backend& be, const void* data, Shape shape, DType dtype) {
   return t;
 }
 
-// Host F32 values of a float tensor (exact for BF16/F16/F32 sources).
-std::vector<float> host_f32(Backend& be, const Tensor& t) {
-  std::vector<float> out(static_cast<size_t>(t.numel()));
-  if (t.dtype() == DType::F32) {
-    be.copy_to_host(be.default_stream(), t, out.data());
-  } else {
-    Tensor f32 = be.empty(t.shape(), DType::F32);
-    be.copy(be.default_stream(), t, f32);
-    be.copy_to_host(be.default_stream(), f32, out.data());
-  }
-  return out;
-}
-
-// The quantised data of n weights, on the host, as bitsandbytes' quantize_4bit (+ compress_statistics) makes it.
-struct HostQuantized {
-  std::vector<uint8_t> packed;
-  std::vector<float> absmax;    // without double quantisation
-  std::vector<uint8_t> codes;   // with: the absmax as 8-bit codes
-  std::vector<float> absmax2;   // with: one per nested block
-  float offset = 0;
-};
-
-HostQuantized quantize_host(const float* w, int64_t n, const QuantizeOptions& o) {
-  HostQuantized q;
-  const int64_t blocks = quant4::num_blocks(n, o.blocksize);
-  q.packed.resize(static_cast<size_t>((n + 1) / 2));
-  q.absmax.resize(static_cast<size_t>(blocks));
-  // Blocks are independent, so whole blocks split over the host's threads give the same bytes; our
-  // own threads, because the OpenMP thread count may have been set to 1 by whoever ran before (a
-  // 72B model has 7e10 weights to quantise).
-  const int64_t threads =
-      std::clamp<int64_t>(blocks / 8, 1, std::max<int64_t>(1, std::thread::hardware_concurrency()));
-  std::vector<std::thread> pool;
-  for (int64_t t = 0; t < threads; ++t)
-    pool.emplace_back([&, t] {
-      const int64_t first = blocks * t / threads, last = blocks * (t + 1) / threads;
-      const int64_t begin = first * o.blocksize, end = std::min(n, last * o.blocksize);
-      if (end > begin)  // blocksize is even, so a block's first element is a byte's high nibble
-        quant4::quantize(w + begin, end - begin, o.blocksize, *o.type, q.packed.data() + begin / 2,
-                         q.absmax.data() + first);
-    });
-  for (std::thread& th : pool) th.join();
-  if (o.double_quant) {
-    q.offset = quant4::absmax_mean(q.absmax.data(), blocks);
-    q.codes.resize(static_cast<size_t>(blocks));
-    q.absmax2.resize(static_cast<size_t>(quant4::num_blocks(blocks, quant4::kNestedBlocksize)));
-    quant4::quantize_absmax(q.absmax.data(), blocks, q.offset, quant4::kNestedBlocksize, q.codes.data(),
-                            q.absmax2.data());
-  }
-  return q;
-}
-
-// Moves host-quantised data onto the backend as the projection's parameters.
-QuantizedWeight install(Backend& be, const HostQuantized& q, const QuantizeOptions& o, Parameter& packed,
-                        const std::string& prefix, const Tensor& dynamic_map,
-                        const std::function<Parameter&(const std::string&)>& add) {
+// Quantises dense [n] (any float dtype on the backend) into the projection's parameters, as
+// bitsandbytes' quantize_4bit (+ compress_statistics) does: `packed` (the dense weight's parameter)
+// gets the bytes, `add` appends the absmax (and, with double quantisation, the nested absmax).
+QuantizedWeight quantize_on_backend(Backend& be, const Tensor& dense, const QuantizeOptions& o, Parameter& packed,
+                                    const std::string& prefix, const Tensor& dynamic_map,
+                                    const std::function<Parameter&(const std::string&)>& add) {
+  const Stream stream = be.default_stream();
+  const int64_t n = dense.numel(), blocks = quant4::num_blocks(n, o.blocksize);
   QuantizedWeight qw;
   qw.blocksize = o.blocksize;
   qw.packed = &packed;
-  packed.value = upload(be, q.packed.data(), Shape{static_cast<int64_t>(q.packed.size())}, DType::U8);
+  packed.value = be.empty(Shape{(n + 1) / 2}, DType::U8);
   qw.absmax = &add(prefix + ".weight.absmax");
-  if (o.double_quant) {
-    qw.absmax->value = upload(be, q.codes.data(), Shape{static_cast<int64_t>(q.codes.size())}, DType::U8);
-    qw.nested_absmax = &add(prefix + ".weight.nested_absmax");
-    qw.nested_absmax->value =
-        upload(be, q.absmax2.data(), Shape{static_cast<int64_t>(q.absmax2.size())}, DType::F32);
-    qw.nested_blocksize = quant4::kNestedBlocksize;
-    qw.offset = q.offset;
-    qw.nested_code = dynamic_map;
-  } else {
-    qw.absmax->value = upload(be, q.absmax.data(), Shape{static_cast<int64_t>(q.absmax.size())}, DType::F32);
+  if (!o.double_quant) {
+    qw.absmax->value = be.empty(Shape{blocks}, DType::F32);
+    be.quantize_4bit(stream, dense, o.blocksize, *o.type, packed.value, qw.absmax->value);
+    return qw;
   }
+  Tensor absmax = be.empty(Shape{blocks}, DType::F32);  // F32 [blocks], until its 8-bit codes exist
+  be.quantize_4bit(stream, dense, o.blocksize, *o.type, packed.value, absmax);
+  // The offset is one scalar whose last bit depends on the order of its sum: formed on the host, in
+  // quant4::absmax_mean's order, from the absmax copied back (4 bytes per block: a few MB at most).
+  std::vector<float> host_absmax(static_cast<size_t>(blocks));
+  be.copy_to_host(stream, absmax, host_absmax.data());
+  qw.offset = quant4::absmax_mean(host_absmax.data(), blocks);
+  qw.absmax->value = be.empty(Shape{blocks}, DType::U8);
+  qw.nested_absmax = &add(prefix + ".weight.nested_absmax");
+  qw.nested_absmax->value = be.empty(Shape{quant4::num_blocks(blocks, quant4::kNestedBlocksize)}, DType::F32);
+  be.quantize_absmax(stream, absmax, dynamic_map, qw.offset, quant4::kNestedBlocksize, qw.absmax->value,
+                     qw.nested_absmax->value);
+  qw.nested_blocksize = quant4::kNestedBlocksize;
+  qw.nested_code = dynamic_map;
   return qw;
 }
 
@@ -218,23 +177,27 @@ void QuantizedLoader::on_linear(const LinearSpec& spec, Parameter& weight,
 
 QuantizedWeight QuantizedLoader::quantize_dense(const LinearSpec& spec, Parameter& weight,
                                                 const std::function<Parameter&(const std::string&)>& add) {
-  const int64_t n = spec.out * spec.in;
-  HostQuantized q;
+  const Shape shape{spec.out, spec.in};
+  // The scratch: the dense [out, in] tensor of the model dtype allocated for this weight (the header
+  // says why no other), freed when this returns.
+  Tensor dense = weight.value;
+  weight.value = Tensor();
   if (checkpoint_) {
-    weight.value = Tensor();  // the dense matrix allocated for it is not needed: free it first
-    auto host = make_cpu_backend(0);  // 0: leaves the process's thread count alone
-    const Tensor dense = io::load_tensor(*host, checkpoint_->require(weight.name, Shape{spec.out, spec.in}), DType::F32);
-    q = quantize_host(dense.data_as<float>(), n, options_);
+    // The file's values exactly (F32, BF16 and F16 as stored; F64 rounded to F32 on the host), not
+    // rounded to the model dtype: what the quantiser reads is what the checkpoint holds.
+    const io::TensorRecord& record = checkpoint_->require(weight.name, shape);
+    const DType dtype = record.dtype == DType::F64 || !is_float(record.dtype) ? DType::F32 : record.dtype;
+    if (dtype != dense.dtype()) {
+      dense = Tensor();  // freed before its replacement is allocated
+      dense = backend_.empty(shape, dtype);
+    }
+    io::load_tensor_into(backend_, record, dense);
   } else {
-    const std::vector<float> dense = dense_source_(spec, weight);
-    weight.value = Tensor();
-    SPINDLE_CHECK(static_cast<int64_t>(dense.size()) == n, "{}: {} dense values for [{}, {}]", spec.prefix,
-                  dense.size(), spec.out, spec.in);
-    q = quantize_host(dense.data(), n, options_);
+    dense_source_(spec, weight, dense);
   }
   if (!dynamic_map_.defined() && options_.double_quant)
     dynamic_map_ = upload(backend_, quant4::dynamic_map(), Shape{256}, DType::F32);
-  QuantizedWeight qw = install(backend_, q, options_, weight, spec.prefix, dynamic_map_, add);
+  QuantizedWeight qw = quantize_on_backend(backend_, dense, options_, weight, spec.prefix, dynamic_map_, add);
   filled_.insert(qw.packed);
   filled_.insert(qw.absmax);
   if (qw.nested_absmax) filled_.insert(qw.nested_absmax);
@@ -358,11 +321,8 @@ void quantize_projections(Backend& backend, const std::vector<Linear*>& linears,
     if (lin->weight->trainable)
       fail("{}: a trainable weight cannot be quantised (4-bit base weights are frozen; --quantize goes with LoRA)",
            lin->prefix);
-    const std::vector<float> dense = host_f32(backend, lin->weight->value);
-    Parameter& packed = *lin->weight;
-    packed.value = Tensor();
-    const HostQuantized q = quantize_host(dense.data(), lin->out * lin->in, options);
-    lin->quant = install(backend, q, options, packed, lin->prefix, dynamic_map, add);
+    const Tensor dense = lin->weight->value;  // kept alive until its bytes exist
+    lin->quant = quantize_on_backend(backend, dense, options, *lin->weight, lin->prefix, dynamic_map, add);
     lin->format = format_of(*options.type);
     lin->weight = nullptr;
     backend.synchronize(backend.default_stream());

@@ -52,13 +52,24 @@ std::optional<StoredQuantization> read_stored_quantization(const std::string& mo
 // Whether a projection is one bitsandbytes would quantise (every decoder projection but a router).
 bool quantizable_projection(const std::string& module);
 
-// A projection's dense weight as F32 host values [out·in], exactly as the model dtype holds them.
-using DenseWeightSource = std::function<std::vector<float>(const LinearSpec& spec, Parameter& weight)>;
+// Writes a projection's dense weight into `dense` [out, in], the backend tensor of the model dtype
+// that was allocated for it (`weight` names the parameter and no longer holds that tensor).
+using DenseWeightSource = std::function<void(const LinearSpec& spec, Parameter& weight, Tensor& dense)>;
 
 // Builds the quantised projections while ModelWeights::load (or ::random) creates the layers: each
 // projection's dense weight parameter is replaced, right after it is declared, by the packed bytes
-// and absmax read from a 4-bit checkpoint or quantised on the host from the dense one, so no more
-// than one dense matrix exists at a time and the device never holds the dense model.
+// and absmax read from a 4-bit checkpoint or quantised from the dense one on the backend
+// (Backend::quantize_4bit), so no more than one dense matrix exists at a time and the device never
+// holds the dense model.
+//
+// The device scratch of quantising at load is the projection's own dense tensor, which the model
+// allocated when the projection was declared: the values are drawn (random weights) or uploaded
+// (a checkpoint, in the file's dtype) into it, quantised there and freed, and the stream-ordered
+// pool hands the same memory to the next projection. At most one dense matrix at a time: the
+// largest projection's, e.g. Qwen2.5-72B's MLP, 29568 × 8192 BF16 = 484 MB (968 MB for an F32
+// checkpoint quantised for a BF16 model), plus the F32 absmax of double quantisation (1/16 of it).
+// A separate scratch kept across projections would hold a second dense matrix beside the one the
+// model allocates.
 class QuantizedLoader {
  public:
   QuantizedLoader(Backend& backend, const io::Checkpoint& checkpoint, const std::string& model_path,
@@ -95,8 +106,8 @@ class QuantizedLoader {
   Tensor dynamic_map_;  // F32 [256] on the backend, shared by every double-quantised projection
 };
 
-// Quantises the dense, quantisable projections of layers already in memory (random weights of
-// `spindle bench`, tests), one matrix at a time through the host. `add` appends a parameter.
+// Quantises the dense, quantisable projections of layers already in memory (tests), one matrix at
+// a time on the backend. `add` appends a parameter.
 void quantize_projections(Backend& backend, const std::vector<Linear*>& linears, const QuantizeOptions& options,
                           const std::function<Parameter&(const std::string&)>& add);
 

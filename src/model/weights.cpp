@@ -7,7 +7,6 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
-#include <thread>
 
 #include "core/error.h"
 #include "io/checkpoint.h"
@@ -25,8 +24,8 @@ std::string join(const std::vector<std::string>& names) {
 }
 
 void fill_host(Backend& backend, Tensor& t, const std::vector<double>& values) {
-  // Host doubles -> t's dtype through an F64 staging tensor on the backend.
-  Tensor staging = make_cpu_backend(0)->empty(t.shape(), DType::F64);  // 0: keeps the process's threads (the quantiser's)
+  // Host doubles -> t's dtype through an F64 staging tensor on the backend (LoRA's A matrices).
+  Tensor staging = make_cpu_backend(0)->empty(t.shape(), DType::F64);  // 0: keeps the process's thread count
   std::copy(values.begin(), values.end(), staging.data_as<double>());
   if (backend.device().kind == DeviceKind::CPU) {
     backend.copy(backend.default_stream(), staging, t);
@@ -38,53 +37,17 @@ void fill_host(Backend& backend, Tensor& t, const std::vector<double>& values) {
 }
 
 // ModelWeights::random's values: uniform on ±0.02·√3 (standard deviation 0.02), or 1 for a norm,
-// from a counter-based hash of (seed, the parameter's place in declaration order from 1, element):
-// a 7B model's 7.6e9 values take seconds, where std::normal_distribution took minutes.
-class RandomValues {
- public:
-  RandomValues(uint64_t seed, uint64_t ordinal, bool norm) : stream_(mix(seed ^ mix(ordinal))), norm_(norm) {}
-  double operator()(uint64_t i) const {
-    if (norm_) return 1.0;
-    const double u = static_cast<double>(mix(stream_ + i) >> 11) * 0x1.0p-53;  // [0, 1)
-    return half_width() * (2.0 * u - 1.0);
-  }
-  // out[i] = convert((*this)(i)) for i < n, over the host's cores (a 72B model has 7e10 values).
-  template <typename T, typename Convert>
-  void fill(T* out, int64_t n, Convert convert) const {
-    const int64_t threads = n < (int64_t{1} << 20) ? 1 : std::max<int64_t>(1, std::thread::hardware_concurrency());
-    std::vector<std::thread> pool;
-    for (int64_t t = 0; t < threads; ++t)
-      pool.emplace_back([&, t] {
-        for (int64_t i = n * t / threads; i < n * (t + 1) / threads; ++i) out[i] = convert((*this)(i));
-      });
-    for (std::thread& th : pool) th.join();
-  }
-
- private:
-  static uint64_t mix(uint64_t x) {  // splitmix64's finalizer
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-  }
-  static double half_width() {
-    static const double value = 0.02 * std::sqrt(3.0);
-    return value;
-  }
-  uint64_t stream_;
-  bool norm_;
-};
-
+// from a counter-based hash of (seed, the parameter's place in declaration order from 1, element)
+// drawn by the backend itself (core/random_hash.h): nothing is drawn on the host or copied, and a
+// 72B model's 7e10 values take under a second on a GPU, where the host's cores took minutes.
 bool is_norm(const std::string& name) { return name.find("norm") != std::string::npos; }
 
-// What a tensor of `dtype` holds once a double is written into it (backends convert through F32,
-// rounding to nearest even at each step), as the F32 the quantiser reads back.
-float as_stored(double v, DType dtype) {
-  const float f = static_cast<float>(v);
-  if (dtype == DType::BF16) return bf16_to_f32(f32_to_bf16(f));
-  if (dtype == DType::F16) return f16_to_f32(f32_to_f16(f));
-  return f;
+void draw_random(Backend& backend, Tensor& t, uint64_t seed, uint64_t ordinal, const std::string& name) {
+  if (is_norm(name)) return backend.fill(backend.default_stream(), t, 1.0);
+  static const double half_width = 0.02 * std::sqrt(3.0);
+  backend.fill_random_uniform(backend.default_stream(), t, seed, ordinal, half_width);
 }
+
 }  // namespace
 
 // Creates the parameters blocks ask for, in the model dtype on the backend.
@@ -217,21 +180,18 @@ ModelWeights ModelWeights::random(Backend& backend, const ModelConfig& config, D
   ModelWeights w;
   w.config = config;
   w.dtype = dtype;
-  // A quantised projection is drawn on the host straight into F32 as the model dtype holds it,
-  // quantised, and only its 4-bit data go to the backend. Its place in the order of declaration
-  // (which seeds it) skips the absmax parameters the quantiser appended before it: one per projection,
-  // two with double quantisation.
+  // A quantised projection is drawn by the backend into its dense tensor (model dtype), quantised
+  // there, and only its 4-bit data stay (model/quantized_weights.h). Its place in the order of
+  // declaration (which seeds it) skips the absmax parameters the quantiser appended before it: one
+  // per projection, two with double quantisation.
   const int64_t appended_per_projection = quantize.double_quant ? 2 : 1;
   int64_t quantized_so_far = 0;
-  QuantizedLoader loader(backend, quantize, [&](const LinearSpec&, Parameter& weight) {
+  QuantizedLoader loader(backend, quantize, [&](const LinearSpec&, Parameter& weight, Tensor& dense) {
     int64_t position = static_cast<int64_t>(w.params_.size()) - 1;
     while (&w.params_[static_cast<size_t>(position)] != &weight) --position;
     const uint64_t ordinal = static_cast<uint64_t>(position + 1 - quantized_so_far * appended_per_projection);
     ++quantized_so_far;
-    std::vector<float> values(static_cast<size_t>(weight.value.numel()));
-    RandomValues(seed, ordinal, is_norm(weight.name))
-        .fill(values.data(), weight.value.numel(), [dtype](double v) { return as_stored(v, dtype); });
-    return values;
+    draw_random(backend, dense, seed, ordinal, weight.name);
   });
   w.wire(backend, loader.active() ? &loader : nullptr);
   loader.bind(w.linears());
@@ -242,9 +202,7 @@ ModelWeights ModelWeights::random(Backend& backend, const ModelConfig& config, D
   for (Parameter& p : w.params_) {
     if (quantized.count(&p)) ++ordinal;
     if (loader.filled(p)) continue;
-    std::vector<double> values(static_cast<size_t>(p.value.numel()));
-    RandomValues(seed, ++ordinal, is_norm(p.name)).fill(values.data(), p.value.numel(), [](double v) { return v; });
-    fill_host(backend, p.value, values);
+    draw_random(backend, p.value, seed, ++ordinal, p.name);
   }
   backend.synchronize(backend.default_stream());
   return w;

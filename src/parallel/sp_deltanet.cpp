@@ -418,6 +418,12 @@ StatePass prepare_pass(Backend& be, Stream st, comm::Communicator& group, const 
   const int64_t t = qkv.dim(0), c = qkv.dim(1), width = h.conv.numel() / h.channels();
   const DType dt = qkv.dtype(), sdt = stat_dtype(dt);
   const int64_t hv = h.value_heads, dk = h.key_dim, dv = h.value_dim;
+  // Checked before the first collective, so every rank stops here with the same message.
+  if (be.device().kind != DeviceKind::CPU)
+    fail("passing the gated DeltaNet state between ranks (--ring > 1, or a --ulysses that does not divide "
+         "linear_num_key_heads) runs on the CPU backend for now; on the {} backend use --ring 1 and a --ulysses "
+         "that divides linear_num_key_heads",
+         be.name());
   StatePass s;
   s.plan = plan_pieces(be, st, group, batch, width - 1);
   const PiecePlan& plan = s.plan;

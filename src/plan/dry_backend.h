@@ -66,6 +66,7 @@ class DryBackend final : public Backend {
   void copy_to_host(Stream, const Tensor& src, void* dst) override;  // zeros unless a dry op wrote it
   void copy(Stream, const Tensor&, Tensor&) override {}
   void fill(Stream, Tensor&, double) override {}
+  void fill_random_uniform(Stream, Tensor&, uint64_t, uint64_t, double) override {}
   MemoryStats memory_stats() override;
   void reset_peak_memory() override;
   // Activation offload: host tensors count apart from the device's (no phases: they are all offload).
@@ -147,6 +148,10 @@ class DryBackend final : public Backend {
   // 4-bit base weights (QLoRA).
   void dequantize_4bit(Stream, const Tensor&, const Tensor&, int64_t, Quant4Type, Tensor&) override {}
   void dequantize_absmax(Stream, const Tensor&, const Tensor&, const Tensor&, int64_t, double, Tensor&) override {}
+  // Quantising at load: the dense matrix it reads is freed before any step, so it is never live
+  // at a step's peak.
+  void quantize_4bit(Stream, const Tensor&, int64_t, Quant4Type, Tensor&, Tensor&) override {}
+  void quantize_absmax(Stream, const Tensor&, const Tensor&, double, int64_t, Tensor&, Tensor&) override {}
   void cross_entropy(Stream, Tensor&, const Tensor&, const Tensor&, double, double, Tensor&, Tensor&) override {}
   void adamw_step(Stream, Tensor&, const Tensor&, Tensor&, Tensor&, const AdamW&) override {}
 

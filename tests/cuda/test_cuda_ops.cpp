@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/quant4_ops.h"
 #include "backend/cuda/attention_cudnn.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/op_test_util.h"
@@ -971,6 +973,106 @@ TEST(CudaQuant4, DequantisationIsBitIdenticalToTheCpuReference) {
   };
   const std::vector<float> g = run(*gpu), c = run(*cpu);
   EXPECT_EQ(std::memcmp(g.data(), c.data(), k * sizeof(float)), 0);
+}
+
+// Building weights on the device: ModelWeights::random's values and quantising at load give the
+// CPU reference's bits, so a model built on the GPU is the model the CPU builds.
+std::vector<uint8_t> host_bytes(Backend& be, const Tensor& t) {
+  std::vector<uint8_t> out(t.bytes());
+  be.copy_to_host(be.default_stream(), t, out.data());
+  return out;
+}
+
+int64_t differing_elements(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, size_t element) {
+  if (a.size() != b.size()) return -1;
+  int64_t wrong = 0;
+  for (size_t i = 0; i < a.size(); i += element) wrong += std::memcmp(a.data() + i, b.data() + i, element) != 0;
+  return wrong;
+}
+
+TEST(CudaInitOps, RandomFillIsBitIdenticalToTheCpu) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  auto gpu = make_cuda_backend(0);
+  auto cpu = make_cpu_backend();
+  const double half_width = 0.02 * std::sqrt(3.0);
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16, DType::F64})
+    for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{4097 * 3 + 1}, int64_t{3000017}})
+      for (uint64_t sequence : {uint64_t{1}, uint64_t{912}}) {
+        SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " n " << n << " sequence " << sequence);
+        Tensor g = gpu->empty(Shape{n}, dtype), c = cpu->empty(Shape{n}, dtype);
+        gpu->fill_random_uniform(gpu->default_stream(), g, 20261202, sequence, half_width);
+        cpu->fill_random_uniform(cpu->default_stream(), c, 20261202, sequence, half_width);
+        EXPECT_EQ(differing_elements(host_bytes(*gpu, g), host_bytes(*cpu, c), dtype_size(dtype)), 0);
+      }
+  // A half-width whose products round differently from the default's, and F16 values down to its
+  // subnormals (|v| < 2^-14).
+  for (DType dtype : {DType::F16, DType::F64}) {
+    Tensor g = gpu->empty(Shape{100003}, dtype), c = cpu->empty(Shape{100003}, dtype);
+    gpu->fill_random_uniform(gpu->default_stream(), g, 3, 4, 1e-4 / 3.0);
+    cpu->fill_random_uniform(cpu->default_stream(), c, 3, 4, 1e-4 / 3.0);
+    EXPECT_EQ(differing_elements(host_bytes(*gpu, g), host_bytes(*cpu, c), dtype_size(dtype)), 0) << dtype_name(dtype);
+  }
+}
+
+// Weights like a projection's (normal, σ 0.02) with the blocks the quantiser treats specially:
+// all zeros, denormals only (their absmax flushes to zero), signed zeros, one outlier, one
+// element exactly at the block's absmax with either sign.
+std::vector<double> quantiser_inputs(int64_t n, int64_t blocksize, std::mt19937_64& rng) {
+  std::normal_distribution<double> normal(0.0, 0.02);
+  std::vector<double> w(static_cast<size_t>(n));
+  for (double& x : w) x = normal(rng);
+  const int64_t blocks = (n + blocksize - 1) / blocksize;
+  auto block = [&](int64_t b, auto&& set) {
+    if (b >= blocks) return;
+    for (int64_t j = b * blocksize; j < std::min(n, (b + 1) * blocksize); ++j) set(w[static_cast<size_t>(j)], j);
+  };
+  block(0, [](double& x, int64_t) { x = 0.0; });
+  block(1, [](double& x, int64_t j) { x = (j % 2 ? -1.0 : 1.0) * 1e-40 * static_cast<double>(j % 5); });
+  block(2, [](double& x, int64_t j) { x = j % 3 ? -0.0 : 0.0; });
+  block(3, [&](double& x, int64_t j) { x = j == 3 * blocksize + 1 ? 4.0 : x; });
+  block(4, [&](double& x, int64_t j) { x = j == 4 * blocksize ? -0.125 : j == 4 * blocksize + 2 ? 0.125 : x * 0.5; });
+  return w;
+}
+
+TEST(CudaInitOps, QuantiseIsBitIdenticalToTheCpu) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  auto gpu = make_cuda_backend(0);
+  auto cpu = make_cpu_backend();
+  Tensor map_gpu = gpu->empty(Shape{256}, DType::F32), map_cpu = cpu->empty(Shape{256}, DType::F32);
+  gpu->copy_from_host(gpu->default_stream(), quant4::dynamic_map(), map_gpu);
+  cpu->copy_from_host(cpu->default_stream(), quant4::dynamic_map(), map_cpu);
+  std::mt19937_64 rng(2026);
+  for (int64_t blocksize : {32, 64, 128, 4096})
+    for (int64_t n : {int64_t{4096 * 3}, int64_t{4096 * 3 + 64 * 5 + 7}, int64_t{300001}})
+      for (Quant4Type type : {Quant4Type::NF4, Quant4Type::FP4})
+        for (DType dtype : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
+          SCOPED_TRACE(::testing::Message() << "blocksize " << blocksize << " n " << n << " "
+                                            << (type == Quant4Type::NF4 ? "nf4 " : "fp4 ") << dtype_name(dtype));
+          const std::vector<double> values = quantiser_inputs(n, blocksize, rng);
+          Tensor wg = gpu->empty(Shape{n}, dtype), wc = cpu->empty(Shape{n}, dtype);
+          from_host(*gpu, values, wg);
+          from_host(*cpu, values, wc);
+          const int64_t blocks = (n + blocksize - 1) / blocksize;
+          Tensor pg = gpu->empty(Shape{(n + 1) / 2}, DType::U8), ag = gpu->empty(Shape{blocks}, DType::F32);
+          Tensor pc = cpu->empty(Shape{(n + 1) / 2}, DType::U8), ac = cpu->empty(Shape{blocks}, DType::F32);
+          gpu->quantize_4bit(gpu->default_stream(), wg, blocksize, type, pg, ag);
+          cpu->quantize_4bit(cpu->default_stream(), wc, blocksize, type, pc, ac);
+          EXPECT_EQ(differing_elements(host_bytes(*gpu, pg), host_bytes(*cpu, pc), 1), 0) << "packed bytes";
+          const std::vector<uint8_t> absmax = host_bytes(*cpu, ac);
+          EXPECT_EQ(differing_elements(host_bytes(*gpu, ag), absmax, 4), 0) << "absmax";
+          if (blocksize != 64 || dtype == DType::F64) continue;
+          // Double quantisation of these absmax, around their mean formed on the host.
+          std::vector<float> host_absmax(static_cast<size_t>(blocks));
+          std::memcpy(host_absmax.data(), absmax.data(), absmax.size());
+          const float offset = quant4::absmax_mean(host_absmax.data(), blocks);
+          const int64_t blocks2 = quant4::num_blocks(blocks, quant4::kNestedBlocksize);
+          Tensor cg = gpu->empty(Shape{blocks}, DType::U8), a2g = gpu->empty(Shape{blocks2}, DType::F32);
+          Tensor cc = cpu->empty(Shape{blocks}, DType::U8), a2c = cpu->empty(Shape{blocks2}, DType::F32);
+          gpu->quantize_absmax(gpu->default_stream(), ag, map_gpu, offset, quant4::kNestedBlocksize, cg, a2g);
+          cpu->quantize_absmax(cpu->default_stream(), ac, map_cpu, offset, quant4::kNestedBlocksize, cc, a2c);
+          EXPECT_EQ(differing_elements(host_bytes(*gpu, cg), host_bytes(*cpu, cc), 1), 0) << "codes";
+          EXPECT_EQ(differing_elements(host_bytes(*gpu, a2g), host_bytes(*cpu, a2c), 4), 0) << "nested absmax";
+        }
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "backend/cpu/gated_delta_state_ops.h"
 #include "backend/cpu/moe_grouped_gemm.h"
 #include "backend/cpu/moe_ops.h"
+#include "backend/cpu/random_ops.h"
 #include "backend/cpu/shared_expert_ops.h"
 #include "core/error.h"
 
@@ -187,6 +188,11 @@ class CpuBackend final : public Backend {
       return;
     }
     for (int64_t i = 0; i < n; ++i) store_any(t, i, value);
+  }
+
+  // backend/cpu/random_ops.cpp
+  void fill_random_uniform(Stream, Tensor& t, uint64_t seed, uint64_t sequence, double half_width) override {
+    cpu::fill_random_uniform(t, seed, sequence, half_width);
   }
 
   // Allocated: bytes in live tensors (as on CUDA, and as `spindle plan` predicts them). Reserved:
@@ -806,6 +812,14 @@ class CpuBackend final : public Backend {
   void dequantize_absmax(Stream, const Tensor& codes, const Tensor& code_map, const Tensor& absmax2,
                          int64_t blocksize2, double offset, Tensor& absmax) override {
     cpu::dequantize_absmax(codes, code_map, absmax2, blocksize2, offset, absmax);
+  }
+  void quantize_4bit(Stream, const Tensor& w, int64_t blocksize, Quant4Type type, Tensor& packed,
+                     Tensor& absmax) override {
+    cpu::quantize_4bit(w, blocksize, type, packed, absmax);
+  }
+  void quantize_absmax(Stream, const Tensor& absmax, const Tensor& code_map, double offset, int64_t blocksize2,
+                       Tensor& codes, Tensor& absmax2) override {
+    cpu::quantize_absmax(absmax, code_map, offset, blocksize2, codes, absmax2);
   }
 
   void adamw_step(Stream, Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& hp) override {

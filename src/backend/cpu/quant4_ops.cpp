@@ -198,6 +198,8 @@ bool valid_blocksize(int64_t blocksize) {
 
 float mul_ftz(float a, float b) { return ftz(ftz(a) * ftz(b)); }
 
+const uint8_t* rcp_table() { return spindle_rcp_approx_f32_table; }
+
 float rcp_approx_ftz(float x) {
   const uint32_t bits = std::bit_cast<uint32_t>(x);
   const uint32_t sign = bits & 0x80000000u, exponent = (bits >> 23) & 0xFFu, mantissa = bits & 0x7FFFFFu;
@@ -258,6 +260,11 @@ float absmax_mean(const float* absmax, int64_t k) {
 
 void quantize_absmax(const float* absmax, int64_t k, float offset, int64_t blocksize2, uint8_t* codes,
                      float* absmax2) {
+  quantize_absmax(absmax, k, offset, blocksize2, kDynamicMap, codes, absmax2);
+}
+
+void quantize_absmax(const float* absmax, int64_t k, float offset, int64_t blocksize2, const float* code_map,
+                     uint8_t* codes, float* absmax2) {
   const int64_t blocks = num_blocks(k, blocksize2);
 #pragma omp parallel for schedule(static) if (blocks > 16)
   for (int64_t b = 0; b < blocks; ++b) {
@@ -269,7 +276,7 @@ void quantize_absmax(const float* absmax, int64_t k, float offset, int64_t block
     const float m = block_absmax(centred, count, blocksize2);
     absmax2[b] = m;
     const float r = rcp_approx_ftz(m);
-    for (int64_t i = 0; i < count; ++i) codes[begin + i] = map_code(kDynamicMap, mul_ftz(centred[i], r));
+    for (int64_t i = 0; i < count; ++i) codes[begin + i] = map_code(code_map, mul_ftz(centred[i], r));
   }
 }
 
@@ -329,6 +336,53 @@ void dequantize_absmax(const Tensor& codes, const Tensor& code_map, const Tensor
          absmax2.describe(), absmax.describe());
   quant4::dequantize_absmax(codes.data_as<uint8_t>(), k, code_map.data_as<float>(), absmax2.data_as<float>(),
                             blocksize2, static_cast<float>(offset), absmax.data_as<float>());
+}
+
+void quantize_4bit(const Tensor& w, int64_t blocksize, quant4::Type type, Tensor& packed, Tensor& absmax) {
+  SPINDLE_CHECK(w.defined() && w.device().kind == DeviceKind::CPU, "quantize_4bit: w is not a CPU tensor");
+  require_host(packed, DType::U8, "quantize_4bit", "packed");
+  require_host(absmax, DType::F32, "quantize_4bit", "absmax");
+  const int64_t n = w.numel();
+  if (!quant4::valid_blocksize(blocksize)) fail("quantize_4bit: blocksize {} is not 32 … 4096, a power of two", blocksize);
+  if (packed.numel() != (n + 1) / 2 || absmax.numel() != quant4::num_blocks(n, blocksize))
+    fail("quantize_4bit: {} weights of blocksize {} need {} packed bytes and {} absmax, got {} and {}", n, blocksize,
+         (n + 1) / 2, quant4::num_blocks(n, blocksize), packed.describe(), absmax.describe());
+  if (w.dtype() == DType::F32) {
+    quant4::quantize(w.data_as<float>(), n, blocksize, type, packed.data_as<uint8_t>(), absmax.data_as<float>());
+    return;
+  }
+  // The F32 values the quantiser reads: exact for BF16/F16, rounded to nearest even from F64.
+  std::vector<float> values(static_cast<size_t>(n));
+  switch (w.dtype()) {
+    case DType::F64:
+      for (int64_t j = 0; j < n; ++j) values[j] = static_cast<float>(w.data_as<double>()[j]);
+      break;
+    case DType::BF16:
+      for (int64_t j = 0; j < n; ++j) values[j] = bf16_to_f32(w.data_as<uint16_t>()[j]);
+      break;
+    case DType::F16:
+      for (int64_t j = 0; j < n; ++j) values[j] = f16_to_f32(w.data_as<uint16_t>()[j]);
+      break;
+    default: fail("quantize_4bit: w must be F32, F64, BF16 or F16, got {}", w.describe());
+  }
+  quant4::quantize(values.data(), n, blocksize, type, packed.data_as<uint8_t>(), absmax.data_as<float>());
+}
+
+void quantize_absmax(const Tensor& absmax, const Tensor& code_map, double offset, int64_t blocksize2, Tensor& codes,
+                     Tensor& absmax2) {
+  require_host(absmax, DType::F32, "quantize_absmax", "absmax");
+  require_host(code_map, DType::F32, "quantize_absmax", "code_map");
+  require_host(codes, DType::U8, "quantize_absmax", "codes");
+  require_host(absmax2, DType::F32, "quantize_absmax", "absmax2");
+  const int64_t k = absmax.numel();
+  if (code_map.numel() != 256 || codes.numel() != k || blocksize2 <= 0 || blocksize2 > 4096 ||
+      absmax2.numel() != quant4::num_blocks(k, blocksize2))
+    fail("quantize_absmax: {} absmax of blocksize {} (1 … 4096) need a 256-entry map, {} codes and {} nested absmax; "
+         "got {}, {}, {}",
+         k, blocksize2, k, quant4::num_blocks(k, std::max<int64_t>(blocksize2, 1)), code_map.describe(),
+         codes.describe(), absmax2.describe());
+  quant4::quantize_absmax(absmax.data_as<float>(), k, static_cast<float>(offset), blocksize2,
+                          code_map.data_as<float>(), codes.data_as<uint8_t>(), absmax2.data_as<float>());
 }
 
 }  // namespace spindle::cpu

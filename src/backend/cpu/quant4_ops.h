@@ -40,6 +40,11 @@ inline int64_t num_blocks(int64_t n, int64_t blocksize) { return (n + blocksize 
 
 // The GPU's rcp.approx.ftz.f32 (what `1.0f / x` compiles to under --use_fast_math).
 float rcp_approx_ftz(float x);
+// The table behind it: bit (m & 7) of byte m >> 3 is set where the GPU's reciprocal of the mantissa
+// 1 + m·2⁻²³ is the float on the other side of 1/x from the correctly rounded one (the CUDA
+// backend's quantiser uploads it and reproduces rcp_approx_ftz with it).
+inline constexpr int64_t kRcpTableBytes = int64_t{1} << 20;
+const uint8_t* rcp_table();
 // The GPU's mul.ftz.f32: a·b with denormal inputs and result flushed to sign-preserving zero.
 float mul_ftz(float a, float b);
 
@@ -56,6 +61,9 @@ float absmax_mean(const float* absmax, int64_t k);
 // quantize_blockwise(absmax − offset, dynamic map, blocksize2).
 void quantize_absmax(const float* absmax, int64_t k, float offset, int64_t blocksize2, uint8_t* codes,
                      float* absmax2);
+// The same with another sorted 256-entry code map (the backend op's code_map).
+void quantize_absmax(const float* absmax, int64_t k, float offset, int64_t blocksize2, const float* code_map,
+                     uint8_t* codes, float* absmax2);
 // absmax [k] back from the codes (bitsandbytes' dequantize_blockwise, then + offset).
 void dequantize_absmax(const uint8_t* codes, int64_t k, const float* code_map, const float* absmax2,
                        int64_t blocksize2, float offset, float* absmax);
@@ -68,5 +76,9 @@ namespace spindle::cpu {
 void dequantize_4bit(const Tensor& packed, const Tensor& absmax, int64_t blocksize, quant4::Type type, Tensor& w);
 void dequantize_absmax(const Tensor& codes, const Tensor& code_map, const Tensor& absmax2, int64_t blocksize2,
                        double offset, Tensor& absmax);
+// w: F32, F64 (rounded to F32), BF16 or F16.
+void quantize_4bit(const Tensor& w, int64_t blocksize, quant4::Type type, Tensor& packed, Tensor& absmax);
+void quantize_absmax(const Tensor& absmax, const Tensor& code_map, double offset, int64_t blocksize2, Tensor& codes,
+                     Tensor& absmax2);
 
 }  // namespace spindle::cpu

@@ -21,10 +21,10 @@
 #include <string>
 #include <tuple>
 
+#include "backend/cpu/quant4_ops.h"
 #include "backend/cuda/attention_cudnn.h"
 #include "backend/cuda/context.h"
 #include "backend/cuda/gated_delta.h"
-#include "backend/cuda/gated_delta_states.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/host_memory.h"
 #include "backend/cuda/kernels.h"
@@ -191,6 +191,14 @@ class CudaBackend final : public Backend {
   void fill(Stream stream, Tensor& t, double value) override {
     require_device(t, "fill");
     cuda::fill(s(stream), t.data(), t.dtype(), t.numel(), value);
+  }
+
+  // random.cu: the CPU reference's bits (core/random_hash.h).
+  void fill_random_uniform(Stream stream, Tensor& t, uint64_t seed, uint64_t sequence, double half_width) override {
+    require_device(t, "fill_random_uniform");
+    if (!is_float(t.dtype()))
+      fail("fill_random_uniform: {} is not a float tensor (F32, F64, BF16 or F16)", t.describe());
+    cuda::fill_random_uniform(s(stream), t.data(), t.dtype(), t.numel(), seed, sequence, half_width);
   }
 
   // ---- elementwise and reductions ---------------------------------------------------------------
@@ -610,44 +618,6 @@ class CudaBackend final : public Backend {
                                     dq.data(), dk.data(), dv.data(), dg.data_as<float>(), dbeta.data());
   }
 
-  // The state-passing delta rule (gated_delta_states.cu): token by token, the chunk size only checked.
-  void gated_delta_rule_forward_states(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
-                                       const Tensor& g, const Tensor& beta, const Tensor& run_ids, double scale,
-                                       int64_t chunk_size, const Tensor& initial_states, Tensor& out,
-                                       Tensor& final_states) override {
-    const char* op = "gated_delta_rule_forward_states";
-    const cuda::DeltaStatesShape sh = delta_states_shape(q, k, v, g, beta, run_ids, chunk_size, initial_states, op);
-    require_same(q, out, op);
-    SPINDLE_CHECK(out.shape() == v.shape(), "{}: out {} for v {}", op, out.describe(), v.describe());
-    require_stat(final_states, initial_states.numel(), op);
-    cuda::gated_delta_rule_forward_states(s(stream), sh, q.dtype(), q.data(), k.data(), v.data(), g.data_as<float>(),
-                                          beta.data(), run_ids.data_as<int32_t>(), static_cast<float>(scale),
-                                          initial_states.data_as<float>(), out.data(), final_states.data_as<float>(),
-                                          ctx_->device_error());
-  }
-
-  void gated_delta_rule_backward_states(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
-                                        const Tensor& g, const Tensor& beta, const Tensor& run_ids, double scale,
-                                        int64_t chunk_size, const Tensor& initial_states, const Tensor& dout,
-                                        const Tensor& d_final_states, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dg,
-                                        Tensor& dbeta, Tensor& d_initial_states) override {
-    const char* op = "gated_delta_rule_backward_states";
-    const cuda::DeltaStatesShape sh = delta_states_shape(q, k, v, g, beta, run_ids, chunk_size, initial_states, op);
-    for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &dq, &dk, &dv, &dbeta}) require_same(q, *t, op);
-    SPINDLE_CHECK(dout.shape() == v.shape() && dq.shape() == q.shape() && dk.shape() == k.shape() &&
-                      dv.shape() == v.shape() && dbeta.numel() == beta.numel(),
-                  "{}: dout {} dq {} dk {} dv {} dbeta {}", op, dout.describe(), dq.describe(), dk.describe(),
-                  dv.describe(), dbeta.describe());
-    require_stat(dg, g.numel(), op);
-    require_stat(d_final_states, initial_states.numel(), op);
-    require_stat(d_initial_states, initial_states.numel(), op);
-    cuda::gated_delta_rule_backward_states(
-        s(stream), sh, q.dtype(), q.data(), k.data(), v.data(), g.data_as<float>(), beta.data(),
-        run_ids.data_as<int32_t>(), static_cast<float>(scale), initial_states.data_as<float>(), dout.data(),
-        d_final_states.data_as<float>(), dq.data(), dk.data(), dv.data(), dg.data_as<float>(), dbeta.data(),
-        d_initial_states.data_as<float>(), ctx_->device_error());
-  }
-
   void gated_rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& z, const Tensor& w, double eps, Tensor& y,
                              Tensor& rstd) override {
     require_compute(x, "gated_rmsnorm_forward");
@@ -709,6 +679,39 @@ class CudaBackend final : public Backend {
            k, blocksize2, codes.describe(), code_map.describe(), absmax2.describe(), absmax.describe());
     cuda::dequantize_absmax(s(stream), codes.data(), code_map.data(), absmax2.data(), absmax.data(), k, blocksize2,
                             static_cast<float>(offset));
+  }
+  // Quantising at load (quant4.cu): the host quantiser's bytes, with its reciprocal table on the device.
+  void quantize_4bit(Stream stream, const Tensor& w, int64_t blocksize, Quant4Type type, Tensor& packed,
+                     Tensor& absmax) override {
+    require_device(w, "quantize_4bit");
+    require_device(packed, "quantize_4bit");
+    require_device(absmax, "quantize_4bit");
+    const int64_t n = w.numel();
+    if (!is_float(w.dtype()) || packed.dtype() != DType::U8 || absmax.dtype() != DType::F32)
+      fail("quantize_4bit: w must be a float tensor, packed U8 and absmax F32, got {}, {} and {}", w.describe(),
+           packed.describe(), absmax.describe());
+    if (!quant4::valid_blocksize(blocksize))
+      fail("quantize_4bit: blocksize {} is not 32 ... 4096, a power of two", blocksize);
+    if (packed.numel() != (n + 1) / 2 || absmax.numel() != quant4::num_blocks(n, blocksize))
+      fail("quantize_4bit: {} weights of blocksize {} need {} packed bytes and {} absmax, got {} and {}", n,
+           blocksize, (n + 1) / 2, quant4::num_blocks(n, blocksize), packed.describe(), absmax.describe());
+    cuda::quantize_4bit(s(stream), w.data(), w.dtype(), n, blocksize, type == Quant4Type::NF4, rcp_table(),
+                        packed.data(), absmax.data());
+  }
+  void quantize_absmax(Stream stream, const Tensor& absmax, const Tensor& code_map, double offset, int64_t blocksize2,
+                       Tensor& codes, Tensor& absmax2) override {
+    for (const Tensor* t : {&absmax, &code_map, static_cast<const Tensor*>(&codes), static_cast<const Tensor*>(&absmax2)})
+      require_device(*t, "quantize_absmax");
+    const int64_t k = absmax.numel();
+    if (absmax.dtype() != DType::F32 || code_map.dtype() != DType::F32 || codes.dtype() != DType::U8 ||
+        absmax2.dtype() != DType::F32 || code_map.numel() != 256 || codes.numel() != k || blocksize2 <= 0 ||
+        blocksize2 > 4096 || absmax2.numel() != quant4::num_blocks(k, blocksize2))
+      fail("quantize_absmax: {} F32 absmax of blocksize {} (1 ... 4096) need a 256-entry F32 map, {} U8 codes and {} "
+           "F32 nested absmax; got {}, {}, {}, {}",
+           k, blocksize2, k, quant4::num_blocks(k, std::max<int64_t>(blocksize2, 1)), absmax.describe(),
+           code_map.describe(), codes.describe(), absmax2.describe());
+    cuda::quantize_absmax(s(stream), absmax.data(), code_map.data(), static_cast<float>(offset), k, blocksize2,
+                          rcp_table(), codes.data(), absmax2.data());
   }
 
   void swiglu_forward(Stream stream, const Tensor& gate, const Tensor& up, Tensor& out) override {
@@ -870,25 +873,6 @@ class CudaBackend final : public Backend {
                                d_topk_weight.data_as<float>(), dout.dtype());
   }
 
-  // The shared expert's gate: shared, out [T, H] and the logits [T, 1] (or [T]) of one compute dtype.
-  void shared_expert_gate_forward(Stream stream, const Tensor& shared, const Tensor& gate, Tensor& out) override {
-    const int64_t hidden = shared_gate_shape(shared, gate, out, "shared_expert_gate_forward");
-    cuda::shared_expert_gate_forward(s(stream), shared.data(), gate.data(), shared.dim(0), hidden, out.data(),
-                                     shared.dtype());
-  }
-
-  void shared_expert_gate_backward(Stream stream, const Tensor& shared, const Tensor& gate, const Tensor& dout,
-                                   Tensor& d_shared, Tensor& d_gate) override {
-    const char* op = "shared_expert_gate_backward";
-    const int64_t hidden = shared_gate_shape(shared, gate, dout, op);
-    require_same(shared, d_shared, op);
-    require_same(shared, d_gate, op);
-    SPINDLE_CHECK(d_shared.shape() == shared.shape() && d_gate.numel() == gate.numel(), "{}: d_shared {} d_gate {}",
-                  op, d_shared.describe(), d_gate.describe());
-    cuda::shared_expert_gate_backward(s(stream), shared.data(), gate.data(), dout.data(), shared.dim(0), hidden,
-                                      d_shared.data(), d_gate.data(), shared.dtype());
-  }
-
   void moe_grouped_gemm(Stream stream, const Tensor& x, const std::vector<Tensor>& weights, bool transpose_weight,
                         const Tensor& offsets, Tensor& y, bool accumulate) override {
     const char* op = "moe_grouped_gemm";
@@ -1018,34 +1002,6 @@ class CudaBackend final : public Backend {
     SPINDLE_CHECK(offsets.numel() == experts + 1, "{}: offsets {} for {} experts", what, offsets.describe(), experts);
   }
 
-  // [T, H] `shared` and `other`, one logit per token in `gate`, all of one compute dtype: returns H.
-  int64_t shared_gate_shape(const Tensor& shared, const Tensor& gate, const Tensor& other, const char* op) const {
-    require_compute(shared, op);
-    require_same(shared, gate, op);
-    require_same(shared, other, op);
-    SPINDLE_CHECK(shared.rank() == 2 && other.shape() == shared.shape() && gate.numel() == shared.dim(0),
-                  "{}: shared {} gate {} (one logit per token) and {}", op, shared.describe(), gate.describe(),
-                  other.describe());
-    return shared.dim(1);
-  }
-
-  // The delta rule's shapes as delta_rule_shape checks them, and N runs from the F32 states
-  // [N, Hv, dk, dv] (the kernels check on the device that run_ids holds that many).
-  cuda::DeltaStatesShape delta_states_shape(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                                            const Tensor& beta, const Tensor& run_ids, int64_t chunk_size,
-                                            const Tensor& initial_states, const char* op) const {
-    const cuda::DeltaRuleShape rule = delta_rule_shape(q, k, v, g, beta, run_ids, chunk_size, op);
-    const int64_t state = static_cast<int64_t>(rule.value_heads) * rule.dk * rule.dv;
-    require_device(initial_states, op);
-    if (initial_states.dtype() != DType::F32)
-      fail("{}: states are F32 on the CUDA backend, got {}", op, initial_states.describe());
-    SPINDLE_CHECK(state > 0 && initial_states.numel() % state == 0 &&
-                      (rule.tokens == 0) == (initial_states.numel() == 0),
-                  "{}: initial_states {} are not [runs, {}, {}, {}] for {} tokens", op, initial_states.describe(),
-                  rule.value_heads, rule.dk, rule.dv, rule.tokens);
-    return {rule.tokens, rule.key_heads, rule.value_heads, rule.dk, rule.dv, initial_states.numel() / state};
-  }
-
   // The delta rule's shapes (backend.h): q, k [T, Hk, dk], v [T, Hv, dv], beta [T, Hv] of one compute
   // dtype, g F32 [T, Hv], doc_ids I32 [T]. Chunks longer than the kernels' 64 tokens run as 64:
   // the result does not depend on the chunk size beyond rounding.
@@ -1155,6 +1111,16 @@ class CudaBackend final : public Backend {
   }
 
   std::shared_ptr<Context> ctx_;
+  // The quantiser's reciprocal table (quant4::rcp_table, U8 [2^20]), uploaded on first use.
+  Tensor rcp_table_;
+  const uint8_t* rcp_table() {
+    if (!rcp_table_.defined()) {
+      rcp_table_ = empty(Shape{quant4::kRcpTableBytes}, DType::U8);
+      copy_from_host(default_stream(), quant4::rcp_table(), rcp_table_);
+      synchronize(default_stream());  // once: then any stream may read it
+    }
+    return rcp_table_.data_as<uint8_t>();
+  }
   // Pinned host memory and the copy stream of activation offload, made on first use (host_memory.h).
   std::shared_ptr<cuda::HostMemory> host_;
   const std::shared_ptr<cuda::HostMemory>& host_memory() {

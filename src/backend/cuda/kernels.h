@@ -23,7 +23,7 @@ struct DeviceError {
   long long limit;   // the allowed range [0, limit)
 };
 enum ErrorCode : int { kErrNone = 0, kErrTokenId = 1, kErrGatherIndex = 2, kErrScatterIndex = 3, kErrTarget = 4,
-                     kErrExpertIndex = 5, kErrRunCount = 6 };
+                     kErrExpertIndex = 5 };
 
 // Temporary device memory for one op, ordered on the op's stream: cudaMallocAsync now,
 // cudaFreeAsync when it goes out of scope (after the kernels that use it were enqueued, which is
@@ -70,6 +70,20 @@ void dequantize_4bit(cudaStream_t s, const void* packed, const void* absmax, voi
 // absmax F32 [k] = code_map[codes[i]]·absmax2[i / blocksize2] + offset (two roundings).
 void dequantize_absmax(cudaStream_t s, const void* codes, const void* code_map, const void* absmax2, void* absmax,
                        int64_t k, int64_t blocksize2, float offset);
+// The inverse of dequantize_4bit, bit-identical to the host quantiser (backend/cpu/quant4_ops.h): w [n] of
+// dtype t (F32, BF16, F16; F64 rounded to F32) -> packed U8 [(n+1)/2], absmax F32 [ceil(n/blocksize)].
+// rcp_table: quant4::rcp_table() on the device (U8 [2^20]).
+void quantize_4bit(cudaStream_t s, const void* w, DType t, int64_t n, int64_t blocksize, bool nf4,
+                   const uint8_t* rcp_table, void* packed, void* absmax);
+// Double quantisation of absmax F32 [k] around offset: codes U8 [k], absmax2 F32 [ceil(k/blocksize2)],
+// blocksize2 at most 4096; code_map F32 [256] sorted.
+void quantize_absmax(cudaStream_t s, const void* absmax, const void* code_map, float offset, int64_t k,
+                     int64_t blocksize2, const uint8_t* rcp_table, void* codes, void* absmax2);
+
+// ---- random.cu: ModelWeights::random's values (core/random_hash.h) ------------------------------
+// out [n] of dtype t (F32, F64, BF16, F16) = the uniform values of stream (seed, sequence) on ±half_width.
+void fill_random_uniform(cudaStream_t s, void* out, DType t, int64_t n, uint64_t seed, uint64_t sequence,
+                         double half_width);
 
 // ---- adamw.cu ----------------------------------------------------------------------------------
 struct AdamWParams {
