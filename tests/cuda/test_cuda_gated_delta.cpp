@@ -348,6 +348,14 @@ TEST_P(CudaDeltaRule, SmallHeadsPackedDocumentsMatchCpu) {
   run_case({{5}, 1, 8, 1, 8, 64}, t, delta_tol(t), delta_tol(t));  // one chunk, shorter than C
 }
 
+// BF16 takes the tensor-core kernels when head dims and chunk are multiples of 8 (every case above);
+// other shapes keep the F32-FMA kernels, in BF16 too.
+TEST_P(CudaDeltaRule, HeadDimsAndChunksTheTensorCoresDoNotTakeMatchCpu) {
+  const DType t = GetParam();
+  run_case({{40, 64, 24, 1, 1, 70, 37}, 2, 12, 4, 20, 64}, t, delta_tol(t), delta_tol(t));
+  run_case({{40, 64, 24, 1, 1, 70, 37}, 2, 16, 4, 24, 12}, t, delta_tol(t), delta_tol(t));
+}
+
 TEST_P(CudaDeltaRule, HeadDim128PackedDocumentsMatchCpu) {
   const DType t = GetParam();
   run_case({{150, 64, 1, 33, 100}, 2, 128, 4, 128, 64}, t, delta_tol(t), delta_tol(t));

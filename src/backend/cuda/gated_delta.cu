@@ -1,6 +1,9 @@
 // The chunked gated delta rule (backend.h: gated_delta_rule_forward/backward), F32 arithmetic on
-// F32 or BF16 storage. The algorithm is the one the CPU reference computes (docs/models.md): chunks
-// of C ≤ 64 tokens, inside a chunk the WY form
+// F32 or BF16 storage. BF16 tensors of the usual shapes go to the tensor-core kernels of
+// gated_delta_mma.cu instead (gated_delta_rule_mma_supported); the F32-FMA kernels below run F32
+// tensors (the tests hold them to 1e-4 against the CPU, which BF16 operands would not reach) and
+// what the tensor-core kernels do not take. The algorithm is the one the CPU reference computes
+// (docs/models.md): chunks of C ≤ 64 tokens, inside a chunk the WY form
 //   A = strictly_lower(diag(β)·K·Kᵀ ⊙ D),  U = (I + A)⁻¹·diag(β)·V,  W = (I + A)⁻¹·diag(β·γ)·K,
 //   V_new = U − W·S,  O = diag(γ)·Q·S + lower(Q·Kᵀ ⊙ D)·V_new,  S' = γ_n·S + Kᵀ·diag(d)·V_new,
 // with D_ij = exp(G_i − G_j) (G the cumulative log decay inside the chunk), γ_i = exp(G_i), d_r = D_nr.
@@ -21,7 +24,7 @@
 //   grads    one block per (chunk, head): dq, dk (per value head, F32), dv, dβ, dg.
 //   reduce   dq and dk summed over the value heads that share a key head.
 // Small matrix products run through block_mm: F32 FMAs, a 4×4 register tile per thread, operands
-// read from shared memory or straight from global memory (L1/L2), no tensor cores yet.
+// read from shared memory or straight from global memory (L1/L2), no tensor cores.
 //
 // Work per chunk and value head (n = C = 64, d = dk = dv = 128), in multiply-adds (MAC):
 //   forward: intra K·Kᵀ and Q·Kᵀ 2·n²·d (1 M) + the substitution n²·2d/2 (0.5 M); state W·S, Q·S and
@@ -31,12 +34,14 @@
 //   dBu·Uᵀ, dBw·Wᵀ, 2 × E·K, the back substitution ≈ 8 M) ≈ 15 M MAC.
 // At T = 32k and Hv = 32 (16k chunk-heads): ≈ 0.17 TFLOP forward, ≈ 0.5 TFLOP backward. The
 // sequential kernels run Hv·dv/32 = 128 blocks, each a chain of T/C dependent chunk steps: latency,
-// not FLOPs, bounds them (docs/perf.md has the measured times). Bytes: the F32 scratch dominates
+// not FLOPs, bounds them (at BF16 these kernels took 62 ms forward, 176 ms backward at 32k on an
+// H200, the tensor-core ones 7.3 and 21.6: docs/perf.md). Bytes: the F32 scratch dominates
 // (W, U, V_new, dV_new, per-value-head dq and dk: 6·T·Hv·d·4 B; P: (T/C)·Hv·C²·4 B; the chunk
 // states 2·(T/C)·Hv·dk·dv·4 B), each written once and read a few times.
 #include <algorithm>
 
 #include "backend/cuda/device_util.cuh"
+#include "backend/cuda/gated_delta_common.cuh"
 #include "backend/cuda/gated_delta.h"
 #include "backend/cuda/kernels.h"
 
@@ -49,47 +54,9 @@ constexpr int kSlice = 32;  // value columns of the state per block of the seque
 constexpr int kSliceStride = kSlice + 1;  // row stride of a state slice in shared memory: no bank conflicts
                                           // when it is written out transposed
 
-// The gates of one chunk of one value head, in shared memory (see the file comment).
-struct ChunkGates {
-  float G[kMaxC];      // cumulative log decay, restarted at every segment
-  float gamma[kMaxC];  // exp(G_i) for the continuing first segment, else 0
-  float last[kMaxC];   // exp(G_last − G_r) within the last token's segment, else 0
-  int seg[kMaxC];      // segment index inside the chunk
-  int n;               // tokens in the chunk
-  float gamma_last;    // gamma[n − 1]
-};
-
-// All threads call it; ends with __syncthreads.
-__device__ void load_gates(ChunkGates& cg, const float* g, const int32_t* doc, int64_t tokens, int heads, int h,
-                           int64_t c0, int chunk) {
-  if (threadIdx.x == 0) {
-    const int n = static_cast<int>(tokens - c0 < chunk ? tokens - c0 : chunk);
-    const bool carry = c0 > 0 && doc[c0] == doc[c0 - 1];
-    int seg = 0;
-    float cum = 0.f;
-    for (int r = 0; r < n; ++r) {
-      if (r > 0 && doc[c0 + r] != doc[c0 + r - 1]) {
-        ++seg;
-        cum = 0.f;
-      }
-      cum += g[(c0 + r) * heads + h];
-      cg.G[r] = cum;
-      cg.seg[r] = seg;
-    }
-    for (int r = 0; r < n; ++r) {
-      cg.gamma[r] = carry && cg.seg[r] == 0 ? expf(cg.G[r]) : 0.f;
-      cg.last[r] = cg.seg[r] == cg.seg[n - 1] ? expf(cg.G[n - 1] - cg.G[r]) : 0.f;
-    }
-    cg.n = n;
-    cg.gamma_last = cg.gamma[n - 1];
-  }
-  __syncthreads();
-}
-
-// D_ij: the decay from token j to token i ≥ j of one segment, else 0.
-__device__ __forceinline__ float decay(const ChunkGates& cg, int i, int j) {
-  return i >= j && cg.seg[i] == cg.seg[j] ? expf(cg.G[i] - cg.G[j]) : 0.f;
-}
+using delta::ChunkGates;
+using delta::decay;
+using delta::load_gates;
 
 // For i < M, j < N: epi(i, j, Σ_k a(i, k)·b(k, j)) with a(i, k) = A[i·a_rs + k·a_cs]·kscale[k]
 // (kscale null: 1) and b(k, j) = B[k·b_rs + j·b_cs]. Each thread owns 4×4 output tiles, assigned by
@@ -563,6 +530,10 @@ void gated_delta_rule_forward(cudaStream_t s, const DeltaRuleShape& sh, DType io
                               void* out) {
   check_shape(sh, "gated_delta_rule_forward");
   if (sh.tokens == 0) return;
+  if (gated_delta_rule_mma_supported(sh, io, {q, k, v, out})) {
+    gated_delta_rule_forward_mma(s, sh, q, k, v, g, beta, doc_ids, scale, out);
+    return;
+  }
   const Geometry ge = geometry(sh);
   // As DeltaRuleScratch::forward lists them (spindle plan counts that list).
   const DeltaRuleScratch bytes = delta_rule_scratch(sh);
@@ -583,6 +554,10 @@ void gated_delta_rule_backward(cudaStream_t s, const DeltaRuleShape& sh, DType i
                                const void* dout, void* dq, void* dk, void* dv, float* dg, void* dbeta) {
   check_shape(sh, "gated_delta_rule_backward");
   if (sh.tokens == 0) return;
+  if (gated_delta_rule_mma_supported(sh, io, {q, k, v, dout, dq, dk, dv})) {
+    gated_delta_rule_backward_mma(s, sh, q, k, v, g, beta, doc_ids, scale, dout, dq, dk, dv, dg, dbeta);
+    return;
+  }
   const Geometry ge = geometry(sh);
   // As DeltaRuleScratch::backward lists them (spindle plan counts that list).
   const DeltaRuleScratch bytes = delta_rule_scratch(sh);

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 
 #include <cuda_runtime.h>
 
@@ -59,5 +60,19 @@ void gated_delta_rule_forward(cudaStream_t s, const DeltaRuleShape& sh, DType io
 void gated_delta_rule_backward(cudaStream_t s, const DeltaRuleShape& sh, DType io, const void* q, const void* k,
                                const void* v, const float* g, const void* beta, const int32_t* doc_ids, float scale,
                                const void* dout, void* dq, void* dk, void* dv, float* dg, void* dbeta);
+
+// ---- gated_delta_mma.cu: the same op on tensor cores --------------------------------------------
+// gated_delta_rule_forward/backward above pick these for BF16 tensors whenever
+// gated_delta_rule_mma_supported says yes (head dims and chunk multiples of 8, every tensor 16-byte
+// aligned, the shared memory the grads kernel needs); F32 tensors and other shapes keep the F32-FMA
+// kernels of gated_delta.cu. Same arguments and results as the two functions above (BF16 only).
+bool gated_delta_rule_mma_supported(const DeltaRuleShape& sh, DType io, std::initializer_list<const void*> tensors);
+void gated_delta_rule_forward_mma(cudaStream_t s, const DeltaRuleShape& sh, const void* q, const void* k,
+                                  const void* v, const float* g, const void* beta, const int32_t* doc_ids,
+                                  float scale, void* out);
+void gated_delta_rule_backward_mma(cudaStream_t s, const DeltaRuleShape& sh, const void* q, const void* k,
+                                   const void* v, const float* g, const void* beta, const int32_t* doc_ids,
+                                   float scale, const void* dout, void* dq, void* dk, void* dv, float* dg,
+                                   void* dbeta);
 
 }  // namespace spindle::cuda

@@ -1,9 +1,10 @@
 // The chunked gated delta rule's shape on the CUDA backend and the device scratch its kernels take
 // from the memory pool for the length of one call (gated_delta.cu). Plain C++, no CUDA headers:
-// the launchers size their Scratch with delta_rule_scratch, and `spindle plan` (plan/dry_backend.cpp)
-// counts the same allocations when it plans for the CUDA backend, so the plan follows the kernels.
-// At Qwen3.6-35B-A3B's DeltaNet shape (32 value heads of 128) the backward's scratch is ~5.3 GiB
-// at 32k tokens and grows linearly: it can be the largest single buffer of a step.
+// the launchers size their Scratch with delta_rule_scratch (delta_rule_mma_scratch for the tensor-core
+// kernels, below), and `spindle plan` (plan/dry_backend.cpp) counts the same allocations when it plans
+// for the CUDA backend, so the plan follows the kernels. At Qwen3.6-35B-A3B's DeltaNet shape (32
+// value heads of 128) the F32 kernels' backward scratch is ~5.3 GiB at 32k tokens and grows linearly:
+// it can be the largest single buffer of a step.
 #pragma once
 
 #include <cstddef>
@@ -40,6 +41,33 @@ inline DeltaRuleScratch delta_rule_scratch(const DeltaRuleShape& sh) {
   const size_t chunks = static_cast<size_t>(sh.chunks()), c = static_cast<size_t>(sh.chunk);
   const size_t dk = static_cast<size_t>(sh.dk), dv = static_cast<size_t>(sh.dv);
   return {f32 * tokens * hv * dk, f32 * tokens * hv * dv, f32 * chunks * hv * dk * dv, f32 * chunks * hv * c * c};
+}
+
+// The tensor-core kernels (gated_delta_mma.cu) run BF16 tensors whose head dims and chunk are
+// multiples of 8 (they also want 16-byte aligned tensors, which the pool's allocations are). Their
+// scratch is BF16, and the backward frees U before it allocates the state gradients: each list holds
+// what is live at the call's peak, in the launchers' order. About 6.5 × T·Hv·128·2 bytes backward
+// at Qwen3.6's shape (1.6 GiB at 32k), under a third of the F32 kernels' list above.
+inline bool delta_rule_tensor_core_shape(const DeltaRuleShape& sh) {
+  return sh.dk % 8 == 0 && sh.dv % 8 == 0 && sh.chunk % 8 == 0;
+}
+
+struct DeltaRuleMmaScratch {
+  size_t per_key;    // [T, Hv, dk] BF16: W
+  size_t per_value;  // [T, Hv, dv] BF16: U; V_new (forward) or dV_new (backward)
+  size_t per_state;  // [chunks, Hv, dv, dk] BF16: the state entering each chunk; its gradient (backward)
+  size_t inverse;    // [chunks, Hv, C, C] BF16: each chunk's (I + A)⁻¹ (backward)
+  size_t gates;      // [chunks, Hv, 4, 64] F32: the gate table
+  std::vector<size_t> forward() const { return {per_key, per_value, gates, per_state, per_value}; }
+  std::vector<size_t> backward() const { return {gates, inverse, per_state, per_value, per_key, per_state}; }
+};
+
+inline DeltaRuleMmaScratch delta_rule_mma_scratch(const DeltaRuleShape& sh) {
+  const size_t bf16 = 2, tokens = static_cast<size_t>(sh.tokens), hv = static_cast<size_t>(sh.value_heads);
+  const size_t chunks = static_cast<size_t>(sh.chunks()), c = static_cast<size_t>(sh.chunk);
+  const size_t dk = static_cast<size_t>(sh.dk), dv = static_cast<size_t>(sh.dv);
+  return {bf16 * tokens * hv * dk, bf16 * tokens * hv * dv, bf16 * chunks * hv * dk * dv, bf16 * chunks * hv * c * c,
+          sizeof(float) * chunks * hv * 4 * kDeltaRuleMaxChunk};
 }
 
 }  // namespace spindle::cuda
