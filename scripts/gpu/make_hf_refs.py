@@ -27,6 +27,10 @@ released checkpoints hold them, text model under model.language_model.); the vis
 never trains it) and model.safetensors also gets a few mtp.* tensors, which transformers ignores on load and
 spindle carries into a saved full model. qwen3_5_moe_text is the text-only Qwen3_5MoeForCausalLM.
 
+The expert LoRA cases (qwen3_moe_expert_lora, qwen3_5_moe_expert_lora) adapt the routed experts' fused
+tensors through PEFT's target_parameters (ParamWrapper: per expert e, W_e + s·B_e·A_e), so their
+adapters and gradients are in PEFT's layout for them: lora_A [E·r, in], lora_B [out, r·E] (docs/formats.md).
+
 Usage: python3 make_hf_refs.py [OUT_DIR | --out OUT_DIR] [--only CASE[,CASE...]]
 """
 import argparse
@@ -395,13 +399,11 @@ def main():
                                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     write_case("qwen3_moe", qwen3_moe)
     write_case("qwen3_moe_lora", qwen3_moe, lora=dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
-    # PEFT's LoRA on the fused expert tensors (target_parameters): how PEFT lays out such adapters.
-    try:
-        write_case("qwen3_moe_expert_lora", qwen3_moe,
-                   lora=dict(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj"],
-                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
-    except Exception as e:  # an older PEFT, or experts that are not fused
-        print(f"qwen3_moe_expert_lora: not written: {e!r}"[:600])
+    # PEFT's LoRA on the fused expert tensors (target_parameters; peft >= 0.17), the base saved per expert
+    # as transformers 5 writes it: per expert e, gate_up_proj[e] + s·B_e·A_e and down_proj[e] + s·B_e·A_e.
+    write_case("qwen3_moe_expert_lora", qwen3_moe,
+               lora=dict(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj"],
+                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
 
     # qwen3_5, text-only (Qwen3_5ForCausalLM): gated DeltaNet, gated attention, gated DeltaNet; two value
     # heads per key head of another width; attention heads of 16 with RoPE on their first 4 dims.
@@ -445,6 +447,12 @@ def main():
                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
                                          "out_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate"]))
     write_case("qwen3_5_moe_text", transformers.Qwen3_5MoeTextConfig(**moe_text, tie_word_embeddings=False))
+    # PEFT's LoRA on the multimodal model's fused routed experts (target_parameters) and its gated attention,
+    # the load-balancing loss on: the adapter's tensors under model.language_model., the base's experts fused.
+    write_case("qwen3_5_moe_expert_lora", qwen3_5_moe_config(), model_class=multimodal,
+               lora=dict(r=4, lora_alpha=8, lora_dropout=0.0, init_std=0.1,
+                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
 
 
 if __name__ == "__main__":

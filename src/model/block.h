@@ -21,6 +21,7 @@
 namespace spindle {
 
 class RouterAuxLoss;
+struct ExpertLora;
 
 // What a block's forward and backward run with besides its own weights and record.
 struct LayerContext {
@@ -182,6 +183,9 @@ class FeedForward {
                         const Tensor& dout, Tensor& dxn) const = 0;
   virtual std::vector<Parameter*> parameters() const = 0;
   virtual std::vector<Linear*> linears() = 0;
+  // The routed experts' fused tensors LoRA may adapt (model/expert_lora.h), in checkpoint order;
+  // none for a block without routed experts.
+  virtual std::vector<ExpertLora*> expert_loras() { return {}; }
 };
 
 // Appends the non-null parameters of `linear` to `out`.

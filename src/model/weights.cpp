@@ -76,15 +76,80 @@ class ModelWeights::Allocator final : public ParameterSink {
   }
 };
 
-// What a target that names a projection LoRA may not adapt (a routed expert's, the router) is.
+namespace {
+
+// The routed experts' fused tensors as PEFT's target_parameters name them, and how --lora-targets
+// spells them: "experts" both, "experts.<tensor>" (or PEFT's "mlp.experts.<tensor>") one.
+const char* const kExpertsGateUp = "mlp.experts.gate_up_proj";
+const char* const kExpertsDown = "mlp.experts.down_proj";
+std::vector<std::string> expert_target_parameters(const std::string& target) {
+  if (target == "experts") return {kExpertsGateUp, kExpertsDown};
+  if (target == "experts.gate_up_proj" || target == kExpertsGateUp) return {kExpertsGateUp};
+  if (target == "experts.down_proj" || target == kExpertsDown) return {kExpertsDown};
+  return {};
+}
+
+// Why the router (mlp.gate) is not a LoRA target.
+const char* const kRouterNotAdapted =
+    "LoRA on the MoE router (mlp.gate) is not supported: an adapter there changes which experts each token is "
+    "sent to, a discrete top-k choice no gradient reaches (only the chosen experts' routing weights are "
+    "differentiable), and the experts' load balance rests on it, so spindle keeps the router frozen; adapt the "
+    "routed experts instead (--lora-targets experts, PEFT's target_parameters mlp.experts.gate_up_proj and "
+    "mlp.experts.down_proj)";
+
+// Host values into a backend tensor of their dtype (t's shape and dtype, copied as stored).
+void copy_host_tensor(Backend& backend, const Tensor& host, Tensor& t) {
+  if (backend.device().kind == DeviceKind::CPU) backend.copy(backend.default_stream(), host, t);
+  else backend.copy_from_host(backend.default_stream(), host.data(), t);
+}
+
+}  // namespace
+
+// What a target that names a projection LoRA does not adapt by its module name (the router, one
+// routed expert's projection) is.
 std::string ModelWeights::lora_target_hint(const std::string& target) const {
   for (const Linear* lin : linears())
-    if (!lin->lora_target && (lin->module == target || lin->module.ends_with("." + target)))
-      return fmt::format(" (\"{}\" of this model is {}: LoRA on routed experts and on the router is not supported "
-                         "yet, since PEFT adapts transformers' fused expert tensors through target_parameters, which "
-                         "spindle does not read or write yet)",
-                         target, lin->module == "gate" ? "the router" : "a routed expert's projection");
+    if (!lin->lora_target && (lin->module == target || lin->module.ends_with("." + target))) {
+      if (lin->module == "gate") return fmt::format(" (\"{}\" of this model is the router. {})", target, kRouterNotAdapted);
+      return fmt::format(" (\"{}\" of this model is a routed expert's projection: PEFT adapts the routed experts per "
+                         "fused tensor, gate and up together as mlp.experts.gate_up_proj, and down as "
+                         "mlp.experts.down_proj; name them experts, experts.gate_up_proj or experts.down_proj)",
+                         target);
+    }
+  if (!expert_loras().empty())
+    return "; the routed experts: experts (both fused tensors), experts.gate_up_proj, experts.down_proj";
   return "";
+}
+
+LoraConfig ModelWeights::resolve_expert_targets(const LoraConfig& in) const {
+  LoraConfig out = in;
+  out.targets.clear();
+  auto add_parameter = [&](const std::string& name) {
+    if (std::find(out.target_parameters.begin(), out.target_parameters.end(), name) == out.target_parameters.end())
+      out.target_parameters.push_back(name);
+  };
+  for (const std::string& target : in.targets) {
+    const std::vector<std::string> parameters = expert_target_parameters(target);
+    if (parameters.empty()) out.targets.push_back(target);
+    for (const std::string& name : parameters) add_parameter(name);
+  }
+  const std::vector<const ExpertLora*> experts = expert_loras();
+  for (const std::string& entry : out.target_parameters) {
+    if (std::any_of(experts.begin(), experts.end(), [&](const ExpertLora* x) { return x->matches(entry); })) continue;
+    for (const Linear* lin : linears())
+      if (lin->module == "gate" && !lin->lora_target) {
+        const ExpertLora router{.module = lin->prefix, .tensor = "weight"};
+        if (router.matches(entry)) fail("LoRA target parameter \"{}\": {}", entry, kRouterNotAdapted);
+      }
+    if (experts.empty())
+      fail("LoRA target parameter \"{}\": this {} model has no routed experts, and target_parameters adapt only "
+           "the routed experts' fused tensors ({}, {}); adapt its projections by module name instead",
+           entry, config.model_type, kExpertsGateUp, kExpertsDown);
+    fail("LoRA target parameter \"{}\" names no tensor spindle adapts: target_parameters may name the routed "
+         "experts' fused tensors {} and {} (the full name, e.g. {}, or a dotted suffix of it)",
+         entry, kExpertsGateUp, kExpertsDown, experts.front()->key());
+  }
+  return out;
 }
 
 double LoraConfig::scaling() const {
@@ -242,15 +307,17 @@ void ModelWeights::zero_grads(Backend& backend) {
 void ModelWeights::add_lora(Backend& backend, const LoraConfig& lora_config, uint64_t seed) {
   if (lora.rank) fail("this model already has LoRA adapters");
   if (lora_config.rank <= 0) fail("LoRA rank must be positive, got {}", lora_config.rank);
-  if (lora_config.targets.empty()) fail("LoRA needs at least one target module");
+  if (lora_config.targets.empty() && lora_config.target_parameters.empty())
+    fail("LoRA needs at least one target module");
+  const LoraConfig resolved = resolve_expert_targets(lora_config);
   const std::vector<std::string> projections = projection_names();
-  for (const std::string& target : lora_config.targets)
+  for (const std::string& target : resolved.targets)
     if (std::find(projections.begin(), projections.end(), target) == projections.end())
       fail("LoRA target \"{}\" is not a projection of this {} model; choose from {}{}", target, config.model_type,
            join(projections), lora_target_hint(target));
-  lora = lora_config;
+  lora = resolved;
   std::mt19937_64 rng(seed);
-  for (DecoderLayer& layer : layers)
+  for (DecoderLayer& layer : layers) {
     for (const std::string& target : lora.targets) {
       Linear* lin = layer.linear(target);
       if (!lin || !lin->lora_target) continue;  // a projection of other layers' kind (PEFT adapts the layers that have it)
@@ -271,6 +338,59 @@ void ModelWeights::add_lora(Backend& backend, const LoraConfig& lora_config, uin
       make_trainable(backend, a);
       make_trainable(backend, b);
     }
+    add_expert_lora(backend, layer, rng);
+  }
+}
+
+void ModelWeights::add_expert_lora(Backend& backend, DecoderLayer& layer, std::mt19937_64& rng) {
+  std::vector<ExpertLora*> adapted;
+  for (ExpertLora* slot : layer.feed_forward().expert_loras())
+    for (const std::string& entry : lora.target_parameters)
+      if (slot->matches(entry)) {
+        adapted.push_back(slot);
+        break;
+      }
+  // PEFT wraps each targeted tensor of one module in a ParamWrapper of its own, the module's first
+  // tensor innermost: a pair's names carry one ".base_layer" per wrapper around its own.
+  for (size_t i = 0; i < adapted.size(); ++i) {
+    ExpertLora& slot = *adapted[i];
+    std::string module = "base_model.model." + slot.module;
+    for (size_t outer = i + 1; outer < adapted.size(); ++outer) module += ".base_layer";
+    Parameter& a = add(backend, module + ".lora_A.weight", Shape{slot.experts * lora.rank, slot.in});
+    Parameter& b = add(backend, module + ".lora_B.weight", Shape{slot.experts, slot.out, lora.rank});
+    // As PEFT initialises the pair (A: nn.Linear(in, r·E), Kaiming-uniform: U(±1/sqrt(in)); B = 0).
+    const double bound = 1.0 / std::sqrt(static_cast<double>(slot.in));
+    std::uniform_real_distribution<double> uniform(-bound, bound);
+    std::vector<double> values(a.value.numel());
+    for (double& v : values) v = uniform(rng);
+    fill_host(backend, a.value, values);
+    backend.fill(backend.default_stream(), b.value, 0.0);
+    slot.a = &a;
+    slot.b = &b;
+    slot.rank = lora.rank;
+    slot.scaling = lora.scaling();
+    make_trainable(backend, a);
+    make_trainable(backend, b);
+  }
+}
+
+std::vector<ExpertLora*> ModelWeights::expert_loras() {
+  std::vector<ExpertLora*> out;
+  for (DecoderLayer& layer : layers)
+    for (ExpertLora* lora : layer.feed_forward().expert_loras()) out.push_back(lora);
+  return out;
+}
+
+std::vector<const ExpertLora*> ModelWeights::expert_loras() const {
+  std::vector<const ExpertLora*> out;
+  for (ExpertLora* lora : const_cast<ModelWeights*>(this)->expert_loras()) out.push_back(lora);
+  return out;
+}
+
+const ExpertLora* ModelWeights::expert_lora_of_b(const Parameter& p) const {
+  for (const ExpertLora* lora : expert_loras())
+    if (lora->b == &p) return lora;
+  return nullptr;
 }
 
 void ModelWeights::load_peft_adapter(Backend& backend, const std::string& dir) {
@@ -298,6 +418,16 @@ void ModelWeights::load_peft_adapter(Backend& backend, const std::string& dir) {
   unsupported_if(j.contains("rank_pattern") && !j["rank_pattern"].empty(), "rank_pattern");
   unsupported_if(j.contains("alpha_pattern") && !j["alpha_pattern"].empty(), "alpha_pattern");
   if (!j.contains("r") || !j["r"].is_number_integer()) fail("{}: missing integer \"r\"", src);
+  // PEFT's LoRA on parameters rather than modules: spindle reads it for the routed experts' fused tensors.
+  std::vector<std::string> target_parameters;
+  if (const nlohmann::json tp = j.value("target_parameters", nlohmann::json()); tp.is_array()) {
+    for (const auto& t : tp) {
+      if (!t.is_string()) fail("{}: target_parameters must be a list of parameter names, got {}", src, tp.dump());
+      target_parameters.push_back(t.get<std::string>());
+    }
+  } else if (!tp.is_null()) {
+    fail("{}: target_parameters must be a list of parameter names, got {}", src, tp.dump());
+  }
   LoraConfig lc;
   lc.rank = j["r"].get<int64_t>();
   lc.alpha = j.value("lora_alpha", 8.0);
@@ -308,6 +438,8 @@ void ModelWeights::load_peft_adapter(Backend& backend, const std::string& dir) {
     lc.targets = projections;
   } else if (targets.is_array()) {
     for (const auto& t : targets) lc.targets.push_back(t.get<std::string>());
+  } else if (targets.is_null() && !target_parameters.empty()) {
+    // no module targets: the adapter adapts parameters only
   } else {
     fail("{}: target_modules must be a list of module names or \"all-linear\", got {}", src, targets.dump());
   }
@@ -320,6 +452,7 @@ void ModelWeights::load_peft_adapter(Backend& backend, const std::string& dir) {
       fail("{}: LoRA target \"{}\" is not supported (not a projection of this {} model); spindle adapts {}{}", src, t,
            config.model_type, join(projections), lora_target_hint(t));
   lc.targets = ordered;
+  lc.target_parameters = target_parameters;
 
   add_lora(backend, lc, 0);
   const fs::path weights_path = fs::path(dir) / "adapter_model.safetensors";
@@ -329,8 +462,19 @@ void ModelWeights::load_peft_adapter(Backend& backend, const std::string& dir) {
   std::set<std::string> used;
   for (Parameter& p : params_) {
     if (p.name.rfind("base_model.model.", 0) != 0) continue;
-    io::load_tensor_into(backend, file.require(p.name, p.value.shape()), p.value);
     used.insert(p.name);
+    const ExpertLora* expert = expert_lora_of_b(p);
+    if (!expert) {
+      io::load_tensor_into(backend, file.require(p.name, p.value.shape()), p.value);
+      continue;
+    }
+    // An expert LoRA's B: PEFT's [out, r·E] into spindle's [E, out, r] on the host.
+    auto host = make_cpu_backend(0);
+    const Tensor stored =
+        io::load_tensor(*host, file.require(p.name, Shape{expert->out, expert->rank * expert->experts}), p.value.dtype());
+    Tensor per_expert = host->empty(p.value.shape(), p.value.dtype());
+    expert_lora_b_from_peft(stored, per_expert);
+    copy_host_tensor(backend, per_expert, p.value);
   }
   for (const std::string& name : file.names())
     if (!used.count(name))

@@ -5,11 +5,13 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "backend/backend.h"
 #include "model/config.h"
+#include "model/expert_lora.h"
 #include "model/layer.h"
 #include "model/linear.h"
 #include "model/quantized_weights.h"
@@ -25,6 +27,11 @@ struct LoraConfig {
   double alpha = 0;
   bool rslora = false;
   std::vector<std::string> targets;  // PEFT module names of projections (q_proj … down_proj)
+  // PEFT's target_parameters: the routed experts' fused tensors ("mlp.experts.gate_up_proj",
+  // "mlp.experts.down_proj"; an entry matches a tensor's full name or a dotted suffix of it).
+  // add_lora also takes the experts in `targets`, spelled as --lora-targets does ("experts",
+  // "experts.gate_up_proj", "experts.down_proj"), and moves them here.
+  std::vector<std::string> target_parameters{};
   double scaling() const;            // alpha / r, or alpha / sqrt(r) with rsLoRA
 };
 
@@ -63,6 +70,11 @@ class ModelWeights {
   // Every projection of every layer, in layer order.
   std::vector<Linear*> linears();
   std::vector<const Linear*> linears() const;
+  // The routed experts' fused tensors of every layer, adapted or not (model/expert_lora.h).
+  std::vector<ExpertLora*> expert_loras();
+  std::vector<const ExpertLora*> expert_loras() const;
+  // The expert LoRA whose B is `p` (stored as [E, out, r], not PEFT's [out, r·E]), or null.
+  const ExpertLora* expert_lora_of_b(const Parameter& p) const;
 
   // Full fine-tuning: every base parameter trainable.
   void train_all(Backend& backend);
@@ -82,6 +94,9 @@ class ModelWeights {
  private:
   class Allocator;
   std::string lora_target_hint(const std::string& target) const;
+  // `lora` with the experts named in its targets moved to target_parameters, every entry checked.
+  LoraConfig resolve_expert_targets(const LoraConfig& lora) const;
+  void add_expert_lora(Backend& backend, DecoderLayer& layer, std::mt19937_64& rng);
   Parameter& add(Backend& backend, const std::string& name, Shape shape);
   void wire(Backend& backend, QuantizedLoader* loader = nullptr);
   void make_trainable(Backend& backend, Parameter& p);

@@ -200,6 +200,52 @@ Tensor merged_weight(Backend& backend, const Linear& linear, DType model_dtype) 
 
 bool is_lora_parameter(const Parameter& p) { return p.name.rfind(kPeftPrefix, 0) == 0; }
 
+// One part of a fused expert tensor that carries LoRA (a packed tensor's part, model/block.h): rows
+// begin … end − 1 of expert e's matrix W_e, which merges as W_e[begin:end] + s·B_e[begin:end]·A_e.
+struct AdaptedExpertRows {
+  const ExpertLora* lora = nullptr;
+  int64_t expert = 0, begin = 0, end = 0;
+};
+
+// The parts of the model's fused expert tensors that an expert LoRA adapts, by parameter.
+std::unordered_map<const Parameter*, AdaptedExpertRows> adapted_expert_rows(const ModelWeights& weights) {
+  std::unordered_map<const Parameter*, AdaptedExpertRows> out;
+  for (const ExpertLora* lora : weights.expert_loras()) {
+    if (!lora->adapted()) continue;
+    for (const PackedTensor& packed : weights.packed_tensors()) {
+      if (packed.name != lora->key()) continue;
+      int64_t offset = 0;  // elements into [E, out, in]
+      for (const Parameter* part : packed.parts) {
+        const int64_t matrix = lora->out * lora->in, rows = part->value.numel() / lora->in;
+        const int64_t begin = (offset % matrix) / lora->in;
+        out[part] = {lora, offset / matrix, begin, begin + rows};
+        offset += part->value.numel();
+      }
+    }
+  }
+  return out;
+}
+
+// W_e[begin:end] + s·B_e[begin:end]·A_e for one part of a fused expert tensor, accumulated in F32
+// (F64 for F64 models), as merged_weight.
+Tensor merged_expert_rows(Backend& backend, const Parameter& part, const AdaptedExpertRows& rows, DType model_dtype) {
+  const DType compute = model_dtype == DType::F64 ? DType::F64 : DType::F32;
+  Stream stream = backend.default_stream();
+  auto in_compute = [&](const Tensor& t) {
+    Tensor out = backend.empty(t.shape(), compute);
+    backend.copy(stream, t, out);
+    return out;
+  };
+  const ExpertLora& lora = *rows.lora;
+  Tensor w = in_compute(part.value);
+  const Tensor a = in_compute(lora.a->value.rows(rows.expert * lora.rank, (rows.expert + 1) * lora.rank));  // [r, in]
+  const Tensor b = in_compute(lora.b->value.flat((rows.expert * lora.out + rows.begin) * lora.rank,
+                                                 (rows.end - rows.begin) * lora.rank)
+                                  .reshape(Shape{rows.end - rows.begin, lora.rank}));  // [end − begin, r]
+  backend.gemm(stream, b, false, a, false, w, lora.scaling, 1.0);
+  return w;
+}
+
 // The source checkpoint's tensors that the model does not hold but its family carries over (a
 // multimodal checkpoint's vision tower, the multi-token-prediction heads: model/family.h), exactly
 // as stored (dtype and bytes), on `target` for the writer. Nothing when the source folder has no
@@ -261,6 +307,9 @@ std::string peft_adapter_config_json(const LoraConfig& lora, const std::string& 
   j["rank_pattern"] = nlohmann::json::object();
   j["revision"] = nullptr;
   j["target_modules"] = lora.targets;
+  // LoRA on the routed experts' fused tensors; null otherwise, as PEFT writes it.
+  j["target_parameters"] = nullptr;
+  if (!lora.target_parameters.empty()) j["target_parameters"] = lora.target_parameters;
   // PeftModelForCausalLM for a causal LM; PEFT leaves a multimodal base's task type unset (AutoPeftModel
   // refuses a task type, and AutoPeftModelForCausalLM would build the text-only class, whose tensor
   // names the adapter's do not match).
@@ -283,8 +332,16 @@ void save_peft_adapter(Backend& backend, const ModelWeights& weights, const fs::
   StagedFolder folder(dir);
   auto host = make_cpu_backend(1);
   io::NamedTensors tensors;
-  for (const Parameter& p : weights.parameters())
-    if (is_lora_parameter(p)) tensors.emplace_back(p.name, host_copy(backend, *host, p.value, dtype));
+  for (const Parameter& p : weights.parameters()) {
+    if (!is_lora_parameter(p)) continue;
+    Tensor value = host_copy(backend, *host, p.value, dtype);
+    if (const ExpertLora* expert = weights.expert_lora_of_b(p)) {  // [E, out, r] -> PEFT's [out, r·E]
+      Tensor stored = host->empty(Shape{expert->out, expert->rank * expert->experts}, dtype);
+      expert_lora_b_to_peft(value, stored);
+      value = stored;
+    }
+    tensors.emplace_back(p.name, value);
+  }
   if (tensors.empty()) fail("cannot save a PEFT adapter to {}: LoRA rank is set but no adapter tensors exist", dir.string());
   io::write_safetensors((folder.path() / "adapter_model.safetensors").string(), tensors, *host, {{"format", "pt"}});
   write_file_synced(folder.path() / "adapter_config.json",
@@ -333,6 +390,13 @@ void save_hf_model(Backend& backend, const ModelWeights& weights, const fs::path
     }
   }
   const bool merge = options.merge_lora;
+  // Routed experts' weights with LoRA on their fused tensor, merged per expert when asked.
+  std::unordered_map<const Parameter*, AdaptedExpertRows> expert_rows;
+  if (merge) expert_rows = adapted_expert_rows(weights);
+  if (!expert_rows.empty() && weights.has_quantized_projections())
+    fail("cannot merge the routed experts' LoRA into the model saved to {}: its experts are 4-bit, and spindle merges "
+         "expert adapters into dense experts only; save the adapter (without merging) instead",
+         out_dir.string());
   // A 4-bit weight without merging is its dequantised value (merged_weight of a Linear with no
   // adapter, or merge off).
   auto dense_of = [&](const Linear& linear) {
@@ -360,6 +424,8 @@ void save_hf_model(Backend& backend, const ModelWeights& weights, const fs::path
   auto export_value = [&](const Parameter& p) {
     if (auto it = adapted.find(&p); it != adapted.end())
       return host_copy(backend, *host, dense_of(*it->second), options.dtype);
+    if (auto it = expert_rows.find(&p); it != expert_rows.end())
+      return host_copy(backend, *host, merged_expert_rows(backend, p, it->second, weights.dtype), options.dtype);
     return host_copy(backend, *host, p.value, options.dtype);
   };
   for (const Parameter& p : weights.parameters()) {
@@ -383,10 +449,8 @@ void save_hf_model(Backend& backend, const ModelWeights& weights, const fs::path
     }
     if (direct) {
       tensors.emplace_back(p.name, p.value);
-    } else if (auto it = adapted.find(&p); it != adapted.end()) {
-      tensors.emplace_back(p.name, host_copy(backend, *host, dense_of(*it->second), options.dtype));
     } else {
-      tensors.emplace_back(p.name, host_copy(backend, *host, p.value, options.dtype));
+      tensors.emplace_back(p.name, export_value(p));
     }
   }
 

@@ -127,15 +127,21 @@ LoraDisabled::LoraDisabled(ModelWeights& weights) : weights_(weights) {
     saved_.push_back(lin.lora_scaling);
     any |= lin.lora_a != nullptr;
   });
+  for (const ExpertLora* lora : weights_.expert_loras()) {  // the routed experts' fused tensors
+    saved_.push_back(lora->scaling);
+    any |= lora->adapted();
+  }
   if (!any)
     fail("the reference 'policy with adapters disabled' needs LoRA adapters, and this model has none (full "
          "fine-tuning); use a separate reference model or precomputed reference log-probabilities");
   for_each_linear(weights_, [](Linear& lin) { lin.lora_scaling = 0.0; });
+  for (ExpertLora* lora : weights_.expert_loras()) lora->scaling = 0.0;
 }
 
 LoraDisabled::~LoraDisabled() {
   size_t i = 0;
   for_each_linear(weights_, [&](Linear& lin) { lin.lora_scaling = saved_[i++]; });
+  for (ExpertLora* lora : weights_.expert_loras()) lora->scaling = saved_[i++];
 }
 
 SequenceSums sequence_log_probs(Backend& backend, Decoder& model, std::span<const PreferenceBatch> batches,

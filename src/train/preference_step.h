@@ -71,7 +71,8 @@ class LoraDisabled {
 
  private:
   ModelWeights& weights_;
-  std::vector<double> saved_;  // lora_scaling of each Linear, in layer and projection order
+  std::vector<double> saved_;  // lora_scaling of each Linear, in layer and projection order, then each
+                               // expert LoRA's scaling (ModelWeights::expert_loras)
 };
 
 // Per-response sums for one step: index preference_sequence_id(pair, rejected).

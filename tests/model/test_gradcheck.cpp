@@ -189,3 +189,42 @@ TEST(WholeModelGradients, Qwen3MoeAttentionLoraWithNonzeroB) {
   EXPECT_EQ(trainable, 2 * (3 * 3 + 1));  // A and B: q, v, o on three layers, down_proj on the dense one
   check_model(w, *be, {}, 0.5);
 }
+
+TEST(WholeModelGradients, Qwen3MoeExpertLoraWithNonzeroB) {
+  // LoRA on both fused expert tensors as PEFT's target_parameters adapt them (gate_up_proj: one A_e
+  // for the gate and up rows of B_e; down_proj), and on q_proj; the expert weights run as grouped
+  // GEMMs, the first layer recomputed, the aux loss on.
+  auto be = make_cpu_backend();
+  ModelWeights w = tiny_moe(*be, nlohmann::json::object(), 11);
+  LoraConfig lora;
+  lora.rank = 2;
+  lora.alpha = 3;
+  lora.targets = {"q_proj", "experts"};
+  add_lora_with_random_b(*be, w, lora, 12, uniform_draw(1.0));
+  int trainable = 0;
+  for (Parameter& p : w.parameters()) trainable += p.trainable;
+  EXPECT_EQ(trainable, 2 * (3 + 2 * 2));  // A and B: q on three layers, both expert tensors on the two MoE ones
+  EXPECT_NE(w.find("base_model.model.model.layers.2.mlp.experts.base_layer.lora_A.weight"), nullptr);
+  ASSERT_NE(w.find("base_model.model.model.layers.2.mlp.experts.lora_B.weight"), nullptr);
+  EXPECT_EQ(w.find("base_model.model.model.layers.2.mlp.experts.lora_B.weight")->value.shape(), (Shape{4, 8, 2}));
+  DecoderOptions options;
+  options.recompute = {true, false, false};
+  check_model(w, *be, options, 0.5);
+}
+
+TEST(WholeModelGradients, Qwen3MoeDownProjLoraOverFourBitExperts) {
+  // 4-bit experts run one Linear per expert (the offsets read on the host); the LoRA term of
+  // down_proj is still grouped GEMMs. One targeted tensor: PEFT names it without a ".base_layer".
+  auto be = make_cpu_backend();
+  ModelWeights w = tiny_moe(*be, nlohmann::json::object(), 13);
+  w.quantize_projections(*be, {.type = Quant4Type::NF4, .blocksize = 32});
+  LoraConfig lora;
+  lora.rank = 3;
+  lora.alpha = 2;
+  lora.targets = {"experts.down_proj"};
+  add_lora_with_random_b(*be, w, lora, 14, uniform_draw(1.0));
+  ASSERT_NE(w.find("base_model.model.model.layers.0.mlp.experts.lora_A.weight"), nullptr);
+  EXPECT_EQ(w.find("base_model.model.model.layers.0.mlp.experts.lora_A.weight")->value.shape(), (Shape{4 * 3, 6}));
+  EXPECT_EQ(w.find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"), nullptr);
+  check_model(w, *be, {}, 0.5);
+}

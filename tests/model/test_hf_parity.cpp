@@ -89,11 +89,17 @@ StepResult run_case(Backend& be, ModelWeights& weights, const std::string& dir, 
 }
 
 // The reference gradient of `p`: under its own name, or its slice of a packed tensor (transformers
-// 5 keeps routed experts fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]).
+// 5 keeps routed experts fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]). An expert LoRA's B
+// is PEFT's [out, r·E] there and [E, out, r] in spindle (model/expert_lora.h).
 std::vector<double> reference_gradient(Backend& be, const ModelWeights& weights, const Reference& ref,
                                        const Parameter& p) {
-  if (const io::TensorRecord* rec = ref.expected.find("grad." + p.name))
-    return to_host(be, io::load_tensor(be, *rec, DType::F64));
+  if (const io::TensorRecord* rec = ref.expected.find("grad." + p.name)) {
+    const Tensor stored = io::load_tensor(be, *rec, DType::F64);
+    if (!weights.expert_lora_of_b(p)) return to_host(be, stored);
+    Tensor per_expert = be.empty(p.value.shape(), DType::F64);
+    expert_lora_b_from_peft(stored, per_expert);
+    return to_host(be, per_expert);
+  }
   for (const PackedTensor& packed : weights.packed_tensors()) {
     int64_t offset = 0;
     for (const Parameter* part : packed.parts) {
@@ -215,3 +221,6 @@ INSTANTIATE_TEST_SUITE_P(Qwen35, HfParity, ::testing::Values("qwen3_5", "qwen3_5
 // tensors; the load-balancing loss on), LoRA on it with nonzero B (shared expert, its gate, DeltaNet,
 // attention), and the text-only Qwen3_5MoeForCausalLM (per-expert tensors, as transformers 5 saves them).
 INSTANTIATE_TEST_SUITE_P(Qwen35Moe, HfParity, ::testing::Values("qwen3_5_moe", "qwen3_5_moe_lora", "qwen3_5_moe_text"));
+// PEFT's LoRA on the routed experts' fused tensors (target_parameters, peft 0.21), with LoRA on attention:
+// qwen3_moe over a per-expert checkpoint, the multimodal qwen3_5_moe over a fused one (aux loss on in both).
+INSTANTIATE_TEST_SUITE_P(ExpertLora, HfParity, ::testing::Values("qwen3_moe_expert_lora", "qwen3_5_moe_expert_lora"));

@@ -2,8 +2,9 @@
 // text_config, every layer MoE with a shared expert, the router always renormalised), the tensors
 // and projections as transformers and PEFT name them, both expert layouts loading the same model,
 // the whole decoder's backward against finite differences in F64 (routers, experts, the shared
-// expert and its gate, the load-balancing loss, LoRA with nonzero B on the shared expert, the gate
-// and the DeltaNet and attention projections), and the recompute modes bit-identical.
+// expert and its gate, the load-balancing loss, LoRA with nonzero B on the shared expert, the gate,
+// the DeltaNet and attention projections and the routed experts' fused tensors), and the recompute
+// modes bit-identical.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -216,15 +217,39 @@ TEST(Qwen35MoeWeights, TensorsAndProjectionsAsTransformersAndPeftNameThem) {
   for (const Parameter& q : w.parameters())
     EXPECT_EQ(q.name.find("experts.") != std::string::npos && q.name.find("lora_") != std::string::npos, false) << q.name;
 
-  ModelWeights again = ModelWeights::random(*be, c, DType::F32, 1);
-  LoraConfig experts{.rank = 2, .alpha = 4.0, .rslora = false, .targets = {"experts.gate_proj"}};
-  try {
-    again.add_lora(*be, experts, 3);
-    FAIL() << "LoRA on routed experts was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("LoRA on routed experts and on the router is not supported"), std::string::npos)
-        << e.what();
+  // The routed experts are adapted per fused tensor (PEFT's target_parameters), never one projection
+  // of them; the router not at all.
+  auto refusal = [&](LoraConfig config) {
+    ModelWeights again = ModelWeights::random(*be, c, DType::F32, 1);
+    try {
+      again.add_lora(*be, config, 3);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const std::string one_projection = refusal({.rank = 2, .alpha = 4.0, .targets = {"experts.gate_proj"}});
+  EXPECT_NE(one_projection.find("gate and up together as mlp.experts.gate_up_proj"), std::string::npos) << one_projection;
+  for (const LoraConfig& router : {LoraConfig{.rank = 2, .alpha = 4.0, .targets = {"gate"}},
+                                   LoraConfig{.rank = 2, .alpha = 4.0, .targets = {}, .target_parameters = {"mlp.gate.weight"}}}) {
+    const std::string message = refusal(router);
+    EXPECT_NE(message.find("LoRA on the MoE router (mlp.gate) is not supported"), std::string::npos) << message;
   }
+  const std::string unknown = refusal({.rank = 2, .alpha = 4.0, .targets = {}, .target_parameters = {"mlp.experts.up_proj"}});
+  EXPECT_NE(unknown.find("names no tensor spindle adapts"), std::string::npos) << unknown;
+
+  ModelWeights experts = ModelWeights::random(*be, c, DType::F32, 1);
+  experts.add_lora(*be, {.rank = 2, .alpha = 4.0, .targets = {"q_proj", "experts"}}, 3);
+  EXPECT_EQ(experts.lora.targets, (std::vector<std::string>{"q_proj"}));
+  EXPECT_EQ(experts.lora.target_parameters,
+            (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
+  // PEFT's names: gate_up_proj's wrapper inside down_proj's. A [E·r, in]; B [E, out, r] (PEFT's file: [out, r·E]).
+  const std::string experts_prefix = "base_model.model.model.language_model.layers.2.mlp.experts.";
+  ASSERT_NE(experts.find(experts_prefix + "base_layer.lora_A.weight"), nullptr);
+  EXPECT_EQ(experts.find(experts_prefix + "base_layer.lora_A.weight")->value.shape(), (Shape{4 * 2, 32}));
+  EXPECT_EQ(experts.find(experts_prefix + "base_layer.lora_B.weight")->value.shape(), (Shape{4, 2 * 12, 2}));
+  EXPECT_EQ(experts.find(experts_prefix + "lora_A.weight")->value.shape(), (Shape{4 * 2, 12}));
+  EXPECT_EQ(experts.find(experts_prefix + "lora_B.weight")->value.shape(), (Shape{4, 32, 2}));
 }
 
 TEST(Qwen35MoeWeights, FusedAndPerExpertCheckpointsLoadTheSameModel) {
@@ -269,6 +294,22 @@ TEST(Qwen35MoeGradients, LoraOnSharedExpertGateDeltaNetAndAttentionWithNonzeroB)
   for (Parameter& p : w.parameters()) trainable += p.trainable;
   // A and B: the shared expert's three and the gate on 3 layers, 3 DeltaNet projections on 2, q on 1.
   EXPECT_EQ(trainable, 2 * (4 * 3 + 3 * 2 + 1));
+  check_gradients(w, *be, {}, 0.3);
+}
+
+TEST(Qwen35MoeGradients, LoraOnRoutedExpertsAndTheSharedExpertWithNonzeroB) {
+  // PEFT's target_parameters on both fused expert tensors, beside the shared expert's projections.
+  auto be = make_cpu_backend();
+  ModelWeights w = gradcheck_model(*be, 45);
+  LoraConfig lora;
+  lora.rank = 2;
+  lora.alpha = 3;
+  lora.targets = {"gate_proj", "down_proj"};
+  lora.target_parameters = {"experts.gate_up_proj", "layers.1.mlp.experts.down_proj"};  // a dotted suffix: layer 1 only
+  add_lora_with_random_b(*be, w, lora, 46, uniform_draw(1.0));
+  int trainable = 0;
+  for (Parameter& p : w.parameters()) trainable += p.trainable;
+  EXPECT_EQ(trainable, 2 * (2 * 3 + 3 + 1));  // A and B: two shared-expert projections and gate_up on 3 layers, down on 1
   check_gradients(w, *be, {}, 0.3);
 }
 

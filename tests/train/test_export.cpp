@@ -250,6 +250,74 @@ TEST(PeftAdapterExport, ReexportOfAPeftSavedAdapterMatchesPeftsFileAndConfig) {
   EXPECT_EQ(targets(mine["target_modules"]), targets(peft["target_modules"]));
 }
 
+TEST(PeftAdapterExport, ReexportOfPeftExpertAdaptersMatchesPeftsFileAndConfig) {
+  // LoRA on the routed experts' fused tensors (target_parameters), written by peft 0.21 over a
+  // per-expert qwen3_moe checkpoint and over the fused multimodal qwen3_5_moe: read into spindle's
+  // per-expert layout and written back, every tensor is PEFT's bit for bit (B as [out, r·E]), and the
+  // config names the same target_parameters.
+  for (const char* name : {"qwen3_moe_expert_lora", "qwen3_5_moe_expert_lora"}) {
+    SCOPED_TRACE(name);
+    const fs::path peft_dir = case_dir(name) / "adapter";
+    if (!fs::exists(peft_dir)) GTEST_SKIP() << "missing " << peft_dir;
+    auto be = make_cpu_backend();
+    ScratchDir scratch;
+    ModelWeights w = load_model(*be, case_dir(name));
+    w.load_peft_adapter(*be, peft_dir.string());
+    int adapted = 0;
+    for (const ExpertLora* lora : w.expert_loras()) adapted += lora->adapted();
+    EXPECT_GE(adapted, 4);
+    save_peft_adapter(*be, w, scratch.path() / "a", "");
+
+    io::Checkpoint theirs((peft_dir / "adapter_model.safetensors").string());
+    io::Checkpoint ours((scratch.path() / "a/adapter_model.safetensors").string());
+    ASSERT_EQ(names_of(ours), names_of(theirs));
+    for (const std::string& tensor : theirs.names()) {
+      EXPECT_EQ(ours.find(tensor)->shape, theirs.find(tensor)->shape) << tensor;
+      EXPECT_EQ(values_of(*be, ours, tensor), values_of(*be, theirs, tensor)) << tensor;
+    }
+    const nlohmann::json peft = read_json(peft_dir / "adapter_config.json");
+    const nlohmann::json mine = read_json(scratch.path() / "a/adapter_config.json");
+    EXPECT_EQ(mine["target_parameters"], peft["target_parameters"]);
+    EXPECT_EQ(mine["target_modules"], peft["target_modules"]);
+    // The references were made without a task type, so PEFT wrote auto_mapping for the text-only
+    // class too; spindle writes CAUSAL_LM there, and auto_mapping for the multimodal class only.
+    if (!w.config.multimodal_architecture.empty()) EXPECT_EQ(mine["auto_mapping"], peft["auto_mapping"]);
+    for (const auto& [key, value] : mine.items()) {
+      EXPECT_TRUE(peft.contains(key)) << "spindle writes \"" << key << "\", which peft 0.21 does not know";
+      if (key == "base_model_name_or_path" || key == "task_type" || key == "auto_mapping") continue;
+      EXPECT_EQ(value, peft[key]) << key;
+    }
+  }
+}
+
+TEST(PeftAdapterExport, ExpertAdapterRoundTripsThroughSpindlesLayout) {
+  // B is [E, out, r] in memory and [out, r·E] in the file (B_e's column j at j·E + e): a pair trained
+  // here reads back to the same values and the same per-token cross-entropy. Only down_proj: one
+  // ParamWrapper, no ".base_layer" in the names.
+  auto be = make_cpu_backend();
+  ScratchDir scratch;
+  ModelWeights trained = load_model(*be, case_dir("qwen3_moe"));
+  add_trained_lora(*be, trained, lora_config(3, 6, false, {"experts.down_proj", "o_proj"}), 17);
+  save_peft_adapter(*be, trained, scratch.path() / "a", "base");
+  io::Checkpoint file((scratch.path() / "a/adapter_model.safetensors").string());
+  const io::TensorRecord* b = file.find("base_model.model.model.layers.0.mlp.experts.lora_B.weight");
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->shape, (Shape{48, 3 * 4}));
+  // Expert 1's B_e[5, 2] is the file's row 5, column 2·E + 1.
+  const Parameter* ours = trained.find("base_model.model.model.layers.0.mlp.experts.lora_B.weight");
+  ASSERT_NE(ours, nullptr);
+  EXPECT_EQ(values_of(*be, file, b->name)[5 * 12 + 2 * 4 + 1], to_host(*be, ours->value)[(1 * 48 + 5) * 3 + 2]);
+  const nlohmann::json config = read_json(scratch.path() / "a/adapter_config.json");
+  EXPECT_EQ(config["target_parameters"], (nlohmann::json{"mlp.experts.down_proj"}));
+  EXPECT_EQ(config["target_modules"], (nlohmann::json{"o_proj"}));
+
+  ModelWeights reloaded = load_model(*be, case_dir("qwen3_moe"));
+  reloaded.load_peft_adapter(*be, (scratch.path() / "a").string());
+  expect_same_parameters(*be, trained, reloaded);
+  const std::vector<int32_t> doc = fixed_document(trained.config.vocab_size);
+  EXPECT_EQ(per_token_ce(*be, reloaded, doc), per_token_ce(*be, trained, doc));
+}
+
 TEST(PeftAdapterExport, Bf16AdapterHoldsTheRoundedValues) {
   auto be = make_cpu_backend();
   ScratchDir scratch;
@@ -438,6 +506,34 @@ TEST(HfModelExport, MergedExportEqualsBasePlusScaledBA) {
   const std::vector<double> with_adapter = per_token_ce(*be, w, doc), from_merged = per_token_ce(*be, reloaded, doc);
   ASSERT_EQ(with_adapter.size(), from_merged.size());
   for (size_t i = 0; i < with_adapter.size(); ++i) EXPECT_NEAR(from_merged[i], with_adapter[i], 1e-5) << i;
+}
+
+TEST(HfModelExport, ExpertLoraMergesIntoEveryExpertInEitherLayout) {
+  // W_e + s·B_e·A_e per expert, written per expert (qwen3_moe as transformers saves it) or fused
+  // (qwen3_5_moe as released): the merged model alone computes what base + adapters computed.
+  for (const char* name : {"qwen3_moe", "qwen3_5_moe"}) {
+    SCOPED_TRACE(name);
+    auto be = make_cpu_backend();
+    ScratchDir scratch;
+    ModelWeights w = load_model(*be, case_dir(name));
+    add_trained_lora(*be, w, lora_config(2, 4, false, {"experts"}), 21);
+    HfModelExportOptions options;
+    options.dtype = DType::F32;
+    options.merge_lora = true;
+    save_hf_model(*be, w, case_dir(name), scratch.path() / "merged", options);
+    ModelWeights merged = load_model(*be, scratch.path() / "merged");
+    EXPECT_EQ(merged.lora.rank, 0);
+    const std::vector<int32_t> doc = fixed_document(w.config.vocab_size);
+    const std::vector<double> want = per_token_ce(*be, w, doc), got = per_token_ce(*be, merged, doc);
+    ModelWeights base = load_model(*be, case_dir(name));
+    const std::vector<double> unadapted = per_token_ce(*be, base, doc);
+    double moved = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_NEAR(got[i], want[i], 2e-5) << "token " << i;
+      moved = std::max(moved, std::fabs(want[i] - unadapted[i]));
+    }
+    EXPECT_GT(moved, 1e-3) << "the adapters must change the model for the merge to be tested";
+  }
 }
 
 TEST(HfModelExport, BadRequestsAreClearErrorsThatWriteNothing) {
@@ -706,11 +802,48 @@ TEST(PythonStackCases, ExportsReloadToTheCrossEntropySpindleComputed) {
     expect_same_ce(per_token_ce(*be, back, doc), ce, "qwen3_5_moe_full");
     record("qwen3_5_moe_full", "model", "qwen3_5_moe", "float32", doc, ce);
   }
+  {  // qwen3_moe (per-expert checkpoint) + LoRA on q_proj and both routed experts' fused tensors, as
+     // PEFT's target_parameters adapt them (B written as PEFT's [out, r·E]).
+    ModelWeights w = load_model(*be, case_dir("qwen3_moe"));
+    add_trained_lora(*be, w, lora_config(4, 8, false, {"q_proj", "experts"}), 37);
+    const std::vector<int32_t> doc = fixed_document(w.config.vocab_size);
+    const std::vector<double> ce = per_token_ce(*be, w, doc);
+    save_peft_adapter(*be, w, root / "qwen3_moe_expert_adapter", "testdata/hf/qwen3_moe");
+    ModelWeights back = load_model(*be, case_dir("qwen3_moe"));
+    back.load_peft_adapter(*be, (root / "qwen3_moe_expert_adapter").string());
+    expect_same_ce(per_token_ce(*be, back, doc), ce, "qwen3_moe_expert_adapter");
+    record("qwen3_moe_expert_adapter", "adapter", "qwen3_moe", "float32", doc, ce);
+  }
+  {  // qwen3_5_moe, the multimodal checkpoint (fused experts): LoRA on down_proj of the routed experts
+     // only, and on the attention; auto_mapping names the multimodal class.
+    ModelWeights w = load_model(*be, case_dir("qwen3_5_moe"));
+    add_trained_lora(*be, w, lora_config(2, 4, true, {"q_proj", "o_proj", "experts.down_proj"}), 38);
+    const std::vector<int32_t> doc = fixed_document(w.config.vocab_size);
+    const std::vector<double> ce = per_token_ce(*be, w, doc);
+    save_peft_adapter(*be, w, root / "qwen3_5_moe_expert_adapter", "testdata/hf/qwen3_5_moe");
+    ModelWeights back = load_model(*be, case_dir("qwen3_5_moe"));
+    back.load_peft_adapter(*be, (root / "qwen3_5_moe_expert_adapter").string());
+    expect_same_ce(per_token_ce(*be, back, doc), ce, "qwen3_5_moe_expert_adapter");
+    record("qwen3_5_moe_expert_adapter", "adapter", "qwen3_5_moe", "float32", doc, ce);
+  }
+  {  // qwen3_moe with expert LoRA merged into each expert, F32, per-expert tensors as the source has them.
+    ModelWeights w = load_model(*be, case_dir("qwen3_moe"));
+    add_trained_lora(*be, w, lora_config(4, 8, false, {"experts", "k_proj"}), 39);
+    HfModelExportOptions options;
+    options.dtype = DType::F32;
+    options.merge_lora = true;
+    save_hf_model(*be, w, case_dir("qwen3_moe"), root / "qwen3_moe_expert_merged", options);
+    ModelWeights back = load_model(*be, root / "qwen3_moe_expert_merged");
+    const std::vector<int32_t> doc = fixed_document(w.config.vocab_size);
+    const std::vector<double> ce = per_token_ce(*be, back, doc);
+    expect_same_ce(ce, per_token_ce(*be, w, doc), "qwen3_moe_expert_merged");
+    record("qwen3_moe_expert_merged", "model", "qwen3_moe", "float32", doc, ce);
+  }
 
   const fs::path manifest_path = root / "cases.json";
   write_bytes((manifest_path.string() + ".tmp"), manifest.dump(1) + "\n");
   fs::rename(manifest_path.string() + ".tmp", manifest_path);
-  EXPECT_EQ(read_json(manifest_path).size(), 6u);
+  EXPECT_EQ(read_json(manifest_path).size(), 9u);
 }
 
 // ---- mixture-of-experts checkpoint layouts --------------------------------------------------------

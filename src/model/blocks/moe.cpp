@@ -71,6 +71,8 @@ MixtureOfExperts::MixtureOfExperts(ParameterSink& sink, const ModelConfig& c, co
   }
   sink.add_packed(std::move(gate_up));
   sink.add_packed(std::move(down));
+  gate_up_lora_ = {.module = pre + "experts", .tensor = "gate_up_proj", .experts = experts_, .out = 2 * width_, .in = h};
+  down_lora_ = {.module = pre + "experts", .tensor = "down_proj", .experts = experts_, .out = h, .in = width_};
 }
 
 std::vector<Parameter*> MixtureOfExperts::parameters() const {
@@ -78,6 +80,8 @@ std::vector<Parameter*> MixtureOfExperts::parameters() const {
   append_parameters(out, router_);
   for (int64_t e = 0; e < experts_; ++e)
     for (const Linear* lin : {&gate_[e], &up_[e], &down_[e]}) append_parameters(out, *lin);
+  for (const ExpertLora* lora : {&gate_up_lora_, &down_lora_})
+    for (Parameter* p : lora->parameters()) out.push_back(p);
   return out;
 }
 
@@ -119,17 +123,22 @@ bool MixtureOfExperts::grouped_experts() const {
 }
 
 void MixtureOfExperts::run_down(Backend& be, Stream st, const MoeActivations& a, const Tensor& act, Tensor& y,
-                                std::vector<LinearActivations>& down) const {
+                                std::vector<LinearActivations>& down, Tensor& xs) const {
   if (grouped_experts()) {
     be.moe_grouped_gemm(st, act, expert_weights(down_), true, a.offsets, y, false);
-    return;
+  } else {
+    for (int64_t e = 0; e < experts_; ++e) {
+      const int64_t begin = a.expert_rows[e], end = a.expert_rows[e + 1];
+      if (begin == end) continue;
+      down_[e].allocate(be, down[e], end - begin, y.dtype());
+      Tensor ye = y.rows(begin, end);
+      down_[e].forward(be, st, act.rows(begin, end), ye, down[e]);
+    }
   }
-  for (int64_t e = 0; e < experts_; ++e) {
-    const int64_t begin = a.expert_rows[e], end = a.expert_rows[e + 1];
-    if (begin == end) continue;
-    down_[e].allocate(be, down[e], end - begin, y.dtype());
-    Tensor ye = y.rows(begin, end);
-    down_[e].forward(be, st, act.rows(begin, end), ye, down[e]);
+  if (down_lora_.adapted()) {  // y += s·(act·A_eᵀ)·B_eᵀ
+    xs = be.empty(Shape{act.dim(0), down_lora_.rank}, y.dtype());
+    down_lora_.down_project(be, st, act, a.offsets, xs);
+    down_lora_.up_project(be, st, xs, a.offsets, 0, hidden_, y);
   }
 }
 
@@ -165,11 +174,18 @@ void MixtureOfExperts::forward(const LayerContext& ctx, const Tensor& xn, FeedFo
     gate_[e].forward(be, st, xe, ge, a.gate_proj[e]);
     up_[e].forward(be, st, xe, ue, a.up_proj[e]);
   }
+  if (gate_up_lora_.adapted()) {  // gate, up += s·(x·A_eᵀ)·B_eᵀ: B_e's first I rows, then its last I
+    Tensor xs = be.empty(Shape{n, gate_up_lora_.rank}, dt);  // [N, r]
+    gate_up_lora_.down_project(be, st, x, a.offsets, xs);
+    gate_up_lora_.up_project(be, st, xs, a.offsets, 0, width_, a.gate);
+    gate_up_lora_.up_project(be, st, xs, a.offsets, width_, 2 * width_, a.up);
+  }
   // A kept layer does not keep act (see MoeActivations): it lives until the down projections.
   Tensor act = a.act.defined() ? a.act : be.empty(a.gate.shape(), dt);
   be.swiglu_forward(st, a.gate, a.up, act);
   Tensor y = be.empty(Shape{n, hidden_}, dt);  // [N, H] the experts' outputs before weighting
-  run_down(be, st, a, act, y, a.down_proj);
+  Tensor down_xs;                               // [N, r] down_proj's LoRA intermediate, if any
+  run_down(be, st, a, act, y, a.down_proj, down_xs);
   be.moe_combine(st, y, a.row_of_slot, a.topk_index, a.topk_weight, out);
 }
 
@@ -189,7 +205,8 @@ void MixtureOfExperts::backward(const LayerContext& ctx, const Tensor& xn, const
   }
   Tensor y = be.empty(Shape{n, hidden_}, dt);
   std::vector<LinearActivations> down(static_cast<size_t>(experts_));
-  run_down(be, st, a, act, y, down);
+  Tensor down_xs;  // [N, r] s·act·A_eᵀ of down_proj's LoRA, if any: its backward reads it
+  run_down(be, st, a, act, y, down, down_xs);
 
   Tensor dy = be.empty(Shape{n, hidden_}, dt);
   Tensor d_weight = be.empty(Shape{t, top_k_}, stat_dtype(dt));
@@ -209,6 +226,7 @@ void MixtureOfExperts::backward(const LayerContext& ctx, const Tensor& xn, const
     Tensor de = d_act.rows(begin, end);
     down_[e].backward(be, st, act.rows(begin, end), dy.rows(begin, end), down[e], &de, false);
   }
+  if (down_lora_.adapted()) down_lora_.backward(be, st, act, down_xs, a.offsets, {{&dy, 0, hidden_}}, &d_act);
   dy = Tensor();
   Tensor d_gate = be.empty(d_act.shape(), dt), d_up = be.empty(d_act.shape(), dt);
   be.swiglu_backward(st, a.gate, a.up, d_act, d_gate, d_up);
@@ -232,6 +250,11 @@ void MixtureOfExperts::backward(const LayerContext& ctx, const Tensor& xn, const
     Tensor dxe = dx.rows(begin, end);
     gate_[e].backward(be, st, xe, d_gate.rows(begin, end), a.gate_proj[e], &dxe, false);
     up_[e].backward(be, st, xe, d_up.rows(begin, end), a.up_proj[e], &dxe, true);
+  }
+  if (gate_up_lora_.adapted()) {  // its intermediate again, as the other recomputed inputs
+    Tensor xs = be.empty(Shape{n, gate_up_lora_.rank}, dt);  // [N, r]
+    gate_up_lora_.down_project(be, st, x, a.offsets, xs);
+    gate_up_lora_.backward(be, st, x, xs, a.offsets, {{&d_gate, 0, width_}, {&d_up, width_, 2 * width_}}, &dx);
   }
 
   // Router: the routing weights' gradient (and the load-balancing loss's) through top-k and softmax.

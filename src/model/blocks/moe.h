@@ -8,13 +8,15 @@
 // each expert's rows one contiguous block: gather, per-expert projections (Linears, so FSDP, export
 // and FLOP counts see every expert), weighted sum back per token. Backward also carries the
 // routing weights' gradient through the top-k and the softmax into the router, and the
-// load-balancing loss's gradient when the step has one (model/router_aux_loss.h).
+// load-balancing loss's gradient when the step has one (model/router_aux_loss.h). LoRA reaches the
+// experts as PEFT's target_parameters do, per fused tensor (model/expert_lora.h).
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "model/block.h"
+#include "model/expert_lora.h"
 
 namespace spindle {
 
@@ -32,11 +34,14 @@ class MixtureOfExperts final : public FeedForward {
                 Tensor& dxn) const override;
   std::vector<Parameter*> parameters() const override;
   std::vector<Linear*> linears() override;
+  // gate_up_proj's and down_proj's, adapted once ModelWeights attaches a pair.
+  std::vector<ExpertLora*> expert_loras() override { return {&gate_up_lora_, &down_lora_}; }
 
  private:
-  // out [N, H] (overwritten) = down_e(act) on each expert's block of routed rows.
+  // out [N, H] (overwritten) = down_e(act) on each expert's block of routed rows (with down_proj's
+  // LoRA term; then xs [N, r] = s·act·A_eᵀ, which its backward reads).
   void run_down(Backend& backend, Stream stream, const MoeActivations& a, const Tensor& act, Tensor& y,
-                std::vector<LinearActivations>& down) const;
+                std::vector<LinearActivations>& down, Tensor& xs) const;
   // Whether every expert projection is a plain dense matrix (no LoRA, no bias, not quantised):
   // then the experts run as the backend's grouped GEMMs, sized by the offsets on the device, and
   // the offsets are never read on the host. Otherwise each expert is its own Linear.
@@ -46,6 +51,9 @@ class MixtureOfExperts final : public FeedForward {
   bool normalize_;
   Linear router_;                       // [E, H]
   std::vector<Linear> gate_, up_, down_;  // [E] each: [I, H], [I, H], [H, I]
+  // LoRA on the fused tensors as PEFT's target_parameters adapt them: gate_up_proj [E, 2I, H] (one
+  // A_e for the gate and up rows) and down_proj [E, H, I], applied as grouped GEMMs on either path.
+  ExpertLora gate_up_lora_, down_lora_;
 };
 
 }  // namespace spindle

@@ -33,6 +33,7 @@ class SharedExpertMoe final : public FeedForward {
                 Tensor& dxn) const override;
   std::vector<Parameter*> parameters() const override;
   std::vector<Linear*> linears() override;
+  std::vector<ExpertLora*> expert_loras() override { return routed_.expert_loras(); }
 
  private:
   int64_t hidden_;
