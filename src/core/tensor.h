@@ -75,6 +75,8 @@ class Tensor {
 
   // Raw device pointer. Backends only.
   void* data() const { return static_cast<char*>(storage_->data) + offset_; }
+  // The memory block this tensor views (its allocating backend's record). Backends only.
+  Storage* storage() const { return storage_.get(); }
   template <typename T>
   T* data_as() const { return static_cast<T*>(data()); }
 

@@ -306,13 +306,11 @@ PiecePlan plan_pieces(Backend& be, Stream st, comm::Communicator& group, const M
   for (int r = 0; r < plan.ranks; ++r) {
     plan.first.push_back(static_cast<int>(plan.pieces.size()));
     for (int64_t i = 0; i < t; ++i) {
-      // Positions inside a document are distinct; equal neighbours mean the ids were never computed
-      // (spindle plan's backend computes nothing) or the batch is malformed.
+      // Positions inside a document are distinct; equal neighbours mean the batch is malformed (or
+      // its ids were never uploaded).
       if (i > 0 && doc(r, i) >= 0 && doc(r, i) == doc(r, i - 1) && position(r, i) == position(r, i - 1))
         fail("sequence-parallel gated DeltaNet: document {} has two neighbouring tokens at position {} on rank {} of "
-             "group '{}'; passing the state between ranks needs each token's document and position (spindle plan, "
-             "which computes nothing, cannot follow it: plan with --ring 1 and a --ulysses dividing "
-             "linear_num_key_heads)",
+             "group '{}'; passing the state between ranks needs each token's document and position",
              doc(r, i), position(r, i), r, group.name());
       const bool continues = i > 0 && doc(r, i) == doc(r, i - 1) && position(r, i) == position(r, i - 1) + 1;
       if (continues) {
@@ -418,12 +416,6 @@ StatePass prepare_pass(Backend& be, Stream st, comm::Communicator& group, const 
   const int64_t t = qkv.dim(0), c = qkv.dim(1), width = h.conv.numel() / h.channels();
   const DType dt = qkv.dtype(), sdt = stat_dtype(dt);
   const int64_t hv = h.value_heads, dk = h.key_dim, dv = h.value_dim;
-  // Checked before the first collective, so every rank stops here with the same message.
-  if (be.device().kind != DeviceKind::CPU)
-    fail("passing the gated DeltaNet state between ranks (--ring > 1, or a --ulysses that does not divide "
-         "linear_num_key_heads) runs on the CPU backend for now; on the {} backend use --ring 1 and a --ulysses "
-         "that divides linear_num_key_heads",
-         be.name());
   StatePass s;
   s.plan = plan_pieces(be, st, group, batch, width - 1);
   const PiecePlan& plan = s.plan;

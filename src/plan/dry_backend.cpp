@@ -13,7 +13,7 @@ struct DryBackend::Allocation {
   int64_t bytes = 0;
   std::string phase;
   bool host = false;  // from empty_host
-  std::vector<char> contents;  // small tensors only (kBackedBytes): what dry ops wrote, else zeros
+  std::vector<char> contents;  // once a dry op wrote the tensor: its bytes (see host_memory)
 };
 
 DryBackend::DryBackend(Device modelled, int64_t alignment)
@@ -34,10 +34,6 @@ Tensor DryBackend::empty(Shape shape, DType dtype) {
     peak_phase_ = phase_;
   }
   auto storage = std::make_shared<Storage>();
-  if (bytes <= kBackedBytes) {
-    a->contents.assign(static_cast<size_t>(bytes), 0);
-    storage->data = a->contents.data();
-  }
   storage->bytes = static_cast<size_t>(bytes);
   storage->device = device_;
   storage->release = &DryBackend::release;
@@ -74,22 +70,45 @@ void DryBackend::on_release(const Allocation& a) {
   live_by_phase_[a.phase] -= a.bytes;
 }
 
-// A tensor's memory, when it has some (small tensors; see kBackedBytes), else null.
+void* DryBackend::host_memory(const Tensor& t) {
+  Storage* storage = t.storage();
+  if (!storage || storage->release != &DryBackend::release) return nullptr;  // not a dry tensor
+  if (!storage->data) {
+    auto* a = static_cast<Allocation*>(storage->release_context);
+    a->contents.assign(storage->bytes, 0);
+    storage->data = a->contents.data();
+  }
+  return t.data();
+}
+
 void DryBackend::copy_from_host(Stream, const void* src, Tensor& dst) {
-  if (dst.data() && dst.bytes()) std::memcpy(dst.data(), src, dst.bytes());
+  if (dst.bytes()) std::memcpy(host_memory(dst), src, dst.bytes());
 }
 
 void DryBackend::copy_to_host(Stream, const Tensor& src, void* dst) {
   if (!src.bytes()) return;
-  if (src.data()) std::memcpy(dst, src.data(), src.bytes());
+  if (src.storage()->data) std::memcpy(dst, src.data(), src.bytes());
   else std::memset(dst, 0, src.bytes());
+}
+
+void DryBackend::copy(Stream, const Tensor& src, Tensor& dst) {
+  // Same dtype only: the values followed are integers (ids, positions, offsets), never converted.
+  if (!src.bytes() || src.dtype() != dst.dtype() || src.bytes() != dst.bytes()) return;
+  if (src.storage()->data) std::memcpy(host_memory(dst), src.data(), src.bytes());
+  else if (dst.storage()->data) std::memset(dst.data(), 0, dst.bytes());
+}
+
+void DryBackend::fill(Stream, Tensor& t, double value) {
+  if (t.dtype() != DType::I32 || !t.numel() || (value == 0 && !t.storage()->data)) return;  // unwritten = zeros
+  auto* p = static_cast<int32_t*>(host_memory(t));
+  std::fill(p, p + t.numel(), static_cast<int32_t>(value));
 }
 
 void DryBackend::moe_permute(Stream, const Tensor& topk_index, int64_t num_experts, Tensor&, Tensor&,
                              Tensor& offsets) {
   // A balanced routing: expert e's rows start at ⌊N·e/E⌋ of the N = T·k routed rows.
-  if (!offsets.data() || offsets.dtype() != DType::I32 || offsets.numel() != num_experts + 1) return;
-  auto* first = offsets.data_as<int32_t>();
+  if (offsets.dtype() != DType::I32 || offsets.numel() != num_experts + 1 || num_experts < 1) return;
+  auto* first = static_cast<int32_t*>(host_memory(offsets));
   const int64_t rows = topk_index.numel();
   for (int64_t e = 0; e <= num_experts; ++e) first[e] = static_cast<int32_t>(rows * e / num_experts);
 }
@@ -121,18 +140,14 @@ cuda::DeltaRuleShape delta_rule_shape(const Tensor& q, const Tensor& v, int64_t 
 void DryBackend::gated_delta_rule_forward(Stream, const Tensor& q, const Tensor&, const Tensor& v, const Tensor&,
                                           const Tensor&, const Tensor&, double, int64_t chunk_size, Tensor&) {
   if (q.rank() != 3 || v.rank() != 3 || q.dim(0) == 0) return;
-  const cuda::DeltaRuleShape sh = delta_rule_shape(q, v, chunk_size);
-  const bool tensor_cores = q.dtype() == DType::BF16 && cuda::delta_rule_tensor_core_shape(sh);
-  scratch(tensor_cores ? cuda::delta_rule_mma_scratch(sh).forward() : cuda::delta_rule_scratch(sh).forward());
+  scratch(cuda::delta_rule_scratch(delta_rule_shape(q, v, chunk_size)).forward());
 }
 
 void DryBackend::gated_delta_rule_backward(Stream, const Tensor& q, const Tensor&, const Tensor& v, const Tensor&,
                                            const Tensor&, const Tensor&, double, int64_t chunk_size, const Tensor&,
                                            Tensor&, Tensor&, Tensor&, Tensor&, Tensor&) {
   if (q.rank() != 3 || v.rank() != 3 || q.dim(0) == 0) return;
-  const cuda::DeltaRuleShape sh = delta_rule_shape(q, v, chunk_size);
-  const bool tensor_cores = q.dtype() == DType::BF16 && cuda::delta_rule_tensor_core_shape(sh);
-  scratch(tensor_cores ? cuda::delta_rule_mma_scratch(sh).backward() : cuda::delta_rule_scratch(sh).backward());
+  scratch(cuda::delta_rule_scratch(delta_rule_shape(q, v, chunk_size)).backward());
 }
 
 MemoryStats DryBackend::memory_stats() {

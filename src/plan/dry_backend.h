@@ -15,11 +15,13 @@
 // - Planning for the CUDA backend, the ops whose CUDA kernels take device scratch from the same
 //   memory pool for the length of a call (the gated delta rule's F32 buffers) allocate that scratch
 //   here too, sized by the functions the kernels size it with, under the part kWorkspacePhase.
-// - Host reads of routing: a mixture-of-experts layer whose experts are not grouped GEMMs (4-bit
-//   experts) reads each expert's first row from moe_permute's offsets on the host. Small tensors
-//   (at most kBackedBytes) are backed by zeroed host memory, and moe_permute writes a balanced
-//   routing into its offsets (every expert ⌊N/E⌋ or ⌈N/E⌉ rows), so the step sizes every
-//   expert's work as a real routing would (docs/memory.md: which sizes depend on the routing).
+// - Values the host reads back. A tensor gets host memory when something writes it (copy_from_host,
+//   copy and fill of integers, an all-gather of DryCommunicator, moe_permute); reads of tensors never
+//   written give zeros. So the batch's document ids and positions reach sequence-parallel code that
+//   plans its pieces from them on the host (the DeltaNet state passing), and a mixture-of-experts
+//   layer whose experts are not grouped GEMMs (4-bit experts), which reads each expert's first row
+//   from moe_permute's offsets, finds a balanced routing there (every expert ⌊N/E⌋ or ⌈N/E⌉ rows)
+//   and sizes every expert's work as a real routing would (docs/memory.md).
 #pragma once
 
 #include <cstdint>
@@ -36,8 +38,9 @@ class DryBackend final : public Backend {
  public:
   // The part of the peak that the modelled backend's per-call scratch takes (CUDA only).
   static constexpr const char* kWorkspacePhase = "backend workspaces";
-  // Tensors of at most this many bytes have zeroed host memory behind them (see above).
-  static constexpr int64_t kBackedBytes = 4096;
+  // The host memory behind a dry tensor (zeros when first asked for), for ops that write values the
+  // host reads back; null for a tensor of another backend.
+  static void* host_memory(const Tensor& t);
 
   // `modelled`: the device the plan is for (its kind decides the dtypes callers choose).
   // `alignment`: allocations round up to this many bytes, as the modelled allocator does.
@@ -62,10 +65,10 @@ class DryBackend final : public Backend {
   void stream_wait(Stream, Stream) override {}
 
   Tensor empty(Shape shape, DType dtype) override;
-  void copy_from_host(Stream, const void* src, Tensor& dst) override;  // kept only in small tensors
-  void copy_to_host(Stream, const Tensor& src, void* dst) override;  // zeros unless a dry op wrote it
-  void copy(Stream, const Tensor&, Tensor&) override {}
-  void fill(Stream, Tensor&, double) override {}
+  void copy_from_host(Stream, const void* src, Tensor& dst) override;
+  void copy_to_host(Stream, const Tensor& src, void* dst) override;  // zeros unless something wrote it
+  void copy(Stream, const Tensor& src, Tensor& dst) override;        // values of the same dtype
+  void fill(Stream, Tensor& t, double value) override;               // I32 values; others nothing
   void fill_random_uniform(Stream, Tensor&, uint64_t, uint64_t, double) override {}
   MemoryStats memory_stats() override;
   void reset_peak_memory() override;

@@ -1,8 +1,12 @@
 #include "plan/plan.h"
 
 #include <algorithm>
+#include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <numeric>
+#include <thread>
 
 #include "backend/cpu/quant4_ops.h"
 #include "bench/bench.h"
@@ -112,14 +116,14 @@ DType plan_dtype(const PlanOptions& o) {
 }
 
 RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parallel::MeshConfig& mesh_config,
-                   DType dtype, double aux_coefficient, int rank, int64_t seq) {
+                   DType dtype, double aux_coefficient, int rank, int64_t seq, std::shared_ptr<Exchange> exchange) {
   // The CUDA pool hands out 512-byte multiples; the CPU backend pads to 64 bytes.
   const bool cuda = o.device == "cuda";
   DryBackend backend(Device{cuda ? DeviceKind::CUDA : DeviceKind::CPU, 0}, cuda ? 512 : 64);
   std::unique_ptr<DryCommunicator> world;
   std::unique_ptr<parallel::Mesh> mesh;
   if (mesh_config.world_size() > 1) {
-    world = std::make_unique<DryCommunicator>(mesh_config, rank);
+    world = std::make_unique<DryCommunicator>(mesh_config, rank, std::move(exchange));
     mesh = std::make_unique<parallel::Mesh>(mesh_config, *world);
   }
 
@@ -264,8 +268,41 @@ PlanReport run_plan(const PlanOptions& o) {
            parallel::sequence_multiple(mesh), mesh.sp, mesh.ulysses, mesh.ring);
     LengthPlan length;
     length.seq = seq;
-    for (int rank = 0; rank < mesh.world_size(); ++rank)
-      length.ranks.push_back(plan_rank(o, rep.config, mesh, dtype, rep.router_aux_loss_coef, rank, seq));
+    // Each data-parallel replica's sp ranks (world ranks d·sp … d·sp + sp − 1) side by side, one
+    // thread each, so the integer all-gathers between them carry the batch's real ids and positions
+    // (dry_communicator.h); replicas exchange none, so they run one after the other.
+    length.ranks.resize(static_cast<size_t>(mesh.world_size()));
+    for (int d = 0; d < mesh.dp; ++d) {
+      if (mesh.sp == 1) {
+        length.ranks[static_cast<size_t>(d)] =
+            plan_rank(o, rep.config, mesh, dtype, rep.router_aux_loss_coef, d, seq, nullptr);
+        continue;
+      }
+      std::vector<int> replica(static_cast<size_t>(mesh.sp));
+      std::iota(replica.begin(), replica.end(), d * mesh.sp);
+      auto exchange = std::make_shared<Exchange>(replica);
+      auto plan_one = [&](int rank) {
+        length.ranks[static_cast<size_t>(rank)] =
+            plan_rank(o, rep.config, mesh, dtype, rep.router_aux_loss_coef, rank, seq, exchange);
+      };
+      std::mutex failed;
+      std::exception_ptr first_error;
+      std::vector<std::thread> threads;
+      for (int rank = d * mesh.sp; rank < (d + 1) * mesh.sp; ++rank)
+        threads.emplace_back([&, rank] {
+          try {
+            plan_one(rank);
+          } catch (...) {
+            {
+              std::lock_guard<std::mutex> lock(failed);
+              if (!first_error) first_error = std::current_exception();
+            }
+            exchange->abort();  // the others may wait for this rank in an all-gather
+          }
+        });
+      for (std::thread& t : threads) t.join();
+      if (first_error) std::rethrow_exception(first_error);
+    }
     rep.lengths.push_back(std::move(length));
   }
   return rep;

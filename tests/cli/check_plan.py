@@ -119,6 +119,12 @@ cases += [
      ["--recompute", "all", "--offload", "activations"], (1, [])),
     ("qwen3_5_moe (text) Ulysses sp 2 (FSDP over 2), aux loss on", "qwen3_5_moe_text", 96,
      ["--recompute", "all"], (2, ["--sp", "2", "--ulysses", "2"])),
+    # The DeltaNet state passing plans its pieces from every rank's document ids and positions on the
+    # host: the plan simulates the sp ranks side by side and moves those values between them.
+    ("qwen3_5_moe (text) ring sp 2 (DeltaNet state passing), full", "qwen3_5_moe_text", 96,
+     ["--full", "--recompute", "none"], (2, ["--sp", "2", "--ring", "2"])),
+    ("qwen3_5_moe (text) sp 4 = Ulysses 2 x ring 2 (state passing inside Ulysses), LoRA", "qwen3_5_moe_text", 128,
+     ["--recompute", "all"], (4, ["--sp", "4", "--ulysses", "2", "--ring", "2"])),
 ]
 
 failures = []
