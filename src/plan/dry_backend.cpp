@@ -140,14 +140,18 @@ cuda::DeltaRuleShape delta_rule_shape(const Tensor& q, const Tensor& v, int64_t 
 void DryBackend::gated_delta_rule_forward(Stream, const Tensor& q, const Tensor&, const Tensor& v, const Tensor&,
                                           const Tensor&, const Tensor&, double, int64_t chunk_size, Tensor&) {
   if (q.rank() != 3 || v.rank() != 3 || q.dim(0) == 0) return;
-  scratch(cuda::delta_rule_scratch(delta_rule_shape(q, v, chunk_size)).forward());
+  const cuda::DeltaRuleShape sh = delta_rule_shape(q, v, chunk_size);
+  const bool tensor_cores = q.dtype() == DType::BF16 && cuda::delta_rule_tensor_core_shape(sh);
+  scratch(tensor_cores ? cuda::delta_rule_mma_scratch(sh).forward() : cuda::delta_rule_scratch(sh).forward());
 }
 
 void DryBackend::gated_delta_rule_backward(Stream, const Tensor& q, const Tensor&, const Tensor& v, const Tensor&,
                                            const Tensor&, const Tensor&, double, int64_t chunk_size, const Tensor&,
                                            Tensor&, Tensor&, Tensor&, Tensor&, Tensor&) {
   if (q.rank() != 3 || v.rank() != 3 || q.dim(0) == 0) return;
-  scratch(cuda::delta_rule_scratch(delta_rule_shape(q, v, chunk_size)).backward());
+  const cuda::DeltaRuleShape sh = delta_rule_shape(q, v, chunk_size);
+  const bool tensor_cores = q.dtype() == DType::BF16 && cuda::delta_rule_tensor_core_shape(sh);
+  scratch(tensor_cores ? cuda::delta_rule_mma_scratch(sh).backward() : cuda::delta_rule_scratch(sh).backward());
 }
 
 MemoryStats DryBackend::memory_stats() {
