@@ -1,5 +1,7 @@
 #include "bench/bench.h"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -297,7 +299,8 @@ BenchReport run_bench(const BenchOptions& options, const std::function<void(cons
     LoraConfig lora;
     lora.rank = options.lora_rank;
     lora.alpha = options.lora_alpha;
-    lora.targets = weights.projection_names();  // every projection the family has
+    // Every projection the family has, unless named (the routed experts, "experts", only when named).
+    lora.targets = options.lora_targets.empty() ? weights.projection_names() : options.lora_targets;
     weights.add_lora(*backend, lora, options.seed + 1);
   }
   for (const Parameter& p : weights.parameters()) {
@@ -349,7 +352,10 @@ std::string format_report(const BenchReport& rep) {
   s += fmt::format("  {} on {}{}, {}, {} trainable, recompute {}, {} warm-up + {} timed steps, {}\n",
                    o.device == "cuda" ? "BF16 (F32 accumulation)" : "F32", rep.device_name,
                    o.device == "cuda" ? fmt::format(" (attention {})", o.attention) : std::string(),
-                   o.full ? std::string("full fine-tuning") : fmt::format("LoRA r={} on all 7 projections", o.lora_rank),
+                   o.full ? std::string("full fine-tuning") : fmt::format("LoRA r={} on {}", o.lora_rank,
+                                                                    o.lora_targets.empty()
+                                                                        ? std::string("every projection")
+                                                                        : fmt::format("{}", fmt::join(o.lora_targets, ", "))),
                    rep.trainable_parameters,
                    o.recompute_layers >= 0 ? fmt::format("{} on the first {} layers", o.recompute, o.recompute_layers)
                                            : o.recompute,
@@ -443,6 +449,7 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
   j["dtype"] = o.device == "cuda" ? "bf16" : "f32";
   j["mode"] = o.full ? "full" : "lora";
   j["lora_rank"] = o.full ? 0 : o.lora_rank;
+  if (!o.full && !o.lora_targets.empty()) j["lora_targets"] = o.lora_targets;
   j["recompute"] = o.recompute;
   j["recompute_layers"] = o.recompute_layers;
   j["attention"] = o.attention;

@@ -23,6 +23,7 @@ struct BenchOptions {
   int64_t doc_length = 0;              // packed rows of documents this long (the last one shorter); 0: one
   int64_t lora_rank = 16;              // 0 with full = true
   double lora_alpha = 32;
+  std::vector<std::string> lora_targets;  // PEFT module names (sft's --lora-targets); empty: every projection
   bool full = false;                   // full fine-tuning instead of LoRA
   std::string quantize;                // nf4 | fp4: 4-bit base projections (docs/qlora.md); empty: dense
   bool double_quant = false;

@@ -59,6 +59,7 @@ int run_bench_command(BenchArgs& args) {
       p.doc_length = o.doc_length;
       p.lora_rank = o.full ? 0 : o.lora_rank;
       p.lora_alpha = o.lora_alpha;
+      p.lora_targets = o.lora_targets;
       p.full = o.full;
       p.quantize = o.quantize;
       p.double_quant = o.double_quant;
@@ -137,6 +138,9 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
       ->capture_default_str();
   cmd->add_option("--lora-rank", o.lora_rank, "LoRA rank on every projection of the model")->capture_default_str();
   cmd->add_option("--lora-alpha", o.lora_alpha, "LoRA alpha")->capture_default_str();
+  cmd->add_option("--lora-targets", o.lora_targets,
+                  "projections to adapt, as sft's (experts: the routed experts' fused tensors; default: every "
+                  "projection the model has, the routed experts left out)");
   cmd->add_flag("--full", o.full, "full fine-tuning instead of LoRA");
   add_quantize_options(cmd, o.quantize, o.double_quant, o.quant_block_size);
   cmd->add_option("--recompute", o.recompute,

@@ -125,6 +125,9 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--doc-length", o.doc_length, "rows packed with documents of this many tokens (0: one document)");
   cmd->add_option("--lora-rank", o.lora_rank, "LoRA rank on every projection")->capture_default_str();
   cmd->add_option("--lora-alpha", o.lora_alpha, "LoRA alpha")->capture_default_str();
+  cmd->add_option("--lora-targets", o.lora_targets,
+                  "projections to adapt, as sft's and bench's (experts: the routed experts; default: every "
+                  "projection the model has, the routed experts left out)");
   cmd->add_flag("--full", o.full, "full fine-tuning instead of LoRA");
   add_quantize_options(cmd, o.quantize, o.double_quant, o.quant_block_size);
   cmd->add_option("--recompute", o.recompute, "none, all, keep-attention or auto (the fastest that fits --device-memory, as sft and bench choose)")->capture_default_str();

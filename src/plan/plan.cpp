@@ -1,5 +1,7 @@
 #include "plan/plan.h"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <exception>
 #include <functional>
@@ -139,7 +141,8 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
     LoraConfig lora;
     lora.rank = o.lora_rank;
     lora.alpha = o.lora_alpha;
-    lora.targets = weights.projection_names();
+    // As bench: every projection the family has unless named (the routed experts only when named).
+    lora.targets = o.lora_targets.empty() ? weights.projection_names() : o.lora_targets;
     weights.add_lora(backend, lora, 0);
   }
   std::unique_ptr<parallel::Fsdp> fsdp;
@@ -315,7 +318,9 @@ std::string format_plan(const PlanReport& rep) {
       "{}{}{}{}\n",
       o.model, rep.config.num_layers, rep.config.hidden_size,
       o.full ? std::string("full fine-tuning")
-             : fmt::format("LoRA r{}{}", o.lora_rank,
+             : fmt::format("LoRA r{}{}{}", o.lora_rank,
+                           o.lora_targets.empty() ? std::string()
+                                                  : fmt::format(" on {}", fmt::join(o.lora_targets, ", ")),
                            o.quantize.empty() ? std::string()
                                               : fmt::format(" on {} base weights{}", o.quantize,
                                                             o.double_quant ? " (double quantisation)" : "")),
@@ -363,6 +368,7 @@ nlohmann::ordered_json plan_json(const PlanReport& rep) {
   j["offload"] = rep.options.offload ? "activations" : "none";
   j["mlp_tile_tokens"] = mlp_tile_tokens_to_run(rep.options.mlp_tile_tokens);
   j["lora_rank"] = rep.options.full ? 0 : rep.options.lora_rank;
+  if (!rep.options.full && !rep.options.lora_targets.empty()) j["lora_targets"] = rep.options.lora_targets;
   j["quantize"] = rep.options.quantize.empty() ? "none" : rep.options.quantize;
   j["double_quant"] = rep.options.double_quant;
   j["optimizer"] = rep.options.optimizer;

@@ -21,6 +21,7 @@ struct PlanOptions {
   int64_t doc_length = 0;            // packed documents of this length; 0: one document per row
   int64_t lora_rank = 16;            // 0 with full
   double lora_alpha = 32;
+  std::vector<std::string> lora_targets;  // as bench's --lora-targets; empty: every projection the family has
   bool full = false;
   std::string quantize;              // nf4 | fp4: 4-bit base projections, as sft/bench --quantize; empty: dense
   bool double_quant = false;
