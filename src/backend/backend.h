@@ -260,9 +260,6 @@ class Backend {
                                          const Tensor& g, const Tensor& beta, const Tensor& doc_ids, double scale,
                                          int64_t chunk_size, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
                                          Tensor& dg, Tensor& dbeta) = 0;
-  // The CUDA backend has no kernels for the two ops below yet (state passing between ranks stops
-  // with a message naming --ring 1 before it calls them); the defaults throw.
-  //
   // The gated delta rule as above with a state entering and leaving every run of equal run_ids
   // I32 [T] (runs play the documents' part): run n starts from initial_states[n] instead of zero
   // and leaves its last state in final_states[n]; both [N, Hv, dk, dv] in the stat dtype, N runs.
@@ -271,9 +268,7 @@ class Backend {
   virtual void gated_delta_rule_forward_states(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& g, const Tensor& beta, const Tensor& run_ids,
                                                double scale, int64_t chunk_size, const Tensor& initial_states,
-                                               Tensor& out, Tensor& final_states) {
-    fail("gated_delta_rule_forward_states is not implemented on the {} backend", name());
-  }
+                                               Tensor& out, Tensor& final_states) = 0;
   // dq, dk, dv, dg, dbeta and d_initial_states [N, Hv, dk, dv] overwritten from dout and
   // d_final_states = ∂L/∂final_states (what later tokens, on other ranks, make of each run's last state).
   virtual void gated_delta_rule_backward_states(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -281,9 +276,7 @@ class Backend {
                                                 double scale, int64_t chunk_size, const Tensor& initial_states,
                                                 const Tensor& dout, const Tensor& d_final_states, Tensor& dq,
                                                 Tensor& dk, Tensor& dv, Tensor& dg, Tensor& dbeta,
-                                                Tensor& d_initial_states) {
-    fail("gated_delta_rule_backward_states is not implemented on the {} backend", name());
-  }
+                                                Tensor& d_initial_states) = 0;
   // Gated RMSNorm: y[R, C] = x·rstd·w[C]·silu(z), rstd[R] = (mean x² + eps)^-½ saved (stat dtype);
   // the backward overwrites dx and dz and adds into *dw (null: frozen).
   virtual void gated_rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& z, const Tensor& w, double eps,
@@ -363,18 +356,12 @@ class Backend {
   // dout[t]) and d_topk_weight [T, k] (stat dtype) = ⟨y[row of (t, j)], dout[t]⟩.
   virtual void moe_combine_backward(Stream stream, const Tensor& dout, const Tensor& y, const Tensor& row_of_slot,
                                     const Tensor& topk_weight, Tensor& dy, Tensor& d_topk_weight) = 0;
-  // A shared expert's gate (qwen3_5_moe, refused on CUDA until this has a kernel; the default throws): out[t] += σ(gate[t])·shared[t] for out, shared [T, H] and
+  // A shared expert's gate (qwen3_5_moe): out[t] += σ(gate[t])·shared[t] for out, shared [T, H] and
   // gate [T, 1] (one logit per token). The backward overwrites d_shared [T, H] = σ(gate[t])·dout[t]
   // and d_gate [T, 1] = σ'(gate[t])·⟨dout[t], shared[t]⟩.
-  virtual void shared_expert_gate_forward(Stream stream, const Tensor& shared, const Tensor& gate, Tensor& out) {
-    (void)stream, (void)shared, (void)gate, (void)out;
-    fail("shared_expert_gate_forward is not implemented on the {} backend", name());
-  }
+  virtual void shared_expert_gate_forward(Stream stream, const Tensor& shared, const Tensor& gate, Tensor& out) = 0;
   virtual void shared_expert_gate_backward(Stream stream, const Tensor& shared, const Tensor& gate, const Tensor& dout,
-                                           Tensor& d_shared, Tensor& d_gate) {
-    (void)stream, (void)shared, (void)gate, (void)dout, (void)d_shared, (void)d_gate;
-    fail("shared_expert_gate_backward is not implemented on the {} backend", name());
-  }
+                                           Tensor& d_shared, Tensor& d_gate) = 0;
 
   // ---- loss ------------------------------------------------------------------------------------
   // Cross-entropy on a chunk of logits [N, V] (weights: stat dtype, F32 or F64), in place: logits become

@@ -12,10 +12,6 @@ namespace spindle {
 
 namespace {
 
-constexpr std::string_view kQwen35MoeCpuOnly =
-    "the gate of its shared expert (out = shared expert(x)·σ(x·w_gate)) has no CUDA kernel yet; its gated DeltaNet, "
-    "gated attention and routed experts have";
-
 const ModelFamily kFamilies[] = {
     {"llama", "model.", read_llama_config},
     {"qwen2", "model.", read_qwen2_config},
@@ -27,9 +23,8 @@ const ModelFamily kFamilies[] = {
     {"qwen3_5_text", "model.", read_qwen3_5_config, {}, {"model.visual.", "mtp."}},
     // Qwen3.5-MoE / Qwen3.6 (the same layers, every feed-forward routed experts plus a shared expert):
     // the multimodal checkpoint's text tower, and the text-only Qwen3_5MoeForCausalLM folder.
-    {"qwen3_5_moe", "model.language_model.", read_qwen3_5_moe_config, "text_config", {"model.visual.", "mtp."},
-     kQwen35MoeCpuOnly},
-    {"qwen3_5_moe_text", "model.", read_qwen3_5_moe_config, {}, {"model.visual.", "mtp."}, kQwen35MoeCpuOnly},
+    {"qwen3_5_moe", "model.language_model.", read_qwen3_5_moe_config, "text_config", {"model.visual.", "mtp."}},
+    {"qwen3_5_moe_text", "model.", read_qwen3_5_moe_config, {}, {"model.visual.", "mtp."}},
 };
 
 }  // namespace

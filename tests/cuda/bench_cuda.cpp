@@ -4,13 +4,15 @@
 // 2.5× forward (FlashAttention's convention; 5 GEMM-shaped products instead of 2); for a causal
 // sequence of T tokens the pairs are T(T+1)/2. GEMM = 2·M·N·K. Bandwidth = bytes read + written.
 // Inputs are random (zeros run faster than real data), times are medians of CUDA-event timings
-// after warm-up. Usage: bench_cuda [--quick | --profile | --profile-packed | --attention | --packed |
-// --overlap | --lora]. Each attention variant compared here is a backend made with that choice
+// after warm-up. Usage: bench_cuda [--quick | --profile | --profile-packed | --attention |
+// --delta-states | --packed | --overlap | --lora]. Each attention variant compared here is a backend made with that choice
 // (make_cuda_backend's CudaBackendOptions).
 // --profile runs the engine's attention forward and backward once each at 32k causal (Hq=12, Hkv=2,
 // D=128), for a profiler (scripts/gpu/profile_attention.sh); --profile-packed the same on a 32k row
 // of 32 documents of 1k. --packed: the engine's kernels on packed 32k rows only (documents of 4k,
 // 1k and 128, causal, and 1k bidirectional: every tile fully visible, no per-element mask).
+// --delta-states: the state-passing delta rule (ring sequence parallelism over DeltaNet layers) at
+// Qwen3.6's DeltaNet shape (Hk 16, Hv 32, dk = dv = 128), one run, forward and backward.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -337,6 +339,47 @@ void bench_suite(Backend& be, bool quick) {
   bench_attention(*simple, 1, 4096, 12, 2, 128, false, "simple");
 }
 
+// The state-passing delta rule over one run of t tokens: unit-sized keys (‖k‖ ≈ 1), β 0.5, a slow
+// decay, so the state stays finite over the whole run as in a model.
+void bench_delta_states(Backend& be, int64_t t) {
+  const int64_t hk = 16, hv = 32, d = 128;
+  Stream s = be.default_stream();
+  Tensor q = be.empty(Shape{t, hk, d}, DType::BF16), k = be.empty(Shape{t, hk, d}, DType::BF16);
+  Tensor v = be.empty(Shape{t, hv, d}, DType::BF16), dout = be.empty(Shape{t, hv, d}, DType::BF16);
+  fill_random(be, q, 0.15, 11);
+  fill_random(be, k, 0.15, 12);
+  fill_random(be, v, 1.0, 13);
+  fill_random(be, dout, 1.0, 14);
+  Tensor g = be.empty(Shape{t, hv}, DType::F32), beta = be.empty(Shape{t, hv}, DType::BF16);
+  be.fill(s, g, -0.02);
+  be.fill(s, beta, 0.5);
+  Tensor ids = ints(be, std::vector<int>(static_cast<size_t>(t), 0));
+  Tensor initial = be.empty(Shape{1, hv, d, d}, DType::F32), finals = be.empty(initial.shape(), DType::F32);
+  fill_random(be, initial, 0.1, 15);
+  Tensor out = be.empty(v.shape(), DType::BF16), dq = be.empty(q.shape(), DType::BF16);
+  Tensor dk = be.empty(k.shape(), DType::BF16), dv = be.empty(v.shape(), DType::BF16);
+  Tensor dg = be.empty(g.shape(), DType::F32), dbeta = be.empty(beta.shape(), DType::BF16);
+  Tensor d_initial = be.empty(initial.shape(), DType::F32);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const double f_ms = median_ms(
+      be, [&] { be.gated_delta_rule_forward_states(s, q, k, v, g, beta, ids, scale, 64, initial, out, finals); }, 1,
+      3);
+  const double b_ms = median_ms(
+      be,
+      [&] {
+        be.gated_delta_rule_backward_states(s, q, k, v, g, beta, ids, scale, 64, initial, dout, finals, dq, dk, dv, dg,
+                                            dbeta, d_initial);
+      },
+      1, 3);
+  char label[200];
+  std::snprintf(label, sizeof label, "delta rule states fwd T=%lld Hv=%lld d=%lld", static_cast<long long>(t),
+                static_cast<long long>(hv), static_cast<long long>(d));
+  rows.push_back({label, f_ms, t / f_ms / 1e3, "Mtok/s"});
+  std::snprintf(label, sizeof label, "delta rule states bwd T=%lld Hv=%lld d=%lld", static_cast<long long>(t),
+                static_cast<long long>(hv), static_cast<long long>(d));
+  rows.push_back({label, b_ms, t / b_ms / 1e3, "Mtok/s"});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -345,6 +388,7 @@ int main(int argc, char** argv) {
   const bool profile_packed = argc > 1 && std::strcmp(argv[1], "--profile-packed") == 0;
   const bool packed = argc > 1 && std::strcmp(argv[1], "--packed") == 0;
   const bool attention = argc > 1 && std::strcmp(argv[1], "--attention") == 0;
+  const bool delta_states = argc > 1 && std::strcmp(argv[1], "--delta-states") == 0;
   const bool overlap = argc > 1 && std::strcmp(argv[1], "--overlap") == 0;
   const bool lora = argc > 1 && std::strcmp(argv[1], "--lora") == 0;
   if (cuda_device_count() == 0) {
@@ -378,6 +422,8 @@ int main(int argc, char** argv) {
         bench_attention(*own, 256, 128, 12, 2, 128, false, "own");
         bench_attention(*own, 32, 1024, 12, 2, 128, true, "own");
       }
+    } else if (delta_states) {
+      for (int64_t t : {4096, 16384}) bench_delta_states(*be, t);
     } else if (lora) {
       bench_lora(*be);
     } else if (overlap) {

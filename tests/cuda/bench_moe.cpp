@@ -1,7 +1,8 @@
 // Where a mixture-of-experts layer's time goes on the GPU, op by op (docs/perf.md): router GEMM,
 // softmax/top-k, permutation, gather, the grouped expert GEMMs (TFLOP/s), SwiGLU, the weighted
 // combine, and the backward's ops; against its bytes, and against one cuBLAS GEMM of the same
-// total size and the per-expert path (offsets read on the host, one cuBLAS GEMM per expert).
+// total size and the per-expert path (offsets read on the host, one cuBLAS GEMM per expert); the
+// shared expert's gate of qwen3_5_moe against its bytes.
 // Median of many runs, timed with CUDA events. Not a test: run it by hand.
 //
 //   bench_moe [tokens [hidden experts top_k width]]   (default: Qwen3-30B-A3B and Qwen3.6-35B-A3B sizes)
@@ -185,6 +186,18 @@ void bench(Backend& be, const Sizes& z) {
           }
         }),
         gemm_gu, 0);
+  }
+  // Qwen3.5-MoE / Qwen3.6's shared expert behind its sigmoid gate: pure traffic, against the bandwidth.
+  std::printf(" shared expert gate (qwen3_5_moe)\n");
+  {
+    Tensor shared = random_bf16(be, Shape{T, H}, rng, 1.0), logit = random_bf16(be, Shape{T, 1}, rng, 1.0);
+    Tensor d_shared = be.empty(Shape{T, H}, DType::BF16), d_logit = be.empty(Shape{T, 1}, DType::BF16);
+    row("shared_expert_gate_forward out += σ(g)·shared",
+        median_ms(be, [&] { be.shared_expert_gate_forward(st, shared, logit, out); }), 0, b2 * (3 * T * H + T));
+    row("shared_expert_gate_backward", median_ms(be, [&] {
+          be.shared_expert_gate_backward(st, shared, logit, out, d_shared, d_logit);
+        }),
+        0, b2 * (3 * T * H + 2 * T));
   }
   std::printf("\n");
 }

@@ -65,6 +65,10 @@ double norm(const std::vector<double>& v) {
 
 TEST_P(CudaModel, StepMatchesCpuReference) {
   const std::string dir = std::string(SPINDLE_SOURCE_DIR) + "/testdata/hf/" + GetParam();
+  // The qwen3_5_moe references come from scripts/gpu/make_hf_refs.py on the GPU host, as the CPU
+  // parity tests say; without them there is nothing to load.
+  if (!std::filesystem::exists(dir + "/config.json"))
+    GTEST_SKIP() << dir << " is absent (scripts/gpu/make_hf_refs.py makes it)";
   auto cpu = make_cpu_backend();
   auto gpu = make_cuda_backend(0);
   StepResult ref = run_step(*cpu, DType::F32, dir), exact = run_step(*cpu, DType::F64, dir);
@@ -104,10 +108,13 @@ TEST_P(CudaModel, StepMatchesCpuReference) {
 }
 
 // qwen3_5, qwen3_5_lora: gated DeltaNet and gated attention layers (conv, delta rule, gated norm, partial
-// RoPE, the output gate).
+// RoPE, the output gate). qwen3_5_moe, qwen3_5_moe_lora: the same layers with routed experts and the
+// shared expert behind its sigmoid gate (the multimodal checkpoint's text tower; routers decisive,
+// so BF16 routes every token as the CPU does).
 INSTANTIATE_TEST_SUITE_P(Models, CudaModel,
                          ::testing::Values("llama", "qwen2", "qwen3", "qwen2_lora", "llama_rslora", "qwen3_moe",
-                                           "qwen3_5", "qwen3_5_lora"));
+                                           "qwen3_5", "qwen3_5_lora", "qwen3_5_moe", "qwen3_5_moe_lora"),
+                         [](const auto& info) { return info.param; });  // filters can name a model
 
 // The GEMM shapes of a LoRA projection (rank r on one side), in both dtypes, against the CPU.
 TEST(CudaLoraGemms, EveryLoraShapeMatchesCpu) {

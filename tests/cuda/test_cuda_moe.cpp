@@ -1,8 +1,9 @@
 // The CUDA backend's mixture-of-experts ops against the CPU reference (F64) on random inputs:
 // router (decisive logits, so both pick the same experts), its backward and statistics, the
 // permutation (exact), the combine and its backward, and the grouped expert GEMMs (forward, input
-// gradient, weight gradient) over ragged and empty experts. Inputs are rounded to the GPU dtype
-// first; overwritten outputs are poisoned with NaN first. Skipped without a CUDA device.
+// gradient, weight gradient) over ragged and empty experts, and the shared expert's gate. Inputs are
+// rounded to the GPU dtype first; overwritten outputs are poisoned with NaN first. Skipped without a
+// CUDA device.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -260,6 +261,46 @@ TEST_P(CudaMoe, CombineAndBackwardMatchCpu) {
     // The dot products sum `hidden` BF16 products in F32: relative 1e-5 of each, far below BF16 rounding.
     expect_close(to_host(*gpu, gdw), to_host(*cpu, cdw), 1e-5, "combine d_topk_weight");
   }
+}
+
+// The shared expert's gate on several T and H: H a multiple of 8 (16-byte vectors), odd H (one
+// element at a time), a single token; logits wide enough to reach both tails of the sigmoid. The
+// forward adds onto random values; the backward's outputs are poisoned first.
+TEST_P(CudaMoe, SharedExpertGateAndBackwardMatchCpu) {
+  const DType t = GetParam();
+  struct Case {
+    int64_t tokens, hidden;
+  };
+  for (const Case c : {Case{97, 2048}, Case{1000, 256}, Case{33, 37}, Case{1, 8}, Case{260, 1}}) {
+    SCOPED_TRACE(testing::Message() << "T " << c.tokens << " H " << c.hidden);
+    const Shape rows{c.tokens, c.hidden}, logits{c.tokens, 1};
+    const auto shared = rand_values(c.tokens * c.hidden, t), base = rand_values(c.tokens * c.hidden, t),
+               gate = rand_values(c.tokens, t, 6.0), dout = rand_values(c.tokens * c.hidden, t);
+    Tensor gout = on(*gpu, base, rows, t);
+    gpu->shared_expert_gate_forward(gs, on(*gpu, shared, rows, t), on(*gpu, gate, logits, t), gout);
+    Tensor cout_ = on(*cpu, base, rows, DType::F64);
+    cpu->shared_expert_gate_forward(cs, on(*cpu, shared, rows, DType::F64), on(*cpu, gate, logits, DType::F64), cout_);
+    expect_close(to_host(*gpu, gout), to_host(*cpu, cout_), tol_for(t), "out");
+
+    Tensor gds = poisoned(rows, t), gdg = poisoned(logits, t);
+    gpu->shared_expert_gate_backward(gs, on(*gpu, shared, rows, t), on(*gpu, gate, logits, t), on(*gpu, dout, rows, t),
+                                     gds, gdg);
+    Tensor cds = cpu->empty(rows, DType::F64), cdg = cpu->empty(logits, DType::F64);
+    cpu->shared_expert_gate_backward(cs, on(*cpu, shared, rows, DType::F64), on(*cpu, gate, logits, DType::F64),
+                                     on(*cpu, dout, rows, DType::F64), cds, cdg);
+    expect_close(to_host(*gpu, gds), to_host(*cpu, cds), tol_for(t), "d_shared");
+    // The dot products are summed in F32 whatever the storage: F32 within 1e-5; BF16 rounds the result.
+    expect_close(to_host(*gpu, gdg), to_host(*cpu, cdg), t == DType::F32 ? 1e-5 : 5e-3, "d_gate");
+  }
+}
+
+TEST_F(CudaMoe, SharedExpertGateRejectsMismatchedShapes) {
+  Tensor shared = gpu->empty(Shape{4, 16}, DType::BF16), out = gpu->empty(Shape{4, 16}, DType::BF16);
+  Tensor gate3 = gpu->empty(Shape{3, 1}, DType::BF16), gate_f32 = gpu->empty(Shape{4, 1}, DType::F32);
+  EXPECT_THROW(gpu->shared_expert_gate_forward(gs, shared, gate3, out), Error);     // 3 logits for 4 tokens
+  EXPECT_THROW(gpu->shared_expert_gate_forward(gs, shared, gate_f32, out), Error);  // mixed dtypes
+  Tensor gate = gpu->empty(Shape{4, 1}, DType::BF16), d_shared = gpu->empty(Shape{4, 8}, DType::BF16);
+  EXPECT_THROW(gpu->shared_expert_gate_backward(gs, shared, gate, out, d_shared, gate3), Error);
 }
 
 // Expert row counts with empty experts, one-row experts, a tail under one tile and experts

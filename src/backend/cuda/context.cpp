@@ -103,6 +103,9 @@ void Context::check_device_error() {
            copy.limit);
     case kErrExpertIndex:
       fail("moe_permute: expert {} at slot {} is outside [0, {})", copy.value, copy.index, copy.limit);
+    case kErrRunCount:
+      fail("gated_delta_rule_*_states: run_ids hold {} runs of equal ids, but the states are given for {}", copy.value,
+           copy.limit);
     default: fail("a CUDA kernel reported error code {}", copy.code);
   }
 }

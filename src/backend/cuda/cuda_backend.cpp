@@ -25,6 +25,7 @@
 #include "backend/cuda/attention_cudnn.h"
 #include "backend/cuda/context.h"
 #include "backend/cuda/gated_delta.h"
+#include "backend/cuda/gated_delta_states.h"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/host_memory.h"
 #include "backend/cuda/kernels.h"
@@ -618,6 +619,44 @@ class CudaBackend final : public Backend {
                                     dq.data(), dk.data(), dv.data(), dg.data_as<float>(), dbeta.data());
   }
 
+  // The state-passing delta rule (gated_delta_states.cu): token by token, the chunk size only checked.
+  void gated_delta_rule_forward_states(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& g, const Tensor& beta, const Tensor& run_ids, double scale,
+                                       int64_t chunk_size, const Tensor& initial_states, Tensor& out,
+                                       Tensor& final_states) override {
+    const char* op = "gated_delta_rule_forward_states";
+    const cuda::DeltaStatesShape sh = delta_states_shape(q, k, v, g, beta, run_ids, chunk_size, initial_states, op);
+    require_same(q, out, op);
+    SPINDLE_CHECK(out.shape() == v.shape(), "{}: out {} for v {}", op, out.describe(), v.describe());
+    require_stat(final_states, initial_states.numel(), op);
+    cuda::gated_delta_rule_forward_states(s(stream), sh, q.dtype(), q.data(), k.data(), v.data(), g.data_as<float>(),
+                                          beta.data(), run_ids.data_as<int32_t>(), static_cast<float>(scale),
+                                          initial_states.data_as<float>(), out.data(), final_states.data_as<float>(),
+                                          ctx_->device_error());
+  }
+
+  void gated_delta_rule_backward_states(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const Tensor& g, const Tensor& beta, const Tensor& run_ids, double scale,
+                                        int64_t chunk_size, const Tensor& initial_states, const Tensor& dout,
+                                        const Tensor& d_final_states, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dg,
+                                        Tensor& dbeta, Tensor& d_initial_states) override {
+    const char* op = "gated_delta_rule_backward_states";
+    const cuda::DeltaStatesShape sh = delta_states_shape(q, k, v, g, beta, run_ids, chunk_size, initial_states, op);
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &dq, &dk, &dv, &dbeta}) require_same(q, *t, op);
+    SPINDLE_CHECK(dout.shape() == v.shape() && dq.shape() == q.shape() && dk.shape() == k.shape() &&
+                      dv.shape() == v.shape() && dbeta.numel() == beta.numel(),
+                  "{}: dout {} dq {} dk {} dv {} dbeta {}", op, dout.describe(), dq.describe(), dk.describe(),
+                  dv.describe(), dbeta.describe());
+    require_stat(dg, g.numel(), op);
+    require_stat(d_final_states, initial_states.numel(), op);
+    require_stat(d_initial_states, initial_states.numel(), op);
+    cuda::gated_delta_rule_backward_states(
+        s(stream), sh, q.dtype(), q.data(), k.data(), v.data(), g.data_as<float>(), beta.data(),
+        run_ids.data_as<int32_t>(), static_cast<float>(scale), initial_states.data_as<float>(), dout.data(),
+        d_final_states.data_as<float>(), dq.data(), dk.data(), dv.data(), dg.data_as<float>(), dbeta.data(),
+        d_initial_states.data_as<float>(), ctx_->device_error());
+  }
+
   void gated_rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& z, const Tensor& w, double eps, Tensor& y,
                              Tensor& rstd) override {
     require_compute(x, "gated_rmsnorm_forward");
@@ -873,6 +912,25 @@ class CudaBackend final : public Backend {
                                d_topk_weight.data_as<float>(), dout.dtype());
   }
 
+  // The shared expert's gate: shared, out [T, H] and the logits [T, 1] (or [T]) of one compute dtype.
+  void shared_expert_gate_forward(Stream stream, const Tensor& shared, const Tensor& gate, Tensor& out) override {
+    const int64_t hidden = shared_gate_shape(shared, gate, out, "shared_expert_gate_forward");
+    cuda::shared_expert_gate_forward(s(stream), shared.data(), gate.data(), shared.dim(0), hidden, out.data(),
+                                     shared.dtype());
+  }
+
+  void shared_expert_gate_backward(Stream stream, const Tensor& shared, const Tensor& gate, const Tensor& dout,
+                                   Tensor& d_shared, Tensor& d_gate) override {
+    const char* op = "shared_expert_gate_backward";
+    const int64_t hidden = shared_gate_shape(shared, gate, dout, op);
+    require_same(shared, d_shared, op);
+    require_same(shared, d_gate, op);
+    SPINDLE_CHECK(d_shared.shape() == shared.shape() && d_gate.numel() == gate.numel(), "{}: d_shared {} d_gate {}",
+                  op, d_shared.describe(), d_gate.describe());
+    cuda::shared_expert_gate_backward(s(stream), shared.data(), gate.data(), dout.data(), shared.dim(0), hidden,
+                                      d_shared.data(), d_gate.data(), shared.dtype());
+  }
+
   void moe_grouped_gemm(Stream stream, const Tensor& x, const std::vector<Tensor>& weights, bool transpose_weight,
                         const Tensor& offsets, Tensor& y, bool accumulate) override {
     const char* op = "moe_grouped_gemm";
@@ -1000,6 +1058,34 @@ class CudaBackend final : public Backend {
     if (experts < 1 || experts > cuda::kMaxGroupedExperts)
       fail("{}: {} experts; the CUDA grouped GEMM takes 1 … {}", what, experts, cuda::kMaxGroupedExperts);
     SPINDLE_CHECK(offsets.numel() == experts + 1, "{}: offsets {} for {} experts", what, offsets.describe(), experts);
+  }
+
+  // [T, H] `shared` and `other`, one logit per token in `gate`, all of one compute dtype: returns H.
+  int64_t shared_gate_shape(const Tensor& shared, const Tensor& gate, const Tensor& other, const char* op) const {
+    require_compute(shared, op);
+    require_same(shared, gate, op);
+    require_same(shared, other, op);
+    SPINDLE_CHECK(shared.rank() == 2 && other.shape() == shared.shape() && gate.numel() == shared.dim(0),
+                  "{}: shared {} gate {} (one logit per token) and {}", op, shared.describe(), gate.describe(),
+                  other.describe());
+    return shared.dim(1);
+  }
+
+  // The delta rule's shapes as delta_rule_shape checks them, and N runs from the F32 states
+  // [N, Hv, dk, dv] (the kernels check on the device that run_ids holds that many).
+  cuda::DeltaStatesShape delta_states_shape(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                            const Tensor& beta, const Tensor& run_ids, int64_t chunk_size,
+                                            const Tensor& initial_states, const char* op) const {
+    const cuda::DeltaRuleShape rule = delta_rule_shape(q, k, v, g, beta, run_ids, chunk_size, op);
+    const int64_t state = static_cast<int64_t>(rule.value_heads) * rule.dk * rule.dv;
+    require_device(initial_states, op);
+    if (initial_states.dtype() != DType::F32)
+      fail("{}: states are F32 on the CUDA backend, got {}", op, initial_states.describe());
+    SPINDLE_CHECK(state > 0 && initial_states.numel() % state == 0 &&
+                      (rule.tokens == 0) == (initial_states.numel() == 0),
+                  "{}: initial_states {} are not [runs, {}, {}, {}] for {} tokens", op, initial_states.describe(),
+                  rule.value_heads, rule.dk, rule.dv, rule.tokens);
+    return {rule.tokens, rule.key_heads, rule.value_heads, rule.dk, rule.dv, initial_states.numel() / state};
   }
 
   // The delta rule's shapes (backend.h): q, k [T, Hk, dk], v [T, Hv, dv], beta [T, Hv] of one compute

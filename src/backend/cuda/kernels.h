@@ -23,7 +23,7 @@ struct DeviceError {
   long long limit;   // the allowed range [0, limit)
 };
 enum ErrorCode : int { kErrNone = 0, kErrTokenId = 1, kErrGatherIndex = 2, kErrScatterIndex = 3, kErrTarget = 4,
-                     kErrExpertIndex = 5 };
+                     kErrExpertIndex = 5, kErrRunCount = 6 };
 
 // Temporary device memory for one op, ordered on the op's stream: cudaMallocAsync now,
 // cudaFreeAsync when it goes out of scope (after the kernels that use it were enqueued, which is

@@ -1,5 +1,6 @@
-// Launchers of the mixture-of-experts kernels (moe.cu, moe_grouped_gemm.cu): the router, the
-// permutation of routed rows by expert, the weighted combine and the grouped expert GEMMs. Raw
+// Launchers of the mixture-of-experts kernels (moe.cu, shared_expert_gate.cu, moe_grouped_gemm.cu):
+// the router, the permutation of routed rows by expert, the weighted combine, the shared expert's
+// gate and the grouped expert GEMMs. Raw
 // device pointers on the op's stream; cuda_backend.cpp checks the tensors against backend.h.
 // Routing statistics (probs, topk_weight, their gradients) are F32; activations F32 or BF16.
 #pragma once
@@ -35,6 +36,14 @@ void moe_combine(cudaStream_t s, const void* y, const int32_t* row_of_slot, cons
 void moe_combine_backward(cudaStream_t s, const void* dout, const void* y, const int32_t* row_of_slot,
                           const float* topk_weight, int64_t tokens, int top_k, int64_t hidden, void* dy,
                           float* d_topk_weight, DType t);
+
+// ---- shared_expert_gate.cu ------------------------------------------------------------------------
+// out [T, H] += σ(gate[t])·shared[t]; gate [T] one logit per token; all of dtype t.
+void shared_expert_gate_forward(cudaStream_t s, const void* shared, const void* gate, int64_t tokens, int64_t hidden,
+                                void* out, DType t);
+// d_shared [T, H] = σ(gate[t])·dout[t]; d_gate [T] = σ'(gate[t])·⟨dout[t], shared[t]⟩ (summed in F32).
+void shared_expert_gate_backward(cudaStream_t s, const void* shared, const void* gate, const void* dout,
+                                 int64_t tokens, int64_t hidden, void* d_shared, void* d_gate, DType t);
 
 // ---- moe_grouped_gemm.cu -------------------------------------------------------------------------
 // The experts' matrices travel as a kernel argument (no device table to upload, nothing to wait
