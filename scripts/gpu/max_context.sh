@@ -9,7 +9,9 @@
 # Activation offload (docs/memory.md): MODEL=7b OFFLOAD=activations SEQ=512k runs the Qwen2.5-7B row
 #   (recompute all: each layer's 3.5 GiB input in pinned host memory, 95 GiB for 27 layers; keep-attention
 #   would double that, more than the host's 128 GiB). `spindle plan`'s prediction for the same run is
-#   written first (<tag>_plan.txt) so the measured peak and host bytes sit beside it.
+#   written first (<tag>_plan.txt) so the measured peak and host bytes sit beside it. The 7B at 512k
+#   fits only with its MLP in token tiles: MODEL=7b OFFLOAD=activations MLP_TILE=16k SEQ=512k (planned
+#   58.5 GiB on the GPU, 94.5 GiB pinned; the step is ≈ 10 minutes of attention, so TIMEOUT may need raising).
 set -uo pipefail
 root=$PWD
 stage=${BUNDLE_DIR:-$root/build-bundle}
@@ -23,8 +25,8 @@ gpus=${GPUS:-1}
 launch=()
 [[ $gpus -gt 1 ]] && launch=(--nproc-per-node "$gpus")
 model="$root/configs/qwen2.5-${MODEL:-1.5b}.json"
-tag="max_context_${gpus}gpu_${SEQ:-512k}${MODEL:+_$MODEL}${OFFLOAD:+_offload}"
-settings=(--recompute "${RECOMPUTE:-all}" --offload "${OFFLOAD:-none}")
+tag="max_context_${gpus}gpu_${SEQ:-512k}${MODEL:+_$MODEL}${OFFLOAD:+_offload}${MLP_TILE:+_tile$MLP_TILE}"
+settings=(--recompute "${RECOMPUTE:-all}" --offload "${OFFLOAD:-none}" ${MLP_TILE:+--mlp-tile-tokens "$MLP_TILE"})
 "$stage/bin/spindle" plan --world "$gpus" ${MESH:-} --device cuda --model "$model" --seq "${SEQ:-512k}" --lora-rank 16 \
   --bench-step "${settings[@]}" --device-memory 139.8GiB > "$out/${tag}_plan.txt" 2>&1
 timeout ${TIMEOUT:-590} "$stage/bin/spindle" bench "${launch[@]}" ${MESH:-} --device cuda --model "$model" \

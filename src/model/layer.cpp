@@ -159,6 +159,7 @@ void DecoderLayer::backward(const LayerContext& ctx, const LayerActivations& a, 
   feed_forward_->backward(ctx, a.xn2, a.feed_forward, d_res, d_xn2);
   be.rmsnorm_backward(st, a.x_mid, rmsnorm_multiplier(be, st, post_norm_->value, zero_centered_norm_), a.rstd2, d_xn2,
                       d_res, trainable_grad(*post_norm_), true);
+  d_xn2 = Tensor();  // read: free before the mixer's backward allocates its own (a [T, H] less at its peak)
   Tensor d_xn1 = be.empty(hidden, ctx.dtype);
   mixer_->backward(ctx, a.xn1, a.mixer, d_res, d_xn1);
   if (need_input_grad || input_norm_->trainable)
