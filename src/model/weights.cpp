@@ -66,7 +66,12 @@ class ModelWeights::Allocator final : public ParameterSink {
   // A projection just declared: a 4-bit one replaces its dense weight at once (model/quantized_weights.h).
   void on_linear(const LinearSpec& spec) override {
     if (!loader_) return;
-    Parameter* weight = weights_.find(spec.prefix + ".weight");
+    // Its weight was added just now (before its bias): searched from the end, since a model of 128
+    // experts per layer has tens of thousands of parameters and as many projections.
+    const std::string name = spec.prefix + ".weight";
+    Parameter* weight = nullptr;
+    for (auto p = weights_.params_.rbegin(); p != weights_.params_.rend() && !weight; ++p)
+      if (p->name == name) weight = &*p;
     SPINDLE_CHECK(weight, "projection {} has no weight parameter", spec.prefix);
     loader_->on_linear(spec, *weight, [this](const std::string& name) -> Parameter& {
       Parameter& p = weights_.params_.emplace_back();
