@@ -230,6 +230,10 @@ void add_sft_command(CLI::App& app, CommandList& commands) {
   CLI::App* cmd = app.add_subcommand("sft", "Supervised fine-tuning (LoRA or full) of a Hugging Face model");
   cmd->add_option("--config", *config_file, "YAML file with the same options (flags override it)");
   add_train_options(cmd, *config);
+  cmd->add_flag("--random-weights", config->random_weights,
+                "train LoRA on the architecture of --model (a folder or a config.json) with random base weights "
+                "instead of reading its checkpoint (for measuring and smoke tests; data must be pre-tokenized "
+                "JSONL or a prepared dataset unless the folder has a tokenizer)");
   commands.push_back({cmd,
                       [config] {
                         TrainConfig resolved = *config;

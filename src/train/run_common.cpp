@@ -144,6 +144,7 @@ void RunReporter::finish(const TrainConfig& config, int64_t total_steps, const f
 }
 
 DType export_dtype(const TrainConfig& config) {
+  if (config.random_weights) return DType::BF16;  // no checkpoint: an adapter in the dtype of GPU training
   const io::Checkpoint source_checkpoint(config.model);
   // The embedding under the family's prefix (a multimodal checkpoint's text tower is under model.language_model.).
   const std::string prefix = ModelConfig::from_file(config.model).weight_prefix;

@@ -158,9 +158,11 @@ int threads_per_process(const TrainConfig& config, const RunTopology& run) {
 ModelWeights load_training_weights(Backend& backend, const TrainConfig& config, const ModelConfig& model_config,
                                    const fs::path& resume_from, DType dtype) {
   const fs::path weights_dir = !resume_from.empty() && config.full ? resume_from / "model" : fs::path(config.model);
-  ModelWeights weights = ModelWeights::load(
-      backend, model_config, io::Checkpoint(weights_dir.string()), dtype,
-      parse_quantize_options(config.quantize, config.double_quant, config.quant_block_size));
+  const QuantizeOptions quantize = parse_quantize_options(config.quantize, config.double_quant, config.quant_block_size);
+  ModelWeights weights = config.random_weights
+                             ? ModelWeights::random(backend, model_config, dtype, config.seed, quantize)
+                             : ModelWeights::load(backend, model_config, io::Checkpoint(weights_dir.string()), dtype,
+                                                  quantize);
   if (config.full) {
     weights.train_all(backend);
   } else if (!resume_from.empty()) {

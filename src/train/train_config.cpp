@@ -13,7 +13,11 @@ namespace spindle {
 void TrainConfig::validate() const {
   namespace fs = std::filesystem;
   if (model.empty()) fail("--model is required: a Hugging Face model folder");
-  if (!fs::exists(fs::path(model) / "config.json")) fail("--model {}: no config.json there", model);
+  // With --random-weights only the architecture is read: the config.json file itself will do.
+  const bool architecture_file = random_weights && fs::is_regular_file(model);
+  if (!architecture_file && !fs::exists(fs::path(model) / "config.json"))
+    fail("--model {}: no config.json there{}", model,
+         random_weights ? " (with --random-weights, a folder with a config.json or the file itself)" : "");
   if (data.empty()) fail("--data is required: one or more JSONL or prepared datasets");
   if (output.empty()) fail("--output is required: the folder for the trained adapter or model");
   if (max_length <= 0) fail("--max-length must be positive, got {}", max_length);
@@ -33,6 +37,9 @@ void TrainConfig::validate() const {
   if (full && !merge_output.empty())
     fail("--merge-output folds LoRA adapters into the base; a --full run's model/ is already the whole model");
   parse_quantize_options(quantize, double_quant, quant_block_size);
+  if (random_weights && (full || !adapter.empty() || !merge_output.empty()))
+    fail("--random-weights trains new LoRA adapters on random base weights; it excludes --full, --adapter and "
+         "--merge-output (there is no base checkpoint to save or merge into)");
   if (full && !quantize.empty())
     fail("--quantize with --full: 4-bit base weights are frozen (QLoRA trains LoRA adapters on them); drop --full or "
          "--quantize");
@@ -79,6 +86,7 @@ nlohmann::json TrainConfig::fingerprint() const {
   if (!quantize.empty())  // only when set: runs without it resume as before
     j["quantize"] = {{"type", quantize}, {"double_quant", double_quant}, {"block_size", quant_block_size}};
   if (router_aux_loss_coef >= 0) j["router_aux_loss_coef"] = router_aux_loss_coef;  // only when set: older runs resume
+  if (random_weights) j["random_weights"] = true;
   return j;
 }
 

@@ -38,6 +38,10 @@ struct TrainConfig {
   double router_aux_loss_coef = -1;
   std::string adapter;                // start from this PEFT adapter
   bool full = false;                  // full fine-tune instead of LoRA
+  // LoRA on the architecture of --model (a folder or its config.json) with random base weights, drawn as
+  // spindle bench draws them: no checkpoint is read. For measuring a model whose weights are not at
+  // hand (a 35B checkpoint is 70 GB) and for smoke tests; sft only.
+  bool random_weights = false;
   // 4-bit base weights (docs/qlora.md): nf4 | fp4 quantises the frozen projections at load; empty: as stored.
   std::string quantize;
   bool double_quant = false;          // with quantize: the absmax in 8 bits too

@@ -209,3 +209,27 @@ TEST_F(Qwen35MoeCli, PlanModelsItsMixtureOfExpertsLayers) {
   const CliRun gpu = run_spindle(scratch.path(), {"plan", "--model", multimodal.string(), "--seq", "64"});
   EXPECT_EQ(gpu.exit_code, 0) << gpu.err;
 }
+
+TEST_F(Qwen35MoeCli, SftWithRandomWeightsTrainsLoraOnTheArchitectureAlone) {
+  // Only config.json (what a 35B model's measurement has at hand): sp 2 over two processes, LoRA on
+  // random base weights, an adapter saved; the options it cannot honour are refused before any work.
+  const fs::path arch = scratch.path() / "arch.json", out = scratch.path() / "random_run";
+  fs::copy_file(multimodal / "config.json", arch);
+  const CliRun run = run_spindle(scratch.path(), {"sft", "--model", arch.string(), "--random-weights", "--data",
+                                               data.string(), "--output", out.string(), "--max-length", "24",
+                                               "--max-steps", "2", "--lr", "1e-2", "--nproc-per-node", "2",
+                                               "--sp", "2", "--threads", "1", "--log-every", "100"});
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  const std::vector<train::StepMetrics> metrics = train::read_metrics_file(out / "metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 2u);
+  for (const train::StepMetrics& m : metrics) EXPECT_TRUE(std::isfinite(m.loss) && m.grad_norm > 0);
+  const io::Checkpoint adapter((out / "adapter" / "adapter_model.safetensors").string());
+  EXPECT_FALSE(adapter.names().empty());
+  EXPECT_NE(adapter.find("base_model.model.model.language_model.layers.0.mlp.shared_expert.up_proj.lora_A.weight"),
+            nullptr);
+
+  const CliRun full = run_spindle(scratch.path(), {"sft", "--model", arch.string(), "--random-weights", "--full",
+                                                "--data", data.string(), "--output", (out / "x").string()});
+  EXPECT_NE(full.exit_code, 0);
+  EXPECT_NE(full.err.find("--random-weights trains new LoRA adapters"), std::string::npos) << full.err;
+}
