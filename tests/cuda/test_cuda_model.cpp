@@ -247,3 +247,9 @@ TEST(CudaRandomWeights, BuildTheCpusModelBitForBit) {
         EXPECT_EQ(on_gpu.linears()[i]->quant.offset, on_cpu.linears()[i]->quant.offset) << on_cpu.linears()[i]->prefix;
     }
 }
+
+// PEFT adapters on the routed experts' fused tensors (target_parameters) with nonzero B: the LoRA pairs
+// run as more grouped GEMMs with the rank as N (x·A_eᵀ), K (xs·B_eᵀ) and dA's rows (r 2 and 4: the
+// FMA tiles), on qwen3_moe's per-expert checkpoint and the multimodal qwen3_5_moe's fused one.
+INSTANTIATE_TEST_SUITE_P(ExpertLora, CudaModel, ::testing::Values("qwen3_moe_expert_lora", "qwen3_5_moe_expert_lora"),
+                         [](const auto& info) { return info.param; });

@@ -252,6 +252,17 @@ elif part == "moe":
     # LoRA on what PEFT adapts in qwen3_moe (attention, the dense layer's MLP), experts frozen.
     results.append(check("moe LoRA ring sp2 dp2", sp=2, ring=2, dp=2, model_dir=moe_model,
                          extra=["--lora-rank", "4", "--router-aux-loss-coef", "0.05"]))
+    # LoRA on the routed experts' fused tensors (PEFT's target_parameters): PEFT's adapter with nonzero B
+    # over the per-expert checkpoint it was made for (its config turns the aux loss on), and new
+    # adapters named on the command line; the pairs are FSDP-sharded with their layer.
+    expert_lora = os.path.join(root, "testdata", "hf", "qwen3_moe_expert_lora")
+    peft_adapter = ["--adapter", os.path.join(expert_lora, "adapter")]
+    results.append(check("moe expert LoRA (PEFT adapter) ulysses sp2", sp=2, ulysses=2, model_dir=expert_lora,
+                         extra=peft_adapter))
+    results.append(check("moe expert LoRA (PEFT adapter) sp1 dp2", dp=2, model_dir=expert_lora, extra=peft_adapter))
+    results.append(check("moe expert LoRA --lora-targets q_proj experts ring sp2 dp2", sp=2, ring=2, dp=2,
+                         model_dir=moe_model, extra=["--lora-rank", "4", "--lora-targets", "q_proj", "experts",
+                                                     "--router-aux-loss-coef", "0.05"]))
 elif part == "gdn":
     # qwen3_5 (gated DeltaNet and gated attention layers) on every kind of mesh. Ulysses splits the
     # DeltaNet heads when its degree divides the 2 key heads; ring and hybrid pass the recurrent
