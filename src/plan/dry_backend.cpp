@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "backend/cuda/attention_scratch.h"
 #include "backend/cuda/gated_delta_scratch.h"
 
 namespace spindle::plan {
@@ -136,6 +137,14 @@ cuda::DeltaRuleShape delta_rule_shape(const Tensor& q, const Tensor& v, int64_t 
 }
 
 }  // namespace
+
+void DryBackend::attention_backward(Stream, const Tensor& q, const Tensor& k, const Tensor&, const Tensor&,
+                                    const Tensor&, const Tensor&, const AttentionMask&, double, Tensor&, Tensor&,
+                                    Tensor&, bool accumulate) {
+  if (q.rank() != 3 || k.rank() != 3) return;  // q [Tq, Hq, D], k [Tk, Hkv, D]
+  scratch({cuda::attention_backward_scratch_bound(q.dim(0), k.dim(0), q.dim(1), k.dim(1), q.dim(2),
+                                                  q.dtype() == DType::BF16, accumulate)});
+}
 
 void DryBackend::gated_delta_rule_forward(Stream, const Tensor& q, const Tensor&, const Tensor& v, const Tensor&,
                                           const Tensor&, const Tensor&, double, int64_t chunk_size, Tensor&) {

@@ -12,9 +12,10 @@
 // default makes plans of the models that use it fail with that op's name).
 //
 // Two things go beyond counting tensors:
-// - Planning for the CUDA backend, the ops whose CUDA kernels take device scratch from the same
-//   memory pool for the length of a call (the gated delta rule's F32 buffers) allocate that scratch
-//   here too, sized by the functions the kernels size it with, under the part kWorkspacePhase.
+// - Planning for the CUDA backend, the ops whose CUDA kernels take large device scratch from the
+//   same memory pool for the length of a call allocate that scratch here too, under the part
+//   kWorkspacePhase: the gated delta rule's, sized by the functions its kernels size it with, and
+//   the attention backward's F32 accumulators, as the largest any of its kernels holds.
 // - Values the host reads back. A tensor gets host memory when something writes it (copy_from_host,
 //   copy and fill of integers, an all-gather of DryCommunicator, moe_permute); reads of tensors never
 //   written give zeros. So the batch's document ids and positions reach sequence-parallel code that
@@ -94,8 +95,10 @@ class DryBackend final : public Backend {
   void rope(Stream, Tensor&, const Tensor&, const Tensor&, double, int) override {}
   void attention_forward(Stream, const Tensor&, const Tensor&, const Tensor&, const AttentionMask&, double, Tensor&,
                          Tensor&) override {}
-  void attention_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                          const Tensor&, const AttentionMask&, double, Tensor&, Tensor&, Tensor&, bool) override {}
+  // CUDA: the most scratch any backward kernel the backend may pick holds (backend/cuda/attention_scratch.h).
+  void attention_backward(Stream, const Tensor& q, const Tensor& k, const Tensor&, const Tensor&, const Tensor&,
+                          const Tensor&, const AttentionMask&, double, Tensor&, Tensor&, Tensor&,
+                          bool accumulate) override;
   void attention_merge(Stream, Tensor&, Tensor&, const Tensor&, const Tensor&) override {}
   void swiglu_forward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
   void swiglu_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}

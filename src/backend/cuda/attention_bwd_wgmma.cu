@@ -23,6 +23,7 @@
 #include <cstring>
 
 #include "backend/cuda/attention_common.cuh"
+#include "backend/cuda/attention_scratch.h"
 #include "backend/cuda/device_util.cuh"
 #include "backend/cuda/hopper.cuh"
 #include "backend/cuda/tensor_map.h"
@@ -433,8 +434,9 @@ void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const vo
     throw_message("attention_backward", "too many tokens or heads for the Hopper kernel");
   const int64_t tq_pad = q_tiles * kBM;
   const int64_t nq = sh.tq * sh.hq * kD, nk = sh.tk * sh.hkv * kD;
-  // f32 scratch: dq/dk/dv accumulators, then the per-row terms.
-  Scratch scratch(s, static_cast<size_t>(nq + 2 * nk + 2 * sh.hq * tq_pad) * 4 +
+  // f32 scratch: dq/dk/dv accumulators, then the per-row terms (sized as spindle plan counts them).
+  static_assert(kBM == kAttentionWgmmaBackwardRows, "attention_scratch.h pads Tq to kBM rows");
+  Scratch scratch(s, attention_wgmma_backward_f32_bytes(sh.tq, sh.tk, sh.hq, sh.hkv, kD) +
                          static_cast<size_t>(q_tiles + k_tiles) * sizeof(TileRange) +
                          (k_tiles + 1) * sizeof(TileSpan) + q_tiles * sizeof(TileLayout));
   float* dq_acc = scratch.as<float>();
