@@ -49,6 +49,14 @@ void permute_b(const Tensor& src, Tensor& dst, bool from_peft) {
 
 }  // namespace
 
+std::vector<std::string> expert_target_parameters(const std::string& target) {
+  static const std::string gate_up = "mlp.experts.gate_up_proj", down = "mlp.experts.down_proj";
+  if (target == "experts") return {gate_up, down};
+  if (target == "experts.gate_up_proj" || target == gate_up) return {gate_up};
+  if (target == "experts.down_proj" || target == down) return {down};
+  return {};
+}
+
 bool ExpertLora::matches(const std::string& target_parameter) const {
   const std::string full = key();
   return full == target_parameter ||

@@ -56,6 +56,11 @@ struct ExpertLora {
                 const std::vector<OutputGrad>& dys, Tensor* dx) const;
 };
 
+// The target_parameters entries a LoRA target of --lora-targets stands for: "experts" both fused
+// tensors ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"), "experts.gate_up_proj" or
+// "experts.down_proj" (or PEFT's own spelling of either) one; none for any other target.
+std::vector<std::string> expert_target_parameters(const std::string& target);
+
 // PEFT's lora_B.weight [out, r·E] to ExpertLora::b's [E, out, r], and back: host tensors (a CPU
 // backend's), one dtype, any element size.
 void expert_lora_b_from_peft(const Tensor& peft, Tensor& experts);

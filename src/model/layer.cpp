@@ -191,11 +191,22 @@ class CountingSink final : public ParameterSink {
 }  // namespace
 
 int64_t ParameterCounts::lora(int64_t rank, const std::vector<std::string>& targets) const {
-  int64_t n = 0;
-  for (const LinearSpec& lin : linears)
+  std::vector<std::string> fused;  // the routed experts' tensors the targets name (model/expert_lora.h)
+  for (const std::string& target : targets)
+    for (const std::string& tensor : expert_target_parameters(target)) fused.push_back(tensor);
+  auto adapted = [&](const std::string& tensor) { return std::find(fused.begin(), fused.end(), tensor) != fused.end(); };
+  double n = 0;
+  for (const LinearSpec& lin : linears) {
     if (lin.lora_target && (targets.empty() || std::find(targets.begin(), targets.end(), lin.module) != targets.end()))
-      n += rank * (lin.in + lin.out);
-  return n;
+      n += static_cast<double>(rank * (lin.in + lin.out));
+    // An expert's pair on gate_up_proj is r·(H + 2I) (one A for its gate and up rows), on down_proj
+    // r·(I + H); a token passes through k of the E (the experts' token share).
+    else if (lin.module == "experts.gate_proj" && adapted("mlp.experts.gate_up_proj"))
+      n += lin.token_share * static_cast<double>(rank * (lin.in + 2 * lin.out));
+    else if (lin.module == "experts.down_proj" && adapted("mlp.experts.down_proj"))
+      n += lin.token_share * static_cast<double>(rank * (lin.in + lin.out));
+  }
+  return std::llround(n);
 }
 
 ParameterCounts count_parameters(const ModelConfig& c) {

@@ -82,7 +82,9 @@ struct ParameterCounts {
   int64_t matmul = 0;               // weights of matrix products per token: projections + LM head;
                                     // routed experts only the k of E a token goes through
   std::vector<LinearSpec> linears;  // every projection of every layer, in order
-  // LoRA parameters of rank r on the projections named in `targets` (empty: all LoRA may adapt).
+  // LoRA parameters of rank r a token multiplies, on the projections named in `targets` (empty: all
+  // LoRA may adapt): every pair of a projection; of the E pairs on a routed experts' fused tensor
+  // ("experts", "experts.gate_up_proj", "experts.down_proj"), the k a token is routed through.
   int64_t lora(int64_t rank, const std::vector<std::string>& targets) const;
 };
 ParameterCounts count_parameters(const ModelConfig& config);

@@ -83,16 +83,9 @@ class ModelWeights::Allocator final : public ParameterSink {
 
 namespace {
 
-// The routed experts' fused tensors as PEFT's target_parameters name them, and how --lora-targets
-// spells them: "experts" both, "experts.<tensor>" (or PEFT's "mlp.experts.<tensor>") one.
+// The routed experts' fused tensors as PEFT's target_parameters name them.
 const char* const kExpertsGateUp = "mlp.experts.gate_up_proj";
 const char* const kExpertsDown = "mlp.experts.down_proj";
-std::vector<std::string> expert_target_parameters(const std::string& target) {
-  if (target == "experts") return {kExpertsGateUp, kExpertsDown};
-  if (target == "experts.gate_up_proj" || target == kExpertsGateUp) return {kExpertsGateUp};
-  if (target == "experts.down_proj" || target == kExpertsDown) return {kExpertsDown};
-  return {};
-}
 
 // Why the router (mlp.gate) is not a LoRA target.
 const char* const kRouterNotAdapted =

@@ -252,6 +252,25 @@ TEST(Qwen35MoeWeights, TensorsAndProjectionsAsTransformersAndPeftNameThem) {
   EXPECT_EQ(experts.find(experts_prefix + "lora_B.weight")->value.shape(), (Shape{4, 32, 2}));
 }
 
+TEST(Qwen35MoeWeights, LoraCountsForFlopsWeighExpertPairsByTheTokensTheySee) {
+  // count_parameters' LoRA count (spindle bench's FLOPs) against the pairs add_lora makes: a routed
+  // experts' tensor holds E pairs and a token passes through k of them.
+  auto be = make_cpu_backend(1);
+  const ModelConfig c = tiny_qwen3_5_moe().config();
+  const double share = static_cast<double>(c.moe.experts_per_token) / static_cast<double>(c.moe.num_experts);
+  const ParameterCounts counts = count_parameters(c);
+  for (const std::vector<std::string>& targets : std::vector<std::vector<std::string>>{
+           {"q_proj", "down_proj"}, {"experts"}, {"experts.down_proj", "gate_proj"}, {"experts.gate_up_proj"}}) {
+    ModelWeights w = ModelWeights::random(*be, c, DType::F32, 1);
+    w.add_lora(*be, {.rank = 2, .alpha = 4.0, .targets = targets}, 3);
+    double per_token = 0;
+    for (const Parameter& p : w.parameters())
+      if (p.trainable)
+        per_token += static_cast<double>(p.value.numel()) * (p.name.find(".mlp.experts.") != std::string::npos ? share : 1.0);
+    EXPECT_EQ(counts.lora(2, targets), std::llround(per_token)) << targets.front();
+  }
+}
+
 TEST(Qwen35MoeWeights, FusedAndPerExpertCheckpointsLoadTheSameModel) {
   io::testing::ScratchDir scratch;
   const nlohmann::json config = multimodal_config_json(tiny_qwen3_5_moe());
