@@ -3,7 +3,8 @@
 //  - loss, metrics and per-response sums against an independent computation from full logits;
 //  - gradients against central finite differences (sigmoid, label smoothing, IPO, RPO);
 //  - packing layouts (one row, one document per micro-batch, mixed) give the same loss and grads;
-//  - the three reference sources agree; bad inputs fail with a message.
+//  - the three reference sources agree; bad inputs fail with a message;
+//  - disabling the adapters also turns off LoRA on a MoE model's routed experts.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -289,6 +290,39 @@ TEST(PreferenceStep, LoraDisabledRestoresScalingsOnException) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("reference model"), std::string::npos) << e.what();
   }
+}
+
+TEST(PreferenceStep, LoraDisabledTurnsOffTheRoutedExpertsAdaptersToo) {
+  // A MoE model adapted on its routed experts' fused tensors only (PEFT's target_parameters): with
+  // the adapters disabled it computes the base model's loss, and afterwards its own again.
+  auto be = make_cpu_backend(1);
+  const ModelConfig config = test::tiny_qwen3_moe().config();
+  ModelWeights base = test::random_weights(*be, config, DType::F64, 3, 10.0);
+  ModelWeights adapted = test::random_weights(*be, config, DType::F64, 3, 10.0);
+  LoraConfig lora;
+  lora.rank = 2;
+  lora.alpha = 4;
+  lora.targets = {"experts"};
+  test::add_lora_with_random_b(*be, adapted, lora, 4, test::uniform_draw(1.0));
+  PackedRow row;
+  row.input_ids = {3, 7, 1, 9, 4, 2, 8, 5};
+  row.positions = {0, 1, 2, 3, 4, 5, 6, 7};
+  row.doc_ids.assign(8, 0);
+  row.targets = {7, 1, 9, 4, 2, 8, 5, kIgnoreIndex};
+  row.weights = {1, 1, 1, 1, 1, 1, 1, 0};
+  auto loss_of = [&](ModelWeights& w) {
+    Decoder decoder(*be, w);
+    Tensor loss = be->zeros(Shape{1}, DType::F64);
+    decoder.step(make_micro_batch(*be, {row}, DType::F64), 1.0, loss, false);
+    return to_host(*be, loss)[0];
+  };
+  const double with_adapters = loss_of(adapted), without = loss_of(base);
+  EXPECT_GT(std::fabs(with_adapters - without), 1e-6) << "the adapters must change the loss for the test to mean anything";
+  {
+    LoraDisabled off(adapted);
+    EXPECT_EQ(loss_of(adapted), without);
+  }
+  EXPECT_EQ(loss_of(adapted), with_adapters);
 }
 
 TEST(PreferenceStep, BadInputsFailWithAMessage) {
