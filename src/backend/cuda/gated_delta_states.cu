@@ -6,20 +6,27 @@
 // triangular solves; run token by token it is the same result up to F32 rounding (the CPU
 // reference, which computes in chunks at double precision, checks it). Sequence parallelism over a
 // ring passes the state of a document's piece from rank to rank through these, a few calls per
-// DeltaNet layer and step, so they were written to be simple and exact first: one block per (value
-// head, run), the state S [dk, dv] in F32 shared memory, three block barriers per token. A long run
-// is a chain of dependent token steps (latency, about a microsecond each), not FLOPs; docs/perf.md
-// has what it costs.
+// DeltaNet layer and step.
+//
+// Every column of S evolves on its own given k, v and the gates (u_t and out_t are per column), so
+// a block owns one value head, 32 columns of its state (a slice) and a run: grid (Hv, ⌈dv/32⌉,
+// blocks over runs). Its 256 threads hold the slice in registers: lane l owns column c0 + l, warp w
+// rows w, w + 8, ... The column sums over rows (u, out, and the backward's z) go through shared
+// memory across the 8 warps; the backward's row sums over columns (dq, dk) are warp sums, partial per
+// slice. Token vectors are staged kTile tokens at a time, so a token step costs two block barriers
+// and no global-memory wait. A long run is still a chain of dependent token steps (latency, not
+// FLOPs); docs/perf.md has what it costs.
 //
 // Backward, per token in reverse, with dS = ∂L/∂S_t (starting from d_final[n, h]):
 //   dS += scale·q_t·dout_tᵀ,  dq_t = scale·S_t·dout_t,  z = dSᵀ·k_t,  dv_t = β·z,
 //   dk_t = β·(dS·v_t − a·(dS·u_t + S_{t−1}·z)),  dβ_t = ⟨z, v_t⟩ − a·⟨z, u_t⟩,
 //   dg_t = a·(⟨dS, S_{t−1}⟩ − β·⟨z, u_t⟩),  then dS ← a·(dS − β·k_t·zᵀ) = ∂L/∂S_{t−1}.
 // It needs S_{t−1} and S_t: a first pass saves the state entering every segment of kSegment tokens
-// (device scratch, [Hv, segments, dk, dv]); each segment, last first, is recomputed from its saved
-// state into a per-block buffer of kSegment + 1 states, then walked in reverse. dq and dk are formed
-// per value head (F32) and summed over the value heads that share a key head afterwards, in head
-// order. Every sum has a fixed order: the results are deterministic.
+// (device scratch, [Hv, segments, dk, dv] in slices); each segment, last first, is recomputed from
+// its saved state into a per-block buffer of kSegment + 1 slice states (each thread reads back only
+// what it wrote), then walked in reverse. dq and dk are summed over the slices and over the value
+// heads that share a key head afterwards, dβ and dg over the slices, always in the same order: the
+// results are deterministic.
 #include "backend/cuda/device_util.cuh"
 #include "backend/cuda/gated_delta_states.h"
 
@@ -28,12 +35,16 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kSegment = 64;      // tokens between the states the backward saves
-constexpr int kMaxRunBlocks = 4;  // blocks per value head, each taking every kMaxRunBlocks-th run
+constexpr int kSlice = 32;                 // state columns per block: one per lane
+constexpr int kMaxRows = 128 / kWarps;     // state rows per thread (dk ≤ 128)
+constexpr int kTile = 32;                  // tokens staged in shared memory at a time
+constexpr int kSegment = 64;               // tokens between the states the backward saves (a multiple of kTile)
+constexpr int kMaxRunBlocks = 4;           // blocks per (head, slice), each taking every 4th run
+constexpr int kGateParts = 3;              // per slice: ⟨z, v⟩, ⟨z, u⟩, ⟨dS, S_{t−1}⟩
 
 struct Geometry {
   int64_t tokens;
-  int hk, hv, dk, dv, group;
+  int hk, hv, dk, dv, group, slices;
   int64_t runs;
   int64_t segments_cap;  // per head: a bound on Σ_n ceil(len_n / kSegment)
 };
@@ -75,279 +86,327 @@ __global__ void run_table_kernel(const int32_t* run_ids, int64_t tokens, int64_t
   }
 }
 
-// Shared memory of one block. A matrix row has dv + 1 floats (the column passes read across a
-// row with consecutive threads; the row passes read along it).
-struct Smem {
-  float* q[2];  // [dk] token vectors, double-buffered by token parity so that the next token's
-  float* k[2];  // loads do not wait for this token's last pass
-  float* v[2];  // [dv]
-  float* d[2];  // [dv] dout (backward)
-  float* u;     // [dv] S_{t−1}ᵀ·k
-  float* z;     // [dv] dSᵀ·k (backward)
-  float* zv;    // [dv] z ∘ v (backward)
-  float* zu;    // [dv] z ∘ u (backward)
-  float* rows;  // [dk] per-row ⟨dS, S_{t−1}⟩ (backward)
-  float* S;     // [dk, dv + 1] the running state (S_{t−1} in the backward's reverse walk)
-  float* dS;    // [dk, dv + 1] backward only
+// Shared memory of a block: kTile tokens' vectors and the reduction buffers.
+struct Tile {
+  float* q;     // [kTile, dk]
+  float* k;     // [kTile, dk]
+  float* v;     // [kTile, kSlice] this slice's columns (0 past dv)
+  float* d;     // [kTile, kSlice] dout's (backward)
+  float* a;     // [kTile] exp(g)
+  float* beta;  // [kTile]
+  float* red;   // [2, kWarps, kSlice] per-warp column partials
+  float* part;  // [kWarps] per-warp scalar partials
 };
 
-size_t smem_bytes(int dk, int dv, bool backward) {
-  const size_t vectors = 2 * (2 * static_cast<size_t>(dk) + 2 * dv) + 4 * static_cast<size_t>(dv) + dk;
-  const size_t matrix = static_cast<size_t>(dk) * (dv + 1);
-  return sizeof(float) * (vectors + (backward ? 2 : 1) * matrix);
+size_t tile_bytes(int dk) {
+  return sizeof(float) * (static_cast<size_t>(kTile) * (2 * dk + 2 * kSlice + 2) + 2 * kWarps * kSlice + kWarps);
 }
 
-__device__ Smem carve(float* base, int dk, int dv, bool backward) {
-  Smem m;
-  float* p = base;
-  for (int i = 0; i < 2; ++i) {
-    m.q[i] = p, p += dk;
-    m.k[i] = p, p += dk;
-    m.v[i] = p, p += dv;
-    m.d[i] = p, p += dv;
-  }
-  m.u = p, p += dv;
-  m.z = p, p += dv;
-  m.zv = p, p += dv;
-  m.zu = p, p += dv;
-  m.rows = p, p += dk;
-  m.S = p, p += static_cast<int64_t>(dk) * (dv + 1);
-  m.dS = backward ? p : nullptr;
-  return m;
+__device__ Tile carve(float* p, int dk) {
+  Tile s;
+  s.q = p, p += kTile * dk;
+  s.k = p, p += kTile * dk;
+  s.v = p, p += kTile * kSlice;
+  s.d = p, p += kTile * kSlice;
+  s.a = p, p += kTile;
+  s.beta = p, p += kTile;
+  s.red = p, p += 2 * kWarps * kSlice;
+  s.part = p;
+  return s;
 }
 
-// Token t's k, v (and q, dout when given) into buffer `b`, its a = exp(g) and β into gate[b].
-// All threads; the caller synchronises.
+// Tokens [t0, t0 + n) into the tile (q and dout when given). All threads; the caller synchronises
+// before (the previous tile is read) and after.
 template <typename T>
-__device__ void load_token(const Geometry& ge, const Smem& m, int b, int64_t t, int h, const T* q, const T* k,
-                           const T* v, const T* dout, const float* g, const T* beta, float (*gate)[2]) {
-  const int kh = h / ge.group;
-  const T* kr = k + (t * ge.hk + kh) * ge.dk;
-  for (int x = threadIdx.x; x < ge.dk; x += blockDim.x) {
-    m.k[b][x] = to_f32(kr[x]);
-    if (q) m.q[b][x] = to_f32(q[(t * ge.hk + kh) * ge.dk + x]);
+__device__ void load_tile(const Geometry& ge, const Tile& s, int64_t t0, int n, int h, int c0, const T* q,
+                          const T* k, const T* v, const T* dout, const float* g, const T* beta) {
+  const int kh = h / ge.group, dk = ge.dk;
+  for (int x = threadIdx.x; x < n * dk; x += blockDim.x) {
+    const int i = x / dk, r = x % dk;
+    const int64_t at = ((t0 + i) * ge.hk + kh) * dk + r;
+    s.k[i * dk + r] = to_f32(k[at]);
+    if (q) s.q[i * dk + r] = to_f32(q[at]);
   }
-  const int64_t row = (t * ge.hv + h) * ge.dv;
-  for (int x = threadIdx.x; x < ge.dv; x += blockDim.x) {
-    m.v[b][x] = to_f32(v[row + x]);
-    if (dout) m.d[b][x] = to_f32(dout[row + x]);
+  for (int x = threadIdx.x; x < n * kSlice; x += blockDim.x) {
+    const int i = x / kSlice, l = x % kSlice, c = c0 + l;
+    const int64_t at = ((t0 + i) * ge.hv + h) * ge.dv + c;
+    s.v[x] = c < ge.dv ? to_f32(v[at]) : 0.f;
+    if (dout) s.d[x] = c < ge.dv ? to_f32(dout[at]) : 0.f;
   }
-  if (threadIdx.x == 0) {
-    gate[b][0] = expf(g[t * ge.hv + h]);
-    gate[b][1] = to_f32(beta[t * ge.hv + h]);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    s.a[i] = expf(g[(t0 + i) * ge.hv + h]);
+    s.beta[i] = to_f32(beta[(t0 + i) * ge.hv + h]);
   }
 }
 
-// One token of the recurrence on m.S, its vectors in buffer b (loaded and synchronised): u, then
-// S ← a·(S − β·k·uᵀ) + β·k·vᵀ. Ends synchronised.
-__device__ void advance(const Geometry& ge, const Smem& m, int b, float (*gate)[2]) {
-  const int dk = ge.dk, dv = ge.dv, ld = dv + 1;
-  const float* ks = m.k[b];
-  for (int c = threadIdx.x; c < dv; c += blockDim.x) {
-    float acc = 0.f;
-    for (int r = 0; r < dk; ++r) acc = fmaf(ks[r], m.S[r * ld + c], acc);
-    m.u[c] = acc;
-  }
+// The thread's place in the slice: lane → column c0 + lane, warp → rows warp + kWarps·i.
+struct Place {
+  int warp, lane, c0, col, rows;
+  bool col_ok;
+};
+
+__device__ Place place(const Geometry& ge) {
+  Place p;
+  p.warp = threadIdx.x >> 5;
+  p.lane = threadIdx.x & 31;
+  p.c0 = blockIdx.y * kSlice;
+  p.col = p.c0 + p.lane;
+  p.col_ok = p.col < ge.dv;
+  p.rows = p.warp < ge.dk ? (ge.dk - p.warp + kWarps - 1) / kWarps : 0;
+  return p;
+}
+
+// Σ over the block's warps of one value per (warp, lane): every thread gets its lane's sum. `buf`
+// one of the two [kWarps, kSlice] buffers. Contains one barrier.
+__device__ float column_sum(float* buf, const Place& p, float mine) {
+  buf[p.warp * kSlice + p.lane] = mine;
   __syncthreads();
-  const float a = gate[b][0], beta = gate[b][1];
-  const float* vs = m.v[b];
-  for (int x = threadIdx.x; x < dk * dv; x += blockDim.x) {
-    const int r = x / dv, c = x % dv;
-    float& s = m.S[r * ld + c];
-    s = a * (s - beta * ks[r] * m.u[c]) + beta * ks[r] * vs[c];
-  }
-  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += buf[w * kSlice + p.lane];
+  return total;
 }
 
-// dst [dk, dv] (dense, global) ← src [dk, dv + 1] (shared), or the other way. All threads.
-__device__ void store_state(float* dst, const float* src, int dk, int dv) {
-  for (int x = threadIdx.x; x < dk * dv; x += blockDim.x) dst[x] = src[(x / dv) * (dv + 1) + x % dv];
-}
-__device__ void load_state(float* dst, const float* src, int dk, int dv) {
-  for (int x = threadIdx.x; x < dk * dv; x += blockDim.x) dst[(x / dv) * (dv + 1) + x % dv] = src[x];
+// One token of the recurrence on the registers S: S ← a·(S − β·k·uᵀ) + β·k·vᵀ, u = Sᵀ·k.
+__device__ void advance(float (&S)[kMaxRows], const Tile& s, const Place& p, int i, int dk) {
+  const float* k = s.k + i * dk;
+  float partial = 0.f;
+#pragma unroll
+  for (int j = 0; j < kMaxRows; ++j)
+    if (j < p.rows) partial = fmaf(k[p.warp + kWarps * j], S[j], partial);
+  const float u = column_sum(s.red, p, partial);
+  const float a = s.a[i], beta = s.beta[i], v = s.v[i * kSlice + p.lane];
+#pragma unroll
+  for (int j = 0; j < kMaxRows; ++j)
+    if (j < p.rows) {
+      const float kr = k[p.warp + kWarps * j];
+      S[j] = a * (S[j] - beta * kr * u) + beta * kr * v;
+    }
 }
 
-// Block (h, p): value head h, runs p, p + gridDim.y, ...
+__device__ void load_slice(float (&S)[kMaxRows], const float* src, const Place& p, int dv) {
+#pragma unroll
+  for (int j = 0; j < kMaxRows; ++j)
+    S[j] = j < p.rows && p.col_ok ? src[static_cast<int64_t>(p.warp + kWarps * j) * dv + p.col] : 0.f;
+}
+__device__ void store_slice(float* dst, const float (&S)[kMaxRows], const Place& p, int dv) {
+#pragma unroll
+  for (int j = 0; j < kMaxRows; ++j)
+    if (j < p.rows && p.col_ok) dst[static_cast<int64_t>(p.warp + kWarps * j) * dv + p.col] = S[j];
+}
+
+// A slice's private buffer: [rows, kSlice] dense (the scratch of the backward's segment states).
+__device__ void load_private(float (&S)[kMaxRows], const float* src, const Place& p) {
+#pragma unroll
+  for (int j = 0; j < kMaxRows; ++j) S[j] = j < p.rows ? src[(p.warp + kWarps * j) * kSlice + p.lane] : 0.f;
+}
+__device__ void store_private(float* dst, const float (&S)[kMaxRows], const Place& p) {
+#pragma unroll
+  for (int j = 0; j < kMaxRows; ++j)
+    if (j < p.rows) dst[(p.warp + kWarps * j) * kSlice + p.lane] = S[j];
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     states_forward_kernel(Geometry ge, const T* q, const T* k, const T* v, const float* g, const T* beta,
                           RunTable runs, float scale, const float* initial, T* out, float* finals) {
   extern __shared__ float smem[];
-  __shared__ float gate[2][2];
-  const Smem m = carve(smem, ge.dk, ge.dv, false);
-  const int h = blockIdx.x, dk = ge.dk, dv = ge.dv, ld = dv + 1;
+  const Tile s = carve(smem, ge.dk);
+  const Place p = place(ge);
+  const int h = blockIdx.x, dk = ge.dk, dv = ge.dv;
   const int64_t state = static_cast<int64_t>(dk) * dv;
-  for (int64_t n = blockIdx.y; n < ge.runs; n += gridDim.y) {
-    const int64_t at = (n * ge.hv + h) * state;
-    load_state(m.S, initial + at, dk, dv);
-    for (int64_t t = runs.begin[n]; t < runs.end[n]; ++t) {
-      const int b = static_cast<int>(t & 1);
-      load_token(ge, m, b, t, h, q, k, v, static_cast<const T*>(nullptr), g, beta, gate);
+  const T* no_t = nullptr;
+  float S[kMaxRows];
+  for (int64_t n = blockIdx.z; n < ge.runs; n += gridDim.z) {
+    const int64_t at = (n * ge.hv + h) * state, begin = runs.begin[n], end = runs.end[n];
+    load_slice(S, initial + at, p, dv);
+    for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+      const int count = static_cast<int>(end - t0 < kTile ? end - t0 : kTile);
+      __syncthreads();  // the previous tile is read
+      load_tile(ge, s, t0, count, h, p.c0, q, k, v, no_t, g, beta);
       __syncthreads();
-      advance(ge, m, b, gate);
-      const float* qs = m.q[b];
-      for (int c = threadIdx.x; c < dv; c += blockDim.x) {
-        float acc = 0.f;
-        for (int r = 0; r < dk; ++r) acc = fmaf(qs[r], m.S[r * ld + c], acc);
-        out[(t * ge.hv + h) * dv + c] = from_f32<T>(scale * acc);
+      for (int i = 0; i < count; ++i) {
+        advance(S, s, p, i, dk);
+        const float* qi = s.q + i * dk;
+        float partial = 0.f;
+#pragma unroll
+        for (int j = 0; j < kMaxRows; ++j)
+          if (j < p.rows) partial = fmaf(qi[p.warp + kWarps * j], S[j], partial);
+        const float o = column_sum(s.red + kWarps * kSlice, p, partial);
+        if (p.warp == 0 && p.col_ok) out[((t0 + i) * ge.hv + h) * dv + p.col] = from_f32<T>(scale * o);
       }
     }
-    __syncthreads();  // the last output pass has read S
-    store_state(finals + at, m.S, dk, dv);
-    __syncthreads();  // before the next run loads S
+    store_slice(finals + at, S, p, dv);
   }
 }
 
-// Block (h, p) as the forward. ckpt: [Hv, segments_cap, dk, dv]; segbuf: per block
-// [kSegment + 1, dk, dv]; dq_h, dk_h F32 [T, Hv, dk] (per value head).
+// ckpt: [Hv, segments_cap, dk, dv]; segbuf: per block [kSegment + 1, kMaxRows·kWarps, kSlice];
+// dq_part, dk_part F32 [slices, T, Hv, dk]; gate_part F32 [slices, T, Hv, kGateParts].
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     states_backward_kernel(Geometry ge, const T* q, const T* k, const T* v, const float* g, const T* beta,
                            RunTable runs, float scale, const float* initial, const T* dout, const float* d_final,
-                           float* ckpt, float* segbuf, float* dq_h, float* dk_h, T* dv_out, float* dg, T* dbeta,
+                           float* ckpt, float* segbuf, float* dq_part, float* dk_part, float* gate_part, T* dv_out,
                            float* d_initial) {
   extern __shared__ float smem[];
-  __shared__ float gate[2][2];
-  const Smem m = carve(smem, ge.dk, ge.dv, true);
-  const int h = blockIdx.x, dk = ge.dk, dv = ge.dv, ld = dv + 1;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t state = static_cast<int64_t>(dk) * dv;
+  const Tile s = carve(smem, ge.dk);
+  const Place p = place(ge);
+  const int h = blockIdx.x, slice = blockIdx.y, dk = ge.dk, dv = ge.dv;
+  const int64_t state = static_cast<int64_t>(dk) * dv, slice_state = static_cast<int64_t>(kMaxRows) * kWarps * kSlice;
   float* saved = ckpt + static_cast<int64_t>(h) * ge.segments_cap * state;
-  float* seg = segbuf + (static_cast<int64_t>(blockIdx.y) * ge.hv + h) * (kSegment + 1) * state;
-  const T* no_q = nullptr;
-  for (int64_t n = blockIdx.y; n < ge.runs; n += gridDim.y) {
+  float* seg = segbuf + ((static_cast<int64_t>(blockIdx.z) * ge.slices + slice) * ge.hv + h) * (kSegment + 1) *
+                            slice_state;
+  const int64_t part_base = static_cast<int64_t>(slice) * ge.tokens * ge.hv;
+  const T* no_t = nullptr;
+  float S[kMaxRows], dS[kMaxRows];
+  for (int64_t n = blockIdx.z; n < ge.runs; n += gridDim.z) {
     const int64_t at = (n * ge.hv + h) * state, begin = runs.begin[n], end = runs.end[n];
     float* run_saved = saved + runs.seg_base[n] * state;
     // The state entering every segment of the run.
-    load_state(m.S, initial + at, dk, dv);
-    __syncthreads();
-    for (int64_t t = begin; t < end; ++t) {
-      if ((t - begin) % kSegment == 0) store_state(run_saved + ((t - begin) / kSegment) * state, m.S, dk, dv);
-      const int b = static_cast<int>(t & 1);
-      load_token(ge, m, b, t, h, no_q, k, v, no_q, g, beta, gate);
+    load_slice(S, initial + at, p, dv);
+    for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+      const int count = static_cast<int>(end - t0 < kTile ? end - t0 : kTile);
+      if ((t0 - begin) % kSegment == 0) store_slice(run_saved + ((t0 - begin) / kSegment) * state, S, p, dv);
       __syncthreads();
-      advance(ge, m, b, gate);
+      load_tile(ge, s, t0, count, h, p.c0, no_t, k, v, no_t, g, beta);
+      __syncthreads();
+      for (int i = 0; i < count; ++i) advance(S, s, p, i, dk);
     }
-    load_state(m.dS, d_final + at, dk, dv);
+    load_slice(dS, d_final + at, p, dv);
     const int64_t segments = (end - begin + kSegment - 1) / kSegment;
     for (int64_t sgi = segments - 1; sgi >= 0; --sgi) {
       const int64_t s0 = begin + sgi * kSegment, s1 = s0 + kSegment < end ? s0 + kSegment : end;
-      // seg[i] = the state after token s0 − 1 + i (seg[0]: entering the segment).
-      load_state(m.S, run_saved + sgi * state, dk, dv);
-      store_state(seg, m.S, dk, dv);  // reads what this thread just wrote: no barrier needed between
-      __syncthreads();
-      for (int64_t t = s0; t < s1; ++t) {
-        const int b = static_cast<int>(t & 1);
-        load_token(ge, m, b, t, h, no_q, k, v, no_q, g, beta, gate);
+      // seg[i] = the slice after token s0 − 1 + i (seg[0]: entering the segment); the saved state
+      // was written by this same thread, like everything read back from seg.
+      load_slice(S, run_saved + sgi * state, p, dv);
+      store_private(seg, S, p);
+      for (int64_t t0 = s0; t0 < s1; t0 += kTile) {
+        const int count = static_cast<int>(s1 - t0 < kTile ? s1 - t0 : kTile);
         __syncthreads();
-        advance(ge, m, b, gate);
-        store_state(seg + (t - s0 + 1) * state, m.S, dk, dv);
+        load_tile(ge, s, t0, count, h, p.c0, no_t, k, v, no_t, g, beta);
+        __syncthreads();
+        for (int i = 0; i < count; ++i) {
+          advance(S, s, p, i, dk);
+          store_private(seg + (t0 - s0 + i + 1) * slice_state, S, p);
+        }
       }
-      __syncthreads();  // seg fully written before it is read across threads
-      for (int64_t t = s1 - 1; t >= s0; --t) {
-        const int b = static_cast<int>(t & 1);
-        const float* after = seg + (t - s0 + 1) * state;  // S_t
-        load_token(ge, m, b, t, h, q, k, v, dout, g, beta, gate);
-        load_state(m.S, seg + (t - s0) * state, dk, dv);  // S_{t−1}
+      // The segment's tiles, last first, each walked in reverse.
+      for (int64_t t0 = s0 + ((s1 - s0 - 1) / kTile) * kTile; t0 >= s0; t0 -= kTile) {
+        const int count = static_cast<int>(s1 - t0 < kTile ? s1 - t0 : kTile);
         __syncthreads();
-        const float a = gate[b][0], bt = gate[b][1];
-        const float *qs = m.q[b], *ks = m.k[b], *vs = m.v[b], *ds = m.d[b];
-        for (int x = threadIdx.x; x < dk * dv; x += blockDim.x) {
-          const int r = x / dv, c = x % dv;
-          m.dS[r * ld + c] = fmaf(scale * qs[r], ds[c], m.dS[r * ld + c]);
-        }
+        load_tile(ge, s, t0, count, h, p.c0, q, k, v, dout, g, beta);
         __syncthreads();
-        for (int c = threadIdx.x; c < dv; c += blockDim.x) {
-          float zc = 0.f, uc = 0.f;
-          for (int r = 0; r < dk; ++r) {
-            zc = fmaf(ks[r], m.dS[r * ld + c], zc);
-            uc = fmaf(ks[r], m.S[r * ld + c], uc);
-          }
-          m.z[c] = zc;
-          m.u[c] = uc;
-          m.zv[c] = zc * vs[c];
-          m.zu[c] = zc * uc;
-          dv_out[(t * ge.hv + h) * dv + c] = from_f32<T>(bt * zc);
-        }
-        __syncthreads();
-        for (int r = warp; r < dk; r += kWarps) {
-          float dq_acc = 0.f, dsv = 0.f, dsu = 0.f, sz = 0.f, dss = 0.f;
-          for (int c = lane; c < dv; c += 32) {
-            const float d_rc = m.dS[r * ld + c], s_rc = m.S[r * ld + c];
-            dq_acc = fmaf(after[r * dv + c], ds[c], dq_acc);
-            dsv = fmaf(d_rc, vs[c], dsv);
-            dsu = fmaf(d_rc, m.u[c], dsu);
-            sz = fmaf(s_rc, m.z[c], sz);
-            dss = fmaf(d_rc, s_rc, dss);
-          }
-          dq_acc = warp_sum(dq_acc);
-          dsv = warp_sum(dsv);
-          dsu = warp_sum(dsu);
-          sz = warp_sum(sz);
-          dss = warp_sum(dss);
-          if (lane == 0) {
-            const int64_t i = (t * ge.hv + h) * dk + r;
-            dq_h[i] = scale * dq_acc;
-            dk_h[i] = bt * (dsv - a * (dsu + sz));
-            m.rows[r] = dss;
-          }
-        }
-        __syncthreads();
-        if (warp == 0) {
-          float e = 0.f, zv = 0.f, zu = 0.f;
-          for (int r = lane; r < dk; r += 32) e += m.rows[r];
-          for (int c = lane; c < dv; c += 32) {
-            zv += m.zv[c];
-            zu += m.zu[c];
-          }
+        for (int i = count - 1; i >= 0; --i) {
+          const int64_t t = t0 + i;
+          load_private(S, seg + (t - s0) * slice_state, p);  // S_{t−1}
+          const float* after = seg + (t - s0 + 1) * slice_state;  // S_t, read row by row below
+          const float* qi = s.q + i * dk;
+          const float* ki = s.k + i * dk;
+          const float a = s.a[i], bt = s.beta[i], vc = s.v[i * kSlice + p.lane], dc = s.d[i * kSlice + p.lane];
+          float z_part = 0.f, u_part = 0.f;
+#pragma unroll
+          for (int j = 0; j < kMaxRows; ++j)
+            if (j < p.rows) {
+              const int r = p.warp + kWarps * j;
+              dS[j] = fmaf(scale * qi[r], dc, dS[j]);
+              z_part = fmaf(ki[r], dS[j], z_part);
+              u_part = fmaf(ki[r], S[j], u_part);
+            }
+          s.red[kWarps * kSlice + p.warp * kSlice + p.lane] = u_part;
+          const float z = column_sum(s.red, p, z_part);  // its barrier also publishes u's partials
+          float u = 0.f;
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) u += s.red[kWarps * kSlice + w * kSlice + p.lane];
+          if (p.warp == 0 && p.col_ok) dv_out[(t * ge.hv + h) * dv + p.col] = from_f32<T>(bt * z);
+          // Row sums over this slice's columns (the warp's lanes), partial per slice.
+          float e = 0.f;
+#pragma unroll
+          for (int j = 0; j < kMaxRows; ++j)
+            if (j < p.rows) {
+              const int r = p.warp + kWarps * j;
+              e = fmaf(dS[j], S[j], e);
+              const float dq_r = warp_sum(after[r * kSlice + p.lane] * dc);
+              const float dk_r = warp_sum(bt * (dS[j] * vc - a * (dS[j] * u + S[j] * z)));
+              if (p.lane == 0) {
+                const int64_t i_part = ((part_base + t * ge.hv + h) * dk) + r;
+                dq_part[i_part] = scale * dq_r;
+                dk_part[i_part] = dk_r;
+              }
+            }
           e = warp_sum(e);
-          zv = warp_sum(zv);
-          zu = warp_sum(zu);
-          if (lane == 0) {
-            dbeta[t * ge.hv + h] = from_f32<T>(zv - a * zu);
-            dg[t * ge.hv + h] = a * (e - bt * zu);
+          const float zv = warp_sum(z * vc), zu = warp_sum(z * u);  // every warp holds the same z, u, v
+          if (p.lane == 0) s.part[p.warp] = e;
+          __syncthreads();
+          if (threadIdx.x == 0) {
+            float total = 0.f;
+            for (int w = 0; w < kWarps; ++w) total += s.part[w];
+            float* gp = gate_part + (part_base + t * ge.hv + h) * kGateParts;
+            gp[0] = zv;
+            gp[1] = zu;
+            gp[2] = total;
           }
+#pragma unroll
+          for (int j = 0; j < kMaxRows; ++j)
+            if (j < p.rows) dS[j] = a * (dS[j] - bt * ki[p.warp + kWarps * j] * z);
         }
-        for (int x = threadIdx.x; x < dk * dv; x += blockDim.x) {
-          const int r = x / dv, c = x % dv;
-          m.dS[r * ld + c] = a * (m.dS[r * ld + c] - bt * ks[r] * m.z[c]);
-        }
-        __syncthreads();
       }
     }
-    store_state(d_initial + at, m.dS, dk, dv);
-    __syncthreads();  // before the next run reloads S and dS
+    store_slice(d_initial + at, dS, p, dv);
   }
 }
 
-// dq [T, Hk, dk] (io) = Σ over the group's value heads of dq_h [T, Hv, dk], in head order; dk alike.
+// dq [T, Hk, dk] (io) = Σ over the group's value heads and the slices of dq_part, in that order;
+// dk alike.
 template <typename T>
-__global__ void sum_group_kernel(const float* dq_h, const float* dk_h, int64_t tokens, int hk, int group, int dk,
-                                 T* dq, T* dk_out) {
-  const int64_t n = tokens * hk * dk;
+__global__ void sum_parts_kernel(const float* dq_part, const float* dk_part, int64_t tokens, int hk, int group,
+                                 int dk, int slices, T* dq, T* dk_out) {
+  const int64_t n = tokens * hk * dk, per_slice = tokens * hk * group * dk;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t e = i % dk, kh = (i / dk) % hk, t = i / (static_cast<int64_t>(dk) * hk);
     float sq = 0.f, sk = 0.f;
-    for (int j = 0; j < group; ++j) {
-      const int64_t src = (t * hk * group + kh * group + j) * dk + e;
-      sq += dq_h[src];
-      sk += dk_h[src];
-    }
+    for (int j = 0; j < group; ++j)
+      for (int sl = 0; sl < slices; ++sl) {
+        const int64_t src = sl * per_slice + (t * hk * group + kh * group + j) * dk + e;
+        sq += dq_part[src];
+        sk += dk_part[src];
+      }
     dq[i] = from_f32<T>(sq);
     dk_out[i] = from_f32<T>(sk);
   }
 }
 
+// dβ = ⟨z, v⟩ − a·⟨z, u⟩ and dg = a·(⟨dS, S_{t−1}⟩ − β·⟨z, u⟩) from the slices' partial sums.
+template <typename T>
+__global__ void gate_grads_kernel(const float* gate_part, const float* g, const T* beta, int64_t rows, int slices,
+                                  float* dg, T* dbeta) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float zv = 0.f, zu = 0.f, e = 0.f;
+    for (int sl = 0; sl < slices; ++sl) {
+      const float* gp = gate_part + (sl * rows + i) * kGateParts;
+      zv += gp[0];
+      zu += gp[1];
+      e += gp[2];
+    }
+    const float a = expf(g[i]), b = to_f32(beta[i]);
+    dbeta[i] = from_f32<T>(zv - a * zu);
+    dg[i] = a * (e - b * zu);
+  }
+}
+
 Geometry geometry(const DeltaStatesShape& sh) {
   const int64_t segments_cap = (sh.tokens + kSegment - 1) / kSegment + sh.runs;
-  return {sh.tokens, sh.key_heads, sh.value_heads, sh.dk, sh.dv, sh.value_heads / sh.key_heads, sh.runs, segments_cap};
+  const int slices = (sh.dv + kSlice - 1) / kSlice;
+  return {sh.tokens, sh.key_heads, sh.value_heads, sh.dk, sh.dv, sh.value_heads / sh.key_heads, slices, sh.runs,
+          segments_cap};
 }
 
 void check_shape(const DeltaStatesShape& sh, const char* op) {
   if (sh.key_heads < 1 || sh.value_heads % sh.key_heads != 0)
     throw_message(op, "value heads not a multiple of key heads");
-  if (sh.dk < 1 || sh.dv < 1 || sh.dk > 128 || sh.dv > 128) throw_message(op, "head dims must be 1 … 128");
+  if (sh.dk < 1 || sh.dv < 1 || sh.dk > kMaxRows * kWarps || sh.dv > 128) throw_message(op, "head dims must be 1 … 128");
+  if (sh.value_heads > 0x7fffffff) throw_message(op, "too many value heads");
 }
 
 // The run table in `scratch` (3·N int64), filled on the device.
@@ -364,9 +423,9 @@ void allow_shared(Kernel kernel, size_t bytes) {
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
-dim3 grid_of(const DeltaStatesShape& sh) {
-  return dim3(static_cast<unsigned>(sh.value_heads),
-              static_cast<unsigned>(sh.runs < kMaxRunBlocks ? sh.runs : kMaxRunBlocks));
+dim3 grid_of(const Geometry& ge) {
+  return dim3(static_cast<unsigned>(ge.hv), static_cast<unsigned>(ge.slices),
+              static_cast<unsigned>(ge.runs < kMaxRunBlocks ? ge.runs : kMaxRunBlocks));
 }
 
 }  // namespace
@@ -381,11 +440,11 @@ void gated_delta_rule_forward_states(cudaStream_t s, const DeltaStatesShape& sh,
   Scratch table_bytes(s, 3 * static_cast<size_t>(sh.runs) * sizeof(int64_t));
   const RunTable runs = make_run_table(s, run_ids, sh, table_bytes.as<int64_t>(), err);
   const Geometry ge = geometry(sh);
-  const size_t shared = smem_bytes(sh.dk, sh.dv, false);
+  const size_t shared = tile_bytes(sh.dk);
   dispatch_compute(io, op, [&](auto z) {
     using T = decltype(z);
     allow_shared(states_forward_kernel<T>, shared);
-    states_forward_kernel<T><<<grid_of(sh), kThreads, shared, s>>>(
+    states_forward_kernel<T><<<grid_of(ge), kThreads, shared, s>>>(
         ge, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), g,
         static_cast<const T*>(beta), runs, scale, initial, static_cast<T*>(out), finals);
     CUDA_CHECK_LAUNCH();
@@ -403,27 +462,34 @@ void gated_delta_rule_backward_states(cudaStream_t s, const DeltaStatesShape& sh
   Scratch table_bytes(s, 3 * static_cast<size_t>(sh.runs) * sizeof(int64_t));
   const RunTable runs = make_run_table(s, run_ids, sh, table_bytes.as<int64_t>(), err);
   const Geometry ge = geometry(sh);
-  const dim3 grid = grid_of(sh);
-  const size_t state = static_cast<size_t>(sh.dk) * sh.dv * sizeof(float);
-  // [Hv, segments, dk, dv] saved states; [blocks, kSegment + 1, dk, dv] recomputed segments;
-  // dq, dk per value head [T, Hv, dk] each.
+  const dim3 grid = grid_of(ge);
+  const size_t f32 = sizeof(float), state = static_cast<size_t>(sh.dk) * sh.dv * f32;
+  const size_t slice_state = static_cast<size_t>(kMaxRows) * kWarps * kSlice * f32;
+  const size_t rows = static_cast<size_t>(sh.tokens) * sh.value_heads;
+  // [Hv, segments, dk, dv] saved states; [blocks, kSegment + 1, slice] recomputed segments; the
+  // per-slice partials of dq, dk [slices, T, Hv, dk] and of the gates' gradients [slices, T, Hv, 3].
   Scratch saved(s, static_cast<size_t>(sh.value_heads) * static_cast<size_t>(ge.segments_cap) * state);
-  Scratch segments(s, static_cast<size_t>(grid.x) * grid.y * (kSegment + 1) * state);
-  const size_t per_head = static_cast<size_t>(sh.tokens) * sh.value_heads * sh.dk * sizeof(float);
-  Scratch dq_h(s, per_head), dk_h(s, per_head);
-  const size_t shared = smem_bytes(sh.dk, sh.dv, true);
+  Scratch segments(s, static_cast<size_t>(grid.x) * grid.y * grid.z * (kSegment + 1) * slice_state);
+  Scratch dq_part(s, ge.slices * rows * sh.dk * f32), dk_part(s, ge.slices * rows * sh.dk * f32);
+  Scratch gate_part(s, ge.slices * rows * kGateParts * f32);
+  const size_t shared = tile_bytes(sh.dk);
   dispatch_compute(io, op, [&](auto z) {
     using T = decltype(z);
     allow_shared(states_backward_kernel<T>, shared);
     states_backward_kernel<T><<<grid, kThreads, shared, s>>>(
         ge, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), g,
         static_cast<const T*>(beta), runs, scale, initial, static_cast<const T*>(dout), d_final, saved.as<float>(),
-        segments.as<float>(), dq_h.as<float>(), dk_h.as<float>(), static_cast<T*>(dv), dg, static_cast<T*>(dbeta),
+        segments.as<float>(), dq_part.as<float>(), dk_part.as<float>(), gate_part.as<float>(), static_cast<T*>(dv),
         d_initial);
     CUDA_CHECK_LAUNCH();
     const int64_t n = sh.tokens * sh.key_heads * sh.dk;
-    sum_group_kernel<T><<<grid_for(n, 256), 256, 0, s>>>(dq_h.as<float>(), dk_h.as<float>(), sh.tokens, sh.key_heads,
-                                                         ge.group, sh.dk, static_cast<T*>(dq), static_cast<T*>(dk));
+    sum_parts_kernel<T><<<grid_for(n, 256), 256, 0, s>>>(dq_part.as<float>(), dk_part.as<float>(), sh.tokens,
+                                                         sh.key_heads, ge.group, sh.dk, ge.slices,
+                                                         static_cast<T*>(dq), static_cast<T*>(dk));
+    CUDA_CHECK_LAUNCH();
+    const int64_t r = static_cast<int64_t>(rows);
+    gate_grads_kernel<T><<<grid_for(r, 256), 256, 0, s>>>(gate_part.as<float>(), g, static_cast<const T*>(beta), r,
+                                                          ge.slices, dg, static_cast<T*>(dbeta));
     CUDA_CHECK_LAUNCH();
   });
 }
