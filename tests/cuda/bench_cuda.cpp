@@ -5,12 +5,14 @@
 // sequence of T tokens the pairs are T(T+1)/2. GEMM = 2·M·N·K. Bandwidth = bytes read + written.
 // Inputs are random (zeros run faster than real data), times are medians of CUDA-event timings
 // after warm-up. Usage: bench_cuda [--quick | --profile | --profile-packed | --attention |
-// --delta-states | --packed | --overlap | --lora]. Each attention variant compared here is a backend made with that choice
+// --attention-d256 | --delta-states | --packed | --overlap | --lora]. Each attention variant compared here is a backend made with that choice
 // (make_cuda_backend's CudaBackendOptions).
 // --profile runs the engine's attention forward and backward once each at 32k causal (Hq=12, Hkv=2,
 // D=128), for a profiler (scripts/gpu/profile_attention.sh); --profile-packed the same on a 32k row
 // of 32 documents of 1k. --packed: the engine's kernels on packed 32k rows only (documents of 4k,
 // 1k and 128, causal, and 1k bidirectional: every tile fully visible, no per-element mask).
+// --attention-d256: head dim 256 at Qwen3.6's attention shape (Hq 16, Hkv 2), one causal document:
+// the engine's own kernels (the simple ones: no tensor-core kernel takes 256) against cuDNN.
 // --delta-states: the state-passing delta rule (ring sequence parallelism over DeltaNet layers) at
 // Qwen3.6's DeltaNet shape (Hk 16, Hv 32, dk = dv = 128), one run, forward and backward.
 #include <cuda_runtime.h>
@@ -388,6 +390,7 @@ int main(int argc, char** argv) {
   const bool profile_packed = argc > 1 && std::strcmp(argv[1], "--profile-packed") == 0;
   const bool packed = argc > 1 && std::strcmp(argv[1], "--packed") == 0;
   const bool attention = argc > 1 && std::strcmp(argv[1], "--attention") == 0;
+  const bool attention_d256 = argc > 1 && std::strcmp(argv[1], "--attention-d256") == 0;
   const bool delta_states = argc > 1 && std::strcmp(argv[1], "--delta-states") == 0;
   const bool overlap = argc > 1 && std::strcmp(argv[1], "--overlap") == 0;
   const bool lora = argc > 1 && std::strcmp(argv[1], "--lora") == 0;
@@ -421,6 +424,15 @@ int main(int argc, char** argv) {
         bench_attention(*own, 32, 1024, 12, 2, 128, false, "own");
         bench_attention(*own, 256, 128, 12, 2, 128, false, "own");
         bench_attention(*own, 32, 1024, 12, 2, 128, true, "own");
+      }
+    } else if (attention_d256) {
+      auto own = make_cuda_backend(0, {CudaAttention::Own});
+      for (int64_t t : {2048, 8192}) bench_attention(*own, 1, t, 16, 2, 256, false, "own");
+      if (!cuda::attention_cudnn_built()) std::printf("bench_cuda: built without cuDNN\n");
+      else {
+        auto dnn = make_cuda_backend(0, {CudaAttention::Cudnn});
+        for (int64_t t : {2048, 8192, 32768, 65536}) bench_attention(*dnn, 1, t, 16, 2, 256, false, "cudnn");
+        bench_attention(*dnn, 1, 32768, 16, 2, 128, false, "cudnn");  // the same scores at head dim 128
       }
     } else if (delta_states) {
       for (int64_t t : {4096, 16384}) bench_delta_states(*be, t);

@@ -158,19 +158,23 @@ TEST(CudaLoraGemms, EveryLoraShapeMatchesCpu) {
   }
 }
 
-// One training step of a model with head dim 128 on one causal document (the rows the default
-// sends to cuDNN's fused attention, here forced with CudaAttention::Cudnn) equals the same step on
-// the engine's own attention kernels within BF16 tolerance: loss, gradient norm, and every
-// trainable tensor.
-TEST(CudaModelAttention, CudnnStepMatchesOwnKernels) {
+// One training step of a model with head dim 128, and one with 256 (Qwen3.5/3.6's), on one causal
+// document (the rows the default sends to cuDNN's fused attention, here forced with
+// CudaAttention::Cudnn) equals the same step on the engine's own attention kernels (tensor cores at
+// 128, the simple kernels at 256) within BF16 tolerance: loss, gradient norm, and every trainable
+// tensor.
+class CudaModelAttention : public ::testing::TestWithParam<int> {};
+
+TEST_P(CudaModelAttention, CudnnStepMatchesOwnKernels) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   if (!cuda::attention_cudnn_built()) GTEST_SKIP() << "built without cuDNN";
+  const int head_dim = GetParam();
   const ModelConfig c = TinyModel{.model_type = "qwen2",
                                   .hidden_size = 256,
                                   .intermediate_size = 512,
                                   .num_heads = 2,
                                   .num_kv_heads = 1,
-                                  .head_dim = 128,
+                                  .head_dim = head_dim,
                                   .rms_norm_eps = 1e-6}
                             .config();
   Document doc;
@@ -209,9 +213,12 @@ TEST(CudaModelAttention, CudnnStepMatchesOwnKernels) {
     EXPECT_LE(relative_error(dflt.grads[i].second, own.grads[i].second), 5e-2) << own.grads[i].first;
   }
   EXPECT_NEAR(std::sqrt(n_dflt), std::sqrt(n_own), 1e-2 * std::sqrt(n_own));
-  std::printf("head dim 128, one document of 384: loss %.6f (cuDNN) vs %.6f (own), grad norm %.6f vs %.6f\n",
-              dflt.loss, own.loss, std::sqrt(n_dflt), std::sqrt(n_own));
+  std::printf("head dim %d, one document of 384: loss %.6f (cuDNN) vs %.6f (own), grad norm %.6f vs %.6f\n",
+              head_dim, dflt.loss, own.loss, std::sqrt(n_dflt), std::sqrt(n_own));
 }
+
+INSTANTIATE_TEST_SUITE_P(HeadDims, CudaModelAttention, ::testing::Values(128, 256),
+                         [](const auto& info) { return "d" + std::to_string(info.param); });
 
 // ModelWeights::random on the GPU (drawn there, and quantised there with --quantize) is the model
 // the CPU builds, bit for bit: every parameter of a BF16 qwen2 model and of a qwen3_moe one, dense

@@ -790,6 +790,64 @@ TEST(CudaAttentionImpls, CudnnMatchesCpu) {
   EXPECT_THROW(check_attention(*cpu, *gpu, rng, packed_case, DType::BF16, 128, false), Error);
 }
 
+// cuDNN at the other head dims it takes: 256 (Qwen3.5/3.6's full attention: 16 query heads over 2
+// KV heads) and 64, causal and fully visible, GQA. A head dim it does not take is refused with the
+// reason, never computed wrongly.
+TEST(CudaAttentionImpls, CudnnHeadDims64And256MatchCpu) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
+  if (!cuda::attention_cudnn_built()) GTEST_SKIP() << "built without cuDNN";
+  auto gpu = make_cuda_backend(0, {spindle::CudaAttention::Cudnn});
+  auto cpu = make_cpu_backend();
+  std::mt19937_64 rng(37);
+  for (int t : {300, 640})
+    check_attention(*cpu, *gpu, rng, {"cudnn causal", causal(t), 16, 2}, DType::BF16, 256, false);
+  check_attention(*cpu, *gpu, rng, {"cudnn causal MHA", causal(200), 4, 4}, DType::BF16, 256, false);
+  check_attention(*cpu, *gpu, rng, {"cudnn no mask", block(300, 300, 0, 300), 16, 2}, DType::BF16, 256, false);
+  check_attention(*cpu, *gpu, rng, {"cudnn causal", causal(300), 12, 2}, DType::BF16, 64, false);
+  try {
+    check_attention(*cpu, *gpu, rng, {"cudnn causal d 96", causal(64), 4, 2}, DType::BF16, 96, false);
+    ADD_FAILURE() << "cuDNN took head dim 96";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head dim 64, 128 or 256"), std::string::npos) << e.what();
+  }
+}
+
+// Head dim 256 has no tensor-core kernel of the engine's own (it runs the simple ones), so the
+// default sends a plain causal row to cuDNN from its first call once it holds 1/32 of the scores a
+// head dim 128 row needs (12 × 40k² / 32 = 6·10⁸): 16 heads × 8192² do, 16 × 2048² do not.
+TEST(CudaAttentionImpls, DefaultTakesCudnnSoonerForHeadDim256) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the CUDA op tests need a GPU";
+  if (!cuda::attention_cudnn_built()) GTEST_SKIP() << "built without cuDNN";
+  auto dflt = make_cuda_backend(0);
+  auto dnn = make_cuda_backend(0, {spindle::CudaAttention::Cudnn});
+  auto own = make_cuda_backend(0, {spindle::CudaAttention::Own});
+  std::mt19937_64 rng(41);
+  const int hq = 16, hkv = 2, d = 256;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (const int64_t t : {int64_t{8192}, int64_t{2048}}) {
+    SCOPED_TRACE(testing::Message() << "T " << t);
+    auto make = [&](Shape s) {
+      Tensor x = dflt->empty(s, DType::BF16);
+      from_host(*dflt, random_rounded(rng, s.numel(), DType::BF16, 2.0), x);
+      return x;
+    };
+    Tensor q = make(Shape{t, hq, d}), k = make(Shape{t, hkv, d}), v = make(Shape{t, hkv, d});
+    const MaskSpec m = causal(static_cast<int>(t));
+    AttentionMask mask{int_tensor(*dflt, m.q_doc), int_tensor(*dflt, m.q_pos), int_tensor(*dflt, m.k_doc),
+                       int_tensor(*dflt, m.k_pos)};
+    mask.plain_causal = true;
+    auto forward = [&](Backend& be) {
+      Tensor out = be.empty(q.shape(), DType::BF16), lse = be.empty(Shape{hq, t}, DType::F32);
+      be.attention_forward(be.default_stream(), q, k, v, mask, scale, out, lse);
+      return to_host(be, out);
+    };
+    const auto by_default = forward(*dflt), by_dnn = forward(*dnn), by_own = forward(*own);
+    EXPECT_NE(by_dnn, by_own) << "cuDNN and the own kernels agree to the bit: this test could not tell them apart";
+    if (t == 8192) EXPECT_EQ(by_default, by_dnn) << "the default did not take cuDNN for an 8192-token d 256 row";
+    else EXPECT_EQ(by_default, by_own) << "a short d 256 row's first call should not pay for a cuDNN plan";
+  }
+}
+
 // The default choice: a call whose mask carries the host-side fact plain_causal goes to cuDNN when
 // the shape is worth a plan — long enough (12 heads × 40k tokens²) from its first call, a shorter
 // one once it recurs (after 64 calls) — and then matches cuDNN's forward to the bit and the CPU in

@@ -186,6 +186,10 @@ AttentionImpl resolve(AttentionImpl impl, DType io, int d, const char* op) {
 
 }  // namespace
 
+bool attention_own_tensor_cores(DType io, int d) {
+  return attention_mma_supports(io, d) || attention_wgmma_supports(io, d);
+}
+
 void attention_forward(cudaStream_t s, AttentionImpl impl, const AttentionShape& sh, DType io, const void* q,
                        const void* k, const void* v, const AttentionMaskPtrs& mask, float scale, void* out,
                        DType out_dtype, float* lse) {

@@ -49,8 +49,8 @@ bool attention_cudnn_supports(const AttentionShape& sh, DType io, DType outs, Cu
   else if (io != DType::BF16 || outs != DType::BF16)
     reason = fmt::format("needs BF16 inputs and outputs (got {} -> {}; F32 ring partials are not supported)",
                          dtype_name(io), dtype_name(outs));
-  else if (sh.d != 128)
-    reason = fmt::format("needs head dim 128, got {}", sh.d);
+  else if (sh.d != 64 && sh.d != 128 && sh.d != 256)
+    reason = fmt::format("needs head dim 64, 128 or 256, got {}", sh.d);
   else if (sh.hkv <= 0 || sh.hq % sh.hkv != 0)
     reason = fmt::format("query heads {} not a multiple of kv heads {}", sh.hq, sh.hkv);
   else if (mask == CudnnMask::Unsupported)

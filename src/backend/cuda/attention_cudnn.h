@@ -1,7 +1,9 @@
 // Attention through cuDNN's fused flash-attention engines (cuDNN 9 backend graph API, no
 // cudnn-frontend). The CUDA backend sends it the calls whose mask the caller declares plain causal
 // when the shape is worth a plan (cuda_backend.cpp, worth_a_cudnn_plan), and every call under
-// --attention cudnn (CudaAttention::Cudnn). BF16 q/k/v/out/gradients, head dim 128, GQA, and two mask cases:
+// --attention cudnn (CudaAttention::Cudnn). BF16 q/k/v/out/gradients, head dim 64, 128 or 256
+// (Qwen3.5's and Qwen3.6's full-attention layers have 256; cuDNN 9 fuses up to 256 forward and
+// backward on Hopper), GQA, and two mask cases:
 //
 //   Causal: one document, q and k the same tokens (tq == tk), positions p0, p0+1, ... on both
 //           sides: key j visible to query i iff j <= i (cuDNN's causal mask, top-left diagonal).
@@ -9,7 +11,8 @@
 //           key visible to every query (no mask ops in the graph).
 //
 // Anything else (packed documents, ring blocks that are partly in the future, F32 ring partials)
-// is rejected; the caller falls back or fails.
+// is rejected; the caller falls back or fails. So is a graph cuDNN has no engine for (a head dim
+// of 256 on a GPU or cuDNN version without it): building its plan throws, naming what was tried.
 //
 // How a caller finds the case from an AttentionMask (q_doc/q_pos/k_doc/k_pos, I32 on the device):
 // attention_cudnn_classify() below runs one small kernel and copies 16 bytes back (a stream

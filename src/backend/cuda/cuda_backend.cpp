@@ -18,6 +18,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <map>
+#include <set>
 #include <string>
 #include <tuple>
 
@@ -385,7 +386,7 @@ class CudaBackend final : public Backend {
                                       static_cast<float>(scale), out.data(), lse.data_as<float>());
         return;
       } catch (const Error& e) {
-        give_up_cudnn(e);  // nothing was written that our kernel does not overwrite
+        give_up_cudnn(e, sh.d);  // nothing was written that our kernel does not overwrite
       }
     }
     cuda::attention_forward(s(stream), pick_impl(sh, q.dtype(), {&q, &k, &v}), sh, q.dtype(), q.data(), k.data(),
@@ -428,7 +429,7 @@ class CudaBackend final : public Backend {
       } catch (const Error& e) {
         // A failure comes from building the plan or launching it, before the accumulate step:
         // dq/dk/dv are either untouched or fully overwritten by our kernel below.
-        give_up_cudnn(e);
+        give_up_cudnn(e, sh.d);
       }
     }
     cuda::attention_backward(s(stream), pick_impl(sh, q.dtype(), {&q, &k, &v, &dout}), sh, q.dtype(), q.data(),
@@ -1160,10 +1161,11 @@ class CudaBackend final : public Backend {
   bool cudnn_takes(const cuda::AttentionShape& sh, DType io, DType outs, const AttentionMask& mask,
                    std::initializer_list<const Tensor*> tensors) {
     if (!cudnn_for_plain_causal_ || attention_impl_ != cuda::AttentionImpl::Auto || !mask.plain_causal) return false;
+    if (cudnn_refused_head_dims_.count(sh.d)) return false;
     if (!cuda::attention_cudnn_supports(sh, io, outs, cuda::CudnnMask::Causal)) return false;
     for (const Tensor* t : tensors)
       if (!aligned16(*t)) return false;
-    return worth_a_cudnn_plan(sh);
+    return worth_a_cudnn_plan(sh, io);
   }
 
   // cuDNN builds a plan per shape: 90–150 ms for a forward and a backward on an H200, measured
@@ -1172,20 +1174,30 @@ class CudaBackend final : public Backend {
   // cuDNN when one step's calls repay the plan — a score count hq·tq·tk at least that of 12 heads
   // at 40k tokens, about the break-even of a 28-layer model — or when it recurs: more calls than
   // a step of a 32-layer model makes (fixed-length rows, where the rest of the run gains).
+  // A head dim the engine has no tensor-core kernels for (256: Qwen3.5/3.6) would run the simple
+  // FMA kernels, kSimpleKernelSlowdown times slower than its tensor-core kernels by estimate (FMA
+  // against tensor-core rates; not measured at 256 yet), so a plan pays for itself on that many
+  // times fewer scores.
   static constexpr double kCudnnScoresWorthAPlan = 12.0 * 40000.0 * 40000.0;
+  static constexpr double kSimpleKernelSlowdown = 32.0;
   static constexpr int kCudnnCallsWorthAPlan = 64;
-  bool worth_a_cudnn_plan(const cuda::AttentionShape& sh) {
-    if (double(sh.hq) * double(sh.tq) * double(sh.tk) >= kCudnnScoresWorthAPlan) return true;
+  bool worth_a_cudnn_plan(const cuda::AttentionShape& sh, DType io) {
+    const double worth = cuda::attention_own_tensor_cores(io, sh.d) ? kCudnnScoresWorthAPlan
+                                                                     : kCudnnScoresWorthAPlan / kSimpleKernelSlowdown;
+    if (double(sh.hq) * double(sh.tq) * double(sh.tk) >= worth) return true;
     if (calls_per_shape_.size() > 4096) calls_per_shape_.clear();  // bounded under ever-new lengths
     int& calls = calls_per_shape_[{sh.tq, sh.tk, sh.hq, sh.hkv, sh.d}];
     return ++calls > kCudnnCallsWorthAPlan;
   }
 
-  // cuDNN could not take a call it should have (no engine on this GPU or cuDNN version): say so
-  // once and use the engine's own kernels from now on.
-  void give_up_cudnn(const Error& e) {
-    cudnn_for_plain_causal_ = false;
-    std::fprintf(stderr, "spindle: cuDNN attention unavailable, using the engine's own kernels: %s\n", e.what());
+  // cuDNN could not take a call it should have (no engine on this GPU or cuDNN version, which
+  // depends on the head dim: 256 needs Hopper): say so once and use the engine's own kernels for
+  // this head dim from now on.
+  void give_up_cudnn(const Error& e, int head_dim) {
+    cudnn_refused_head_dims_.insert(head_dim);
+    std::fprintf(stderr,
+                 "spindle: cuDNN attention unavailable for head dim %d, using the engine's own kernels: %s\n",
+                 head_dim, e.what());
   }
 
   // The tensor-core kernels load 16-byte pieces; unaligned views fall back to the simple kernels.
@@ -1215,6 +1227,7 @@ class CudaBackend final : public Backend {
   }
   cuda::AttentionImpl attention_impl_ = cuda::AttentionImpl::Auto;
   bool cudnn_for_plain_causal_ = false;
+  std::set<int> cudnn_refused_head_dims_;  // give_up_cudnn
   std::map<std::tuple<int64_t, int64_t, int, int, int>, int> calls_per_shape_;  // worth_a_cudnn_plan
 };
 

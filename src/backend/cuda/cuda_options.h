@@ -11,11 +11,11 @@
 namespace spindle {
 
 // Auto (default): cuDNN's fused SDPA for the calls the caller declares one plain causal document
-//   (AttentionMask::plain_causal; BF16, head dim 128) when the shape is worth a cuDNN plan, the
-//   engine's own kernels for everything else (docs/usage.md, "Attention kernels").
+//   (AttentionMask::plain_causal; BF16, head dim 64, 128 or 256) when the shape is worth a cuDNN
+//   plan, the engine's own kernels for everything else (docs/usage.md, "Attention kernels").
 // Own: the engine's own kernels only (wgmma on Hopper, else mma.sync; simple ones for the rest).
 // Cudnn: cuDNN for every call; a call it cannot take (packed documents, ring blocks partly in the
-//   future, F32, head dim other than 128) fails with the reason.
+//   future, F32, head dims other than 64, 128 and 256) fails with the reason.
 // Simple, Mma, Wgmma: one of the engine's kernels forced — for the kernel tests and benchmarks
 //   (tests/cuda), not offered on the command line.
 enum class CudaAttention { Auto, Own, Cudnn, Simple, Mma, Wgmma };

@@ -137,8 +137,11 @@ struct AttentionMaskPtrs {
 // 128, the tensor-core mma.sync kernels for BF16 with head dim 64 or 128 elsewhere, the simple
 // f32-FMA kernels for everything else. The others force one (tests, measurements). Cudnn: cuDNN's
 // fused SDPA (attention_cudnn.h), dispatched by the backend itself (not by attention_forward/
-// backward below), for BF16, d = 128, one causal document or a fully visible block only.
+// backward below), for BF16, d = 64, 128 or 256, one causal document or a fully visible block only.
 enum class AttentionImpl { Auto, Simple, Mma, Wgmma, Cudnn };
+// Whether Auto runs one of the tensor-core kernels (wgmma or mma.sync) for this dtype and head dim;
+// otherwise it runs the simple f32-FMA kernels (head dim 256 among them).
+bool attention_own_tensor_cores(DType io, int d);
 
 // out [tq, hq, d] (io dtype, or F32 for bf16 inputs), lse F32 [hq, tq].
 void attention_forward(cudaStream_t s, AttentionImpl impl, const AttentionShape& sh, DType io, const void* q,
