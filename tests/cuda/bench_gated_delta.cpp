@@ -1,6 +1,7 @@
 // Times the gated DeltaNet kernels of the CUDA backend (docs/perf.md): the chunked delta rule
 // forward and backward at Qwen3.5/3.6 head shapes (16 key heads, 32 value heads of 128), the causal
-// conv1d and the gated RMSNorm, BF16, one document per row. Median of many runs, CUDA events.
+// conv1d and the gated RMSNorm, BF16, one document per row. Median of many runs, CUDA events; and the
+// delta rule's device scratch per call, measured on the memory pool against what spindle plan counts.
 // Not a test. usage: bench_gated_delta [tokens ...]   (default 16384 32768)
 #include <cuda_runtime.h>
 
@@ -14,6 +15,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/gated_delta_scratch.h"
 #include "core/dtype.h"
 
 using namespace spindle;
@@ -91,6 +93,30 @@ int main(int argc, char** argv) {
     const double bwd = median_ms(*be, [&] {
       be->gated_delta_rule_backward(st, q, k, v, g, beta, doc, scale, chunk, dout, dq, dk, dv, dg, dbeta);
     }, 5);
+    // The device scratch of one call: the pool's high-water mark above what was live before it,
+    // against the list spindle plan counts for the tensor-core kernels (gated_delta_scratch.h).
+    auto scratch_peak = [&](const std::function<void()>& op) {
+      be->synchronize(st);
+      const int64_t before = be->memory_stats().allocated_bytes;
+      be->reset_peak_memory();
+      op();
+      be->synchronize(st);
+      return static_cast<double>(be->memory_stats().peak_allocated_bytes - before);
+    };
+    const double fwd_scratch =
+        scratch_peak([&] { be->gated_delta_rule_forward(st, q, k, v, g, beta, doc, scale, chunk, out); });
+    const double bwd_scratch = scratch_peak([&] {
+      be->gated_delta_rule_backward(st, q, k, v, g, beta, doc, scale, chunk, dout, dq, dk, dv, dg, dbeta);
+    });
+    const cuda::DeltaRuleShape sh{t, static_cast<int>(hk), static_cast<int>(hv), static_cast<int>(d),
+                                  static_cast<int>(d), static_cast<int>(chunk)};
+    double planned_fwd = 0, planned_bwd = 0;
+    for (size_t b : cuda::delta_rule_mma_scratch(sh).forward()) planned_fwd += static_cast<double>(b);
+    for (size_t b : cuda::delta_rule_mma_scratch(sh).backward()) planned_bwd += static_cast<double>(b);
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    std::printf("delta rule T %lld scratch: forward %.3f GiB (planned %.3f), backward %.3f GiB (planned %.3f)\n",
+                static_cast<long long>(t), fwd_scratch / gib, planned_fwd / gib, bwd_scratch / gib,
+                planned_bwd / gib);
     // Nominal multiply-adds per token and value head of the chunked algorithm (C = 64, dk = dv = d):
     // W·S, Q·S, Kᵀ·V_new (3·d²), Q·Kᵀ and K·Kᵀ lower halves (C·d), P·V_new (C·d/2), the solve (C·d).
     const double macs = 3.0 * d * d + 2.5 * chunk * d;
