@@ -2,7 +2,8 @@
 // softmax/top-k, permutation, gather, the grouped expert GEMMs (TFLOP/s), SwiGLU, the weighted
 // combine, and the backward's ops; against its bytes, and against one cuBLAS GEMM of the same
 // total size and the per-expert path (offsets read on the host, one cuBLAS GEMM per expert); the
-// shared expert's gate of qwen3_5_moe against its bytes.
+// shared expert's gate of qwen3_5_moe against its bytes; the grouped GEMM kernels side by side.
+// SPINDLE_MOE_GEMM (auto, mma, wgmma) picks the kernel of the layer's rows.
 // Median of many runs, timed with CUDA events. Not a test: run it by hand.
 //
 //   bench_moe [tokens [hidden experts top_k width]]   (default: Qwen3-30B-A3B and Qwen3.6-35B-A3B sizes)
@@ -18,6 +19,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/moe.h"
 #include "core/error.h"
 
 using namespace spindle;
@@ -169,6 +171,44 @@ void bench(Backend& be, const Sizes& z) {
         median_ms(be, [&] { be.moe_grouped_gemm_weight_grad(st, dy, act, offsets, dgrads); }, 10), gemm_gu, 0);
   }
 
+  // The grouped GEMM kernels side by side on the forward's gate and up shape and on the input
+  // gradient's d_gate·W_g (whichever SPINDLE_MOE_GEMM picked above): mma.sync, and the Hopper
+  // kernel with 128- and 256-wide tiles (launched directly).
+  std::printf(" grouped GEMM kernels\n");
+  {
+    cuda::ExpertPointers gate_table{};
+    for (int64_t e = 0; e < E; ++e) gate_table.p[e] = gate[static_cast<size_t>(e)].data();
+    cudaStream_t cs = static_cast<cudaStream_t>(st.handle);
+    const int32_t* off = offsets.data_as<int32_t>();
+    const char* saved = std::getenv("SPINDLE_MOE_GEMM");
+    const std::string restore = saved ? saved : "";
+    ::setenv("SPINDLE_MOE_GEMM", "mma", 1);
+    row("mma.sync  gate x·W_gᵀ", median_ms(be, [&] { be.moe_grouped_gemm(st, x, gate, true, offsets, g, false); }),
+        gemm_gu, 0);
+    row("mma.sync  dx = d_gate·W_g",
+        median_ms(be, [&] { be.moe_grouped_gemm(st, dg, gate, false, offsets, dx, false); }), gemm_gu, 0);
+    if (restore.empty()) ::unsetenv("SPINDLE_MOE_GEMM");
+    else ::setenv("SPINDLE_MOE_GEMM", restore.c_str(), 1);
+    int major = 0, device = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    for (int tile_n : {128, 256}) {
+      if (major != 9) break;
+      const std::string fwd_name = "wgmma " + std::to_string(tile_n) + " gate x·W_gᵀ";
+      const std::string bwd_name = "wgmma " + std::to_string(tile_n) + " dx = d_gate·W_g";
+      row(fwd_name.c_str(), median_ms(be, [&] {
+            cuda::moe_grouped_gemm_wgmma(cs, x.data(), N, H, gate_table, static_cast<int>(E), true, off, g.data(), I,
+                                         false, tile_n);
+          }),
+          gemm_gu, 0);
+      row(bwd_name.c_str(), median_ms(be, [&] {
+            cuda::moe_grouped_gemm_wgmma(cs, dg.data(), N, I, gate_table, static_cast<int>(E), false, off, dx.data(), H,
+                                         false, tile_n);
+          }),
+          gemm_gu, 0);
+    }
+  }
+
   std::printf(" references\n");
   {
     Tensor w_all = random_bf16(be, Shape{I, H}, rng, 0.02);
@@ -211,6 +251,9 @@ int main(int argc, char** argv) {
       return 1;
     }
     auto be = make_cuda_backend(0);
+    const char* kernel = std::getenv("SPINDLE_MOE_GEMM");
+    std::printf("grouped GEMMs: SPINDLE_MOE_GEMM=%s (%s)\n\n", kernel ? kernel : "",
+                cuda::moe_gemm_kernel_choice() == cuda::MoeGemmKernel::Wgmma ? "wgmma where it applies" : "mma.sync");
     std::vector<Sizes> runs{{"Qwen3-30B-A3B MoE layer", 16384, 2048, 128, 8, 768},
                             {"Qwen3.6-35B-A3B MoE layer (routed experts)", 16384, 2048, 256, 8, 512}};
     if (argc >= 2) {

@@ -1,13 +1,16 @@
 // The CUDA backend's mixture-of-experts ops against the CPU reference (F64) on random inputs:
 // router (decisive logits, so both pick the same experts), its backward and statistics, the
 // permutation (exact), the combine and its backward, and the grouped expert GEMMs (forward, input
-// gradient, weight gradient) over ragged and empty experts, and the shared expert's gate. Inputs are
+// gradient, weight gradient) over ragged and empty experts — the Hopper kernel of the forward and the
+// input gradient against the mma.sync one as well —, and the shared expert's gate. Inputs are
 // rounded to the GPU dtype first; overwritten outputs are poisoned with NaN first. Skipped without a
 // CUDA device.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 #include <random>
 #include <string>
@@ -366,6 +369,108 @@ TEST_P(CudaMoe, GroupedGemmsMatchCpuOverRaggedAndEmptyExperts) {
                      "weight gradient");
       }
     }
+  }
+}
+
+// Sets SPINDLE_MOE_GEMM for one scope (the grouped GEMM reads it at each call), then restores it.
+class MoeGemmKernelEnv {
+ public:
+  explicit MoeGemmKernelEnv(const char* value) {
+    if (const char* old = std::getenv("SPINDLE_MOE_GEMM")) saved_ = old;
+    ::setenv("SPINDLE_MOE_GEMM", value, 1);
+  }
+  ~MoeGemmKernelEnv() {
+    if (saved_.empty()) ::unsetenv("SPINDLE_MOE_GEMM");
+    else ::setenv("SPINDLE_MOE_GEMM", saved_.c_str(), 1);
+  }
+
+ private:
+  std::string saved_;
+};
+
+bool device_is_hopper() {
+  int device = 0, major = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  return major == 9;
+}
+
+// Uneven experts as routing makes them: empty ones, one holding most of the rows, one of exactly a
+// tile (128) and one a row over, small ones; `scale` multiplies the sizes.
+std::vector<int> skewed_offsets(int64_t experts, int scale, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int> small(1, 90);
+  std::vector<int> offsets{0};
+  for (int64_t e = 0; e < experts; ++e) {
+    int c = e % 5 == 0 ? 0 : small(rng) * scale;
+    if (e == 3) c = 700 * scale;
+    if (e == 4) c = 128;
+    if (e == 6) c = 129;
+    offsets.push_back(offsets.back() + c);
+  }
+  return offsets;
+}
+
+// The Hopper kernel (SPINDLE_MOE_GEMM=wgmma) and the mma.sync kernel against the CPU (F64) and each
+// other, BF16: the forward (y = x·W_eᵀ, every row written: y starts as NaN) and the accumulating
+// input gradient (dx += dy·W_e), with k tails (200 = 3·64 + 8), column tails (136, 520), a single
+// k step (k 64: the copies run several tiles ahead), and more tiles than SMs (each CTA of the
+// persistent grid takes several).
+TEST_F(CudaMoe, GroupedGemmWgmmaMatchesMmaAndCpu) {
+  if (!device_is_hopper()) GTEST_SKIP() << "the wgmma kernel runs on compute capability 9.x only";
+  const DType t = DType::BF16;
+  struct Case {
+    int64_t experts, in, out;
+    int scale;
+  };
+  for (const Case c : {Case{12, 200, 136, 1}, Case{9, 64, 256, 8}, Case{40, 136, 520, 1}, Case{16, 256, 128, 4}}) {
+    SCOPED_TRACE(testing::Message() << "E " << c.experts << " in " << c.in << " out " << c.out);
+    const auto offsets = skewed_offsets(c.experts, c.scale, rng);
+    const int64_t rows = offsets.back();
+    Tensor goff = int_tensor(*gpu, offsets), coff = int_tensor(*cpu, offsets);
+    std::vector<Tensor> gw, cw;
+    for (int64_t e = 0; e < c.experts; ++e) {
+      const auto w = rand_values(c.out * c.in, t);
+      gw.push_back(on(*gpu, w, Shape{c.out, c.in}, t));
+      cw.push_back(on(*cpu, w, Shape{c.out, c.in}, DType::F64));
+    }
+    const auto x = rand_values(rows * c.in, t), dy = rand_values(rows * c.out, t), base = rand_values(rows * c.in, t);
+    Tensor gx = on(*gpu, x, Shape{rows, c.in}, t), gdy = on(*gpu, dy, Shape{rows, c.out}, t);
+    Tensor cy = cpu->empty(Shape{rows, c.out}, DType::F64);
+    cpu->moe_grouped_gemm(cs, on(*cpu, x, Shape{rows, c.in}, DType::F64), cw, true, coff, cy, false);
+    Tensor cdx = on(*cpu, base, Shape{rows, c.in}, DType::F64);
+    cpu->moe_grouped_gemm(cs, on(*cpu, dy, Shape{rows, c.out}, DType::F64), cw, false, coff, cdx, true);
+    const std::vector<double> want_y = to_host(*cpu, cy), want_dx = to_host(*cpu, cdx);
+    std::vector<double> got_y[2], got_dx[2];
+    const char* kernels[2] = {"mma", "wgmma"};
+    for (int i = 0; i < 2; ++i) {
+      SCOPED_TRACE(kernels[i]);
+      MoeGemmKernelEnv env(kernels[i]);
+      Tensor gy = poisoned(Shape{rows, c.out}, t);
+      gpu->moe_grouped_gemm(gs, gx, gw, true, goff, gy, false);
+      got_y[i] = to_host(*gpu, gy);
+      expect_close(got_y[i], want_y, tol_for(t), "forward");
+      Tensor gdx = on(*gpu, base, Shape{rows, c.in}, t);
+      gpu->moe_grouped_gemm(gs, gdy, gw, false, goff, gdx, true);
+      got_dx[i] = to_host(*gpu, gdx);
+      expect_close(got_dx[i], want_dx, tol_for(t), "input gradient");
+    }
+    // Both round F32 sums of the same products to BF16: they differ in the last bits only.
+    expect_close(got_y[1], got_y[0], 1e-2, "forward, wgmma against mma");
+    expect_close(got_dx[1], got_dx[0], 1e-2, "input gradient, wgmma against mma");
+  }
+}
+
+TEST_F(CudaMoe, GroupedGemmKernelChoiceRejectsUnknownValues) {
+  MoeGemmKernelEnv env("cublas");
+  const std::vector<int> offsets{0, 3, 5};
+  Tensor off = int_tensor(*gpu, offsets);
+  Tensor x = gpu->zeros(Shape{5, 64}, DType::BF16), y = gpu->empty(Shape{5, 64}, DType::BF16);
+  std::vector<Tensor> w{gpu->zeros(Shape{64, 64}, DType::BF16), gpu->zeros(Shape{64, 64}, DType::BF16)};
+  try {
+    gpu->moe_grouped_gemm(gs, x, w, true, off, y, false);
+    FAIL() << "SPINDLE_MOE_GEMM=cublas was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("auto, mma or wgmma"), std::string::npos) << e.what();
   }
 }
 

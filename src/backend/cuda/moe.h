@@ -1,4 +1,5 @@
-// Launchers of the mixture-of-experts kernels (moe.cu, shared_expert_gate.cu, moe_grouped_gemm.cu):
+// Launchers of the mixture-of-experts kernels (moe.cu, shared_expert_gate.cu, moe_grouped_gemm.cu,
+// moe_grouped_gemm_wgmma.cu):
 // the router, the permutation of routed rows by expert, the weighted combine, the shared expert's
 // gate and the grouped expert GEMMs. Raw
 // device pointers on the op's stream; cuda_backend.cpp checks the tensors against backend.h.
@@ -59,6 +60,22 @@ struct ExpertPointers {
 void moe_grouped_gemm(cudaStream_t s, DType t, const void* x, int64_t rows, int64_t k, const ExpertPointers& weights,
                       int experts, bool transpose_weight, const int32_t* offsets, void* y, int64_t n,
                       bool accumulate);
+// Which kernel runs moe_grouped_gemm (forward and input gradient), from the environment variable
+// SPINDLE_MOE_GEMM, read at each call (docs/usage.md): "mma" the mma.sync kernel everywhere;
+// "wgmma" the Hopper kernel (moe_grouped_gemm_wgmma.cu) wherever it applies (compute capability
+// 9.x, BF16, k and n multiples of 8 and at least 64), mma.sync elsewhere; "auto" or unset: the
+// default below. Any other value is an error naming these.
+enum class MoeGemmKernel { Mma, Wgmma };
+MoeGemmKernel moe_gemm_kernel_choice();
+
+// The Hopper kernel's launcher (moe_grouped_gemm.cu calls it when it applies: supports(), a 9.x
+// device, 16-byte aligned pointers). tile_n: the tiles' width, 128 or 256 columns; 0 picks 256
+// for n ≥ 256 (a 128 × 256 tile reads 1.5 bytes per multiply-add where 128 × 128 reads 2).
+bool moe_grouped_gemm_wgmma_supports(DType t, int64_t k, int64_t n);
+void moe_grouped_gemm_wgmma(cudaStream_t s, const void* x, int64_t rows, int64_t k, const ExpertPointers& weights,
+                            int experts, bool transpose_weight, const int32_t* offsets, void* y, int64_t n,
+                            bool accumulate, int tile_n = 0);
+
 // dW_e [m, n] += dy[rows of e]ᵀ·x[rows of e]; dy [rows, m], x [rows, n] of dtype t; dW of
 // grad_dtype (t, or F32 for BF16 t); a null dW_e is skipped (a frozen expert).
 void moe_grouped_gemm_weight_grad(cudaStream_t s, DType t, const void* dy, const void* x, int64_t rows, int64_t m,

@@ -13,6 +13,9 @@
 // not the reduction) for 16-byte aligned BF16 with sizes that are multiples of 8; and a plain F32
 // FMA kernel for F32 and for every other shape.
 #include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <string_view>
 
 #include "backend/cuda/device_util.cuh"
 #include "backend/cuda/moe.h"
@@ -404,7 +407,32 @@ void check_experts(const char* op, int experts) {
   if (experts < 1 || experts > kMaxGroupedExperts) throw_message(op, "needs 1 … 1024 experts");
 }
 
+bool device_is_hopper() {
+  static const bool hopper = [] {
+    int device = 0, major = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major == 9;
+  }();
+  return hopper;
+}
+
+// What SPINDLE_MOE_GEMM=auto (or unset) picks.
+constexpr MoeGemmKernel kDefaultMoeGemm = MoeGemmKernel::Mma;
+
 }  // namespace
+
+MoeGemmKernel moe_gemm_kernel_choice() {
+  const char* v = std::getenv("SPINDLE_MOE_GEMM");
+  const std::string_view value = v ? v : "";
+  if (value.empty() || value == "auto") return kDefaultMoeGemm;
+  if (value == "mma") return MoeGemmKernel::Mma;
+  if (value == "wgmma") return MoeGemmKernel::Wgmma;
+  const std::string message = "must be auto, mma or wgmma, got \"" + std::string(value) +
+                              "\" (the routed experts' grouped GEMM kernel: wgmma the Hopper kernel where it applies, "
+                              "mma the mma.sync kernel everywhere, auto the default)";
+  throw_message("SPINDLE_MOE_GEMM", message.c_str());
+}
 
 void moe_grouped_gemm(cudaStream_t s, DType t, const void* x, int64_t rows, int64_t k, const ExpertPointers& weights,
                       int experts, bool transpose_weight, const int32_t* offsets, void* y, int64_t n,
@@ -415,6 +443,11 @@ void moe_grouped_gemm(cudaStream_t s, DType t, const void* x, int64_t rows, int6
   const GroupedArgs g{x, nullptr, y, offsets, experts, 0, n, k, accumulate};
   bool tensor_cores = t == DType::BF16 && k % 8 == 0 && n % 8 == 0 && aligned16(x) && aligned16(y);
   for (int e = 0; e < experts && tensor_cores; ++e) tensor_cores = aligned16(weights.p[e]);
+  if (tensor_cores && moe_grouped_gemm_wgmma_supports(t, k, n) && moe_gemm_kernel_choice() == MoeGemmKernel::Wgmma &&
+      device_is_hopper()) {
+    moe_grouped_gemm_wgmma(s, x, rows, k, weights, experts, transpose_weight, offsets, y, n, accumulate);
+    return;
+  }
   if (transpose_weight) run<Mode::Forward>(s, t, t, g, weights, rows, tensor_cores);
   else run<Mode::InputGrad>(s, t, t, g, weights, rows, tensor_cores);
 }

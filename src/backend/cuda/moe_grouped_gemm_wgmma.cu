@@ -1,0 +1,342 @@
+// The routed experts' grouped GEMMs on Hopper (sm_90a): y[rows of e] (+)= x[rows of e]·op(W_e) with
+// warpgroup matrix multiplies (wgmma) reading both operands from shared memory, for BF16 with
+// sizes that are multiples of 8 (moe.h; the mma.sync kernel of moe_grouped_gemm.cu takes the rest).
+//
+// Tiles: 128 rows × 256 columns (128 for n < 256), k in steps of 64; two warpgroups of 64 rows
+// each, one m64n256k16 (m64n128k16) wgmma per 16 of k. Operands reach shared memory through cp.async
+// (16-byte pieces, zero outside the problem) in the 128-byte swizzle that wgmma reads (hopper.cuh).
+// Not the copy engine: a TMA tensor map is per matrix, and the experts' weights are separate
+// tensors (1024 maps would not fit the kernel arguments).
+//
+// Persistent scheduler: one CTA per SM walks the tiles i = blockIdx.x, + gridDim.x, … of the
+// launch. Tile i is (tile-row slot i / n_tiles, column tile i % n_tiles); each CTA turns the
+// offsets (read on the device, never on the host) into the first slot of every expert once, in
+// shared memory, and finds a slot's expert by binary search. The k-steps of a CTA's tiles form
+// one sequence, and the copies run ahead of the products across tile boundaries: the next tile's
+// operands arrive while this tile's epilogue stores.
+//
+// Pipeline (S stages: 4 of 48 KiB for 256-wide tiles, 5 of 32 KiB for 128): at step s every
+// thread waits for its copies of step s, makes them visible to the async proxy, and meets the
+// others at a barrier; by then every warpgroup's products of step s − 2 have completed (each keeps
+// at most one batch in flight), so the copies of step s + S − 2 go into that stage. The products
+// of step s are issued next, then the wait for those of step s − 1.
+#include <algorithm>
+
+#include "backend/cuda/device_util.cuh"
+#include "backend/cuda/hopper.cuh"
+#include "backend/cuda/moe.h"
+
+namespace spindle::cuda {
+namespace {
+
+using namespace hopper;
+
+constexpr int kBM = 128, kBK = 64;
+constexpr int kThreads = 256;  // two warpgroups of 64 rows each
+constexpr uint32_t kABytes = kBM * kBK * 2;  // [128 rows][64 k]
+
+// Per tile width BN (128 or 256 columns): B's bytes per k-step, the stages that fit the shared
+// memory, and how many steps the copies run ahead of the products (see the pipeline above).
+template <int BN>
+struct TileShape {
+  static constexpr uint32_t kBBytes = BN * kBK * 2;  // [BN n][64 k] or BN/64 × [64 k][64 n]
+  static constexpr uint32_t kStageBytes = kABytes + kBBytes;
+  static constexpr int kStages = BN == 128 ? 5 : 4;
+  static constexpr int kLookahead = kStages - 2;
+  static constexpr size_t smem_bytes(int experts) {
+    return kStages * kStageBytes + 1024 + (static_cast<size_t>(experts) + 1) * sizeof(int);
+  }
+};
+
+struct Args {
+  const bf16* x;  // [rows, k]
+  bf16* y;        // [rows, n]
+  const int32_t* offsets;
+  int experts;
+  int n, k;
+  int n_tiles, k_steps;
+  bool accumulate;
+};
+
+// One tile's problem: rows row0 … row0 + m_count − 1 of expert e, columns n0 … n0 + n_count − 1.
+struct Tile {
+  const bf16* w;  // W_e
+  int64_t row0;
+  int m_count, n0, n_count;
+};
+
+// The tile of launch-wide index `index`: the slot's expert is the last one whose first slot is at
+// or before it (empty experts share their first slot with the next one).
+template <int BN>
+__device__ __forceinline__ Tile find_tile(int index, const int* first_slot, const Args& g,
+                                          const ExpertPointers& table) {
+  const int slot = index / g.n_tiles, column = index % g.n_tiles;
+  int lo = 0, hi = g.experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (first_slot[mid] <= slot) lo = mid;
+    else hi = mid - 1;
+  }
+  Tile t;
+  const int begin = g.offsets[lo], end = g.offsets[lo + 1];
+  t.w = static_cast<const bf16*>(table.p[lo]);
+  t.row0 = begin + static_cast<int64_t>(slot - first_slot[lo]) * kBM;
+  t.m_count = min(kBM, static_cast<int>(end - t.row0));
+  t.n0 = column * BN;
+  t.n_count = min(BN, g.n - t.n0);
+  return t;
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Byte offset of 16-byte piece `piece` (0…7) of row `row` in a [rows][64] bf16 chunk, 128-byte swizzle.
+__device__ __forceinline__ uint32_t swizzled(int row, int piece) {
+  return static_cast<uint32_t>(row * 128 + ((piece ^ (row & 7)) << 4));
+}
+
+// Copies k-step `ks` of tile t into the stage at shared address `stage`.
+// A (x rows, k contiguous): [128 rows][64 k], K-major. B: Forward, W_e [n, k]: [BN n][64 k],
+// K-major; InputGrad, W_e [k, n]: BN/64 column chunks [64 k][64 n] of 8 KiB, MN-major.
+template <bool Forward, int BN>
+__device__ __forceinline__ void load_step(uint32_t stage, const Tile& t, int ks, const Args& g) {
+  const int k0 = ks * kBK;
+#pragma unroll
+  for (int i = 0; i < (kBM * 8) / kThreads; ++i) {
+    const int c = threadIdx.x + i * kThreads, r = c >> 3, piece = c & 7;
+    const bool ok = r < t.m_count && k0 + piece * 8 < g.k;
+    const bf16* src = ok ? g.x + (t.row0 + r) * g.k + k0 + piece * 8 : g.x;
+    cp_async16(stage + swizzled(r, piece), src, ok);
+  }
+  const uint32_t b = stage + kABytes;
+#pragma unroll
+  for (int i = 0; i < (BN * 8) / kThreads; ++i) {
+    const int c = threadIdx.x + i * kThreads;
+    if constexpr (Forward) {
+      const int r = c >> 3, piece = c & 7;
+      const bool ok = r < t.n_count && k0 + piece * 8 < g.k;
+      const bf16* src = ok ? t.w + static_cast<int64_t>(t.n0 + r) * g.k + k0 + piece * 8 : t.w;
+      cp_async16(b + swizzled(r, piece), src, ok);
+    } else {
+      constexpr int kPieces = BN / 8;  // 16-byte pieces along n per k row
+      const int kr = c / kPieces, np = c % kPieces;
+      const bool ok = k0 + kr < g.k && np * 8 < t.n_count;
+      const bf16* src = ok ? t.w + static_cast<int64_t>(k0 + kr) * g.n + t.n0 + np * 8 : t.w;
+      cp_async16(b + (np >> 3) * (kBK * 128) + swizzled(kr, np & 7), src, ok);
+    }
+  }
+}
+
+// d[128] (+)= A·B, m64n256k16, A and B from shared memory (descriptors, hopper.cuh); TB = 1: B
+// stored MN-major.
+template <int TB>
+__device__ __forceinline__ void wgmma_ss_n256(float (&d)[128], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(a), "l"(b), "r"(accumulate), "n"(TB));
+}
+
+// The products of one k-step for one warpgroup: 4 wgmma of k 16 onto the m64nBN accumulator.
+template <bool Forward, int BN>
+__device__ __forceinline__ void step_products(float (&acc)[BN / 2], uint32_t a, uint32_t b, bool first) {
+#pragma unroll
+  for (int kk = 0; kk < kBK / 16; ++kk) {
+    const uint64_t da = smem_desc(a + 32 * kk, 16, 1024);
+    // K-major B: the 16-wide k slice at +32 bytes; MN-major B: 16 k rows at +2048 bytes, 64-column
+    // chunks kBK·128 bytes apart.
+    const uint64_t db = Forward ? smem_desc(b + 32 * kk, 16, 1024) : smem_desc(b + kk * 2048, kBK * 128, 1024);
+    const int accumulate = !first || kk > 0;
+    if constexpr (BN == 128) wgmma_ss_n128<0, Forward ? 0 : 1>(acc, da, db, accumulate);
+    else wgmma_ss_n256<Forward ? 0 : 1>(acc, da, db, accumulate);
+  }
+}
+
+template <bool Forward, int BN>
+__global__ void __launch_bounds__(kThreads, 1) grouped_wgmma_kernel(const Args g, const ExpertPointers table) {
+  using Z = TileShape<BN>;
+  extern __shared__ unsigned char wgmma_smem_raw[];
+  unsigned char* smem =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(wgmma_smem_raw) + 1023) & ~uintptr_t{1023});
+  const uint32_t stages = smem_u32(smem);
+  int* first_slot = reinterpret_cast<int*>(smem + Z::kStages * Z::kStageBytes);  // [experts + 1]
+
+  // The first tile-row slot of every expert: tile counts, then one warp's running prefix sum.
+  for (int e = threadIdx.x; e < g.experts; e += kThreads)
+    first_slot[e + 1] = (g.offsets[e + 1] - g.offsets[e] + kBM - 1) / kBM;
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  if (threadIdx.x < 32) {
+    int base = 0;
+    for (int e0 = 0; e0 < g.experts; e0 += 32) {
+      const int e = e0 + lane;
+      int inclusive = e < g.experts ? first_slot[e + 1] : 0;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
+        if (lane >= o) inclusive += v;
+      }
+      if (e < g.experts) first_slot[e + 1] = base + inclusive;
+      base += __shfl_sync(0xffffffffu, inclusive, 31);
+    }
+    if (lane == 0) first_slot[0] = 0;
+  }
+  __syncthreads();
+  const int total_tiles = first_slot[g.experts] * g.n_tiles;
+  if (static_cast<int>(blockIdx.x) >= total_tiles) return;
+  const int my_tiles = (total_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x;
+  const int steps = my_tiles * g.k_steps;
+
+  // The copy side's position: its tile (local index) and that tile's problem.
+  int load_local = 0;
+  Tile load_tile = find_tile<BN>(blockIdx.x, first_slot, g, table);
+  auto load = [&](int s) {
+    const int local = s / g.k_steps;
+    if (local != load_local) {
+      load_local = local;
+      load_tile = find_tile<BN>(blockIdx.x + local * gridDim.x, first_slot, g, table);
+    }
+    load_step<Forward, BN>(stages + (s % Z::kStages) * Z::kStageBytes, load_tile, s - local * g.k_steps, g);
+  };
+#pragma unroll
+  for (int s = 0; s < Z::kLookahead; ++s) {
+    if (s < steps) load(s);
+    cp_async_commit();
+  }
+
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, gr = lane >> 2, tq = lane & 3;
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  int s = 0;  // this CTA's step
+  for (int local = 0; local < my_tiles; ++local) {
+    const Tile tile = find_tile<BN>(blockIdx.x + local * gridDim.x, first_slot, g, table);
+    for (int ks = 0; ks < g.k_steps; ++ks, ++s) {
+      cp_async_wait<Z::kLookahead - 1>();
+      fence_proxy_async();  // this thread's cp.async writes (generic proxy) become visible to wgmma
+      __syncthreads();
+      if (s + Z::kLookahead < steps) load(s + Z::kLookahead);
+      cp_async_commit();
+      const uint32_t stage = stages + (s % Z::kStages) * Z::kStageBytes;
+      wgmma_fence();
+      step_products<Forward, BN>(acc, stage + wg * (64 * 128), stage + kABytes, ks == 0);
+      wgmma_commit();
+      wgmma_wait<1>();
+    }
+    wgmma_wait<0>();
+    fence_regs(acc);
+    // The epilogue reads the accumulator on every thread's path alike (a read under a per-thread
+    // condition makes ptxas serialize the wgmma of the whole kernel); only the stores are guarded.
+    bf16* out = g.y + tile.row0 * g.n + tile.n0;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+      const int col = 8 * i + 2 * tq;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = wg * 64 + warp * 16 + gr + 8 * h;
+        const bool inside = col < tile.n_count && row < tile.m_count;
+        __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(out + static_cast<int64_t>(row) * g.n + col);
+        float2 old = make_float2(0.f, 0.f);
+        if (inside && g.accumulate) old = __bfloat1622float2(*p);
+        const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * i + 2 * h] + old.x, acc[4 * i + 2 * h + 1] + old.y);
+        if (inside) *p = v;
+      }
+    }
+    fence_regs(acc);
+  }
+  cp_async_wait<0>();
+}
+
+int sm_count() {
+  static const int count = [] {
+    int device = 0, n = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    return n;
+  }();
+  return count;
+}
+
+template <bool Forward, int BN>
+void launch(cudaStream_t s, const Args& g, const ExpertPointers& table, int64_t rows) {
+  using Z = TileShape<BN>;
+  static const bool configured = [] {
+    // Sized for the most experts, so one setting serves every call.
+    CUDA_CHECK(cudaFuncSetAttribute(grouped_wgmma_kernel<Forward, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(Z::smem_bytes(kMaxGroupedExperts))));
+    return true;
+  }();
+  (void)configured;
+  // Every CTA past the device's tile count returns at once; the count is bounded on the host.
+  const int64_t tiles = ((rows + kBM - 1) / kBM + g.experts) * g.n_tiles;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sm_count()));
+  grouped_wgmma_kernel<Forward, BN><<<grid, kThreads, Z::smem_bytes(g.experts), s>>>(g, table);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+bool moe_grouped_gemm_wgmma_supports(DType t, int64_t k, int64_t n) {
+  return t == DType::BF16 && k % 8 == 0 && n % 8 == 0 && k >= kBK && n >= 64;
+}
+
+void moe_grouped_gemm_wgmma(cudaStream_t s, const void* x, int64_t rows, int64_t k, const ExpertPointers& weights,
+                            int experts, bool transpose_weight, const int32_t* offsets, void* y, int64_t n,
+                            bool accumulate, int tile_n) {
+  if (rows == 0 || n == 0) return;
+  if (tile_n == 0) tile_n = n >= 256 ? 256 : 128;
+  if (tile_n != 128 && tile_n != 256) throw_message("moe_grouped_gemm", "the Hopper kernel's tiles are 128 or 256 wide");
+  const int64_t n_tiles = (n + tile_n - 1) / tile_n;
+  if ((rows + kBM - 1) / kBM + experts > 0x7fffffff / n_tiles)
+    throw_message("moe_grouped_gemm", "too many routed rows for one launch");
+  const Args g{static_cast<const bf16*>(x),
+               static_cast<bf16*>(y),
+               offsets,
+               experts,
+               static_cast<int>(n),
+               static_cast<int>(k),
+               static_cast<int>(n_tiles),
+               static_cast<int>((k + kBK - 1) / kBK),
+               accumulate};
+  if (tile_n == 128) {
+    if (transpose_weight) launch<true, 128>(s, g, weights, rows);
+    else launch<false, 128>(s, g, weights, rows);
+  } else {
+    if (transpose_weight) launch<true, 256>(s, g, weights, rows);
+    else launch<false, 256>(s, g, weights, rows);
+  }
+}
+
+}  // namespace spindle::cuda
