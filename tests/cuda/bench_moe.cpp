@@ -171,42 +171,53 @@ void bench(Backend& be, const Sizes& z) {
         median_ms(be, [&] { be.moe_grouped_gemm_weight_grad(st, dy, act, offsets, dgrads); }, 10), gemm_gu, 0);
   }
 
-  // The grouped GEMM kernels side by side on the forward's gate and up shape and on the input
-  // gradient's d_gate·W_g (whichever SPINDLE_MOE_GEMM picked above): mma.sync, and the Hopper
-  // kernel with 128- and 256-wide tiles (launched directly).
+  // The grouped GEMM kernels side by side (whichever SPINDLE_MOE_GEMM picked above) on the four
+  // shapes of the layer: mma.sync, and the Hopper kernel with 128- and 256-wide tiles (launched
+  // directly; skipped off Hopper).
   std::printf(" grouped GEMM kernels\n");
   {
-    cuda::ExpertPointers gate_table{};
-    for (int64_t e = 0; e < E; ++e) gate_table.p[e] = gate[static_cast<size_t>(e)].data();
+    cuda::ExpertPointers gate_table{}, down_table{};
+    for (int64_t e = 0; e < E; ++e) {
+      gate_table.p[e] = gate[static_cast<size_t>(e)].data();
+      down_table.p[e] = down[static_cast<size_t>(e)].data();
+    }
     cudaStream_t cs = static_cast<cudaStream_t>(st.handle);
     const int32_t* off = offsets.data_as<int32_t>();
-    const char* saved = std::getenv("SPINDLE_MOE_GEMM");
-    const std::string restore = saved ? saved : "";
-    ::setenv("SPINDLE_MOE_GEMM", "mma", 1);
-    row("mma.sync  gate x·W_gᵀ", median_ms(be, [&] { be.moe_grouped_gemm(st, x, gate, true, offsets, g, false); }),
-        gemm_gu, 0);
-    row("mma.sync  dx = d_gate·W_g",
-        median_ms(be, [&] { be.moe_grouped_gemm(st, dg, gate, false, offsets, dx, false); }), gemm_gu, 0);
-    if (restore.empty()) ::unsetenv("SPINDLE_MOE_GEMM");
-    else ::setenv("SPINDLE_MOE_GEMM", restore.c_str(), 1);
     int major = 0, device = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    for (int tile_n : {128, 256}) {
-      if (major != 9) break;
-      const std::string fwd_name = "wgmma " + std::to_string(tile_n) + " gate x·W_gᵀ";
-      const std::string bwd_name = "wgmma " + std::to_string(tile_n) + " dx = d_gate·W_g";
-      row(fwd_name.c_str(), median_ms(be, [&] {
-            cuda::moe_grouped_gemm_wgmma(cs, x.data(), N, H, gate_table, static_cast<int>(E), true, off, g.data(), I,
-                                         false, tile_n);
+    struct Shape4 {
+      const char* name;
+      const Tensor* in;
+      const std::vector<Tensor>* w;
+      const cuda::ExpertPointers* table;
+      bool transpose;
+      Tensor* out;
+      bool accumulate;
+    };
+    const Shape4 shapes[] = {{"gate x·W_gᵀ (n I, k H)", &x, &gate, &gate_table, true, &g, false},
+                             {"down act·W_dᵀ (n H, k I)", &act, &down, &down_table, true, &y, false},
+                             {"d_act = dy·W_d (n I, k H)", &dy, &down, &down_table, false, &d_act, false},
+                             {"dx += d_gate·W_g (n H, k I, accumulating)", &dg, &gate, &gate_table, false, &dx, true}};
+    const char* saved = std::getenv("SPINDLE_MOE_GEMM");
+    const std::string restore = saved ? saved : "";
+    for (const Shape4& z4 : shapes) {
+      ::setenv("SPINDLE_MOE_GEMM", "mma", 1);
+      row((std::string("mma.sync  ") + z4.name).c_str(), median_ms(be, [&] {
+            be.moe_grouped_gemm(st, *z4.in, *z4.w, z4.transpose, offsets, *z4.out, z4.accumulate);
           }),
           gemm_gu, 0);
-      row(bwd_name.c_str(), median_ms(be, [&] {
-            cuda::moe_grouped_gemm_wgmma(cs, dg.data(), N, I, gate_table, static_cast<int>(E), false, off, dx.data(), H,
-                                         false, tile_n);
-          }),
-          gemm_gu, 0);
+      for (int tile_n : {128, 256}) {
+        if (major != 9) break;
+        row((std::string("wgmma ") + std::to_string(tile_n) + " " + z4.name).c_str(), median_ms(be, [&] {
+              cuda::moe_grouped_gemm_wgmma(cs, z4.in->data(), N, z4.in->dim(1), *z4.table, static_cast<int>(E),
+                                           z4.transpose, off, z4.out->data(), z4.out->dim(1), z4.accumulate, tile_n);
+            }),
+            gemm_gu, 0);
+      }
     }
+    if (restore.empty()) ::unsetenv("SPINDLE_MOE_GEMM");
+    else ::setenv("SPINDLE_MOE_GEMM", restore.c_str(), 1);
   }
 
   std::printf(" references\n");

@@ -1,8 +1,8 @@
 // The CUDA backend's mixture-of-experts ops against the CPU reference (F64) on random inputs:
 // router (decisive logits, so both pick the same experts), its backward and statistics, the
 // permutation (exact), the combine and its backward, and the grouped expert GEMMs (forward, input
-// gradient, weight gradient) over ragged and empty experts — the Hopper kernel of the forward and the
-// input gradient against the mma.sync one as well —, and the shared expert's gate. Inputs are
+// gradient, weight gradient) over ragged and empty experts — the Hopper kernels against the
+// mma.sync ones as well —, and the shared expert's gate. Inputs are
 // rounded to the GPU dtype first; overwritten outputs are poisoned with NaN first. Skipped without a
 // CUDA device.
 #include <cuda_runtime.h>
@@ -410,11 +410,11 @@ std::vector<int> skewed_offsets(int64_t experts, int scale, std::mt19937_64& rng
   return offsets;
 }
 
-// The Hopper kernel (SPINDLE_MOE_GEMM=wgmma) and the mma.sync kernel against the CPU (F64) and each
-// other, BF16: the forward (y = x·W_eᵀ, every row written: y starts as NaN) and the accumulating
-// input gradient (dx += dy·W_e), with k tails (200 = 3·64 + 8), column tails (136, 520), a single
-// k step (k 64: the copies run several tiles ahead), and more tiles than SMs (each CTA of the
-// persistent grid takes several).
+// The Hopper kernels (SPINDLE_MOE_GEMM=wgmma) and the mma.sync ones against the CPU (F64) and each
+// other, BF16: the forward (y = x·W_eᵀ, every row written: y starts as NaN), the accumulating
+// input gradient (dx += dy·W_e) and the F32 weight gradient (dW_e += dy_eᵀ·x_e), with k tails (200 = 3·64 + 8), column tails (136, 520), a single
+// k step (k 64: the copies run several tiles ahead), more tiles than SMs (each CTA of the
+// persistent grid takes several), and 128- and 256-wide tiles (n 256 and above).
 TEST_F(CudaMoe, GroupedGemmWgmmaMatchesMmaAndCpu) {
   if (!device_is_hopper()) GTEST_SKIP() << "the wgmma kernel runs on compute capability 9.x only";
   const DType t = DType::BF16;
@@ -457,6 +457,30 @@ TEST_F(CudaMoe, GroupedGemmWgmmaMatchesMmaAndCpu) {
     // Both round F32 sums of the same products to BF16: they differ in the last bits only.
     expect_close(got_y[1], got_y[0], 1e-2, "forward, wgmma against mma");
     expect_close(got_dx[1], got_dx[0], 1e-2, "input gradient, wgmma against mma");
+
+    // Weight gradients dW_e += dy_eᵀ·x_e onto random F32 starting values, expert 1 frozen (its
+    // null gradient is skipped), by both kernels against the CPU.
+    std::vector<std::vector<double>> start;
+    std::vector<Tensor> cdw;
+    for (int64_t e = 0; e < c.experts; ++e) {
+      start.push_back(rand_values(c.out * c.in, DType::F32));
+      cdw.push_back(e == 1 ? Tensor() : on(*cpu, start.back(), Shape{c.out, c.in}, DType::F64));
+    }
+    cpu->moe_grouped_gemm_weight_grad(cs, on(*cpu, dy, Shape{rows, c.out}, DType::F64),
+                                      on(*cpu, x, Shape{rows, c.in}, DType::F64), coff, cdw);
+    for (int i = 0; i < 2; ++i) {
+      SCOPED_TRACE(kernels[i]);
+      MoeGemmKernelEnv env(kernels[i]);
+      std::vector<Tensor> gdw;
+      for (int64_t e = 0; e < c.experts; ++e)
+        gdw.push_back(e == 1 ? Tensor() : on(*gpu, start[e], Shape{c.out, c.in}, DType::F32));
+      gpu->moe_grouped_gemm_weight_grad(gs, gdy, gx, goff, gdw);
+      for (int64_t e = 0; e < c.experts; ++e) {
+        if (e == 1) continue;
+        SCOPED_TRACE(testing::Message() << "expert " << e);
+        expect_close(to_host(*gpu, gdw[e]), to_host(*cpu, cdw[e]), 1e-2, "weight gradient");
+      }
+    }
   }
 }
 

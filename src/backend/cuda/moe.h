@@ -60,11 +60,12 @@ struct ExpertPointers {
 void moe_grouped_gemm(cudaStream_t s, DType t, const void* x, int64_t rows, int64_t k, const ExpertPointers& weights,
                       int experts, bool transpose_weight, const int32_t* offsets, void* y, int64_t n,
                       bool accumulate);
-// Which kernel runs moe_grouped_gemm (forward and input gradient), from the environment variable
-// SPINDLE_MOE_GEMM, read at each call (docs/usage.md): "mma" the mma.sync kernel everywhere;
-// "wgmma" the Hopper kernel (moe_grouped_gemm_wgmma.cu) wherever it applies (compute capability
-// 9.x, BF16, k and n multiples of 8 and at least 64), mma.sync elsewhere; "auto" or unset: the
-// default below. Any other value is an error naming these.
+// Which kernel runs the grouped GEMMs (forward, input and weight gradients), from the environment
+// variable SPINDLE_MOE_GEMM, read at each call (docs/usage.md): "mma" the mma.sync kernels
+// everywhere; "wgmma" the Hopper kernels (moe_grouped_gemm_wgmma.cu) wherever they apply (compute
+// capability 9.x, BF16, the two non-ragged sizes multiples of 8 and at least 64), mma.sync
+// elsewhere; "auto" or unset: the default of moe_grouped_gemm.cu. Any other value is an error
+// naming these.
 enum class MoeGemmKernel { Mma, Wgmma };
 MoeGemmKernel moe_gemm_kernel_choice();
 
@@ -75,6 +76,11 @@ bool moe_grouped_gemm_wgmma_supports(DType t, int64_t k, int64_t n);
 void moe_grouped_gemm_wgmma(cudaStream_t s, const void* x, int64_t rows, int64_t k, const ExpertPointers& weights,
                             int experts, bool transpose_weight, const int32_t* offsets, void* y, int64_t n,
                             bool accumulate, int tile_n = 0);
+// The same for moe_grouped_gemm_weight_grad (BF16 dy and x, m and n multiples of 8 and at least 64,
+// dW of grad_dtype F32 or BF16): one CTA per (expert, 128-row tile of dW_e, tile_n-column tile).
+void moe_grouped_gemm_weight_grad_wgmma(cudaStream_t s, const void* dy, const void* x, int64_t rows, int64_t m,
+                                        int64_t n, const int32_t* offsets, const ExpertPointers& weight_grads,
+                                        int experts, DType grad_dtype, int tile_n = 0);
 
 // dW_e [m, n] += dy[rows of e]ᵀ·x[rows of e]; dy [rows, m], x [rows, n] of dtype t; dW of
 // grad_dtype (t, or F32 for BF16 t); a null dW_e is skipped (a frozen expert).

@@ -464,6 +464,11 @@ void moe_grouped_gemm_weight_grad(cudaStream_t s, DType t, const void* dy, const
   const size_t grad_elem = grad_dtype == DType::F32 ? 4 : 2;
   for (int e = 0; e < experts && tensor_cores; ++e)
     tensor_cores = weight_grads.p[e] == nullptr || reinterpret_cast<uintptr_t>(weight_grads.p[e]) % (2 * grad_elem) == 0;
+  if (tensor_cores && moe_grouped_gemm_wgmma_supports(t, m, n) && moe_gemm_kernel_choice() == MoeGemmKernel::Wgmma &&
+      device_is_hopper()) {
+    moe_grouped_gemm_weight_grad_wgmma(s, dy, x, rows, m, n, offsets, weight_grads, experts, grad_dtype);
+    return;
+  }
   run<Mode::WeightGrad>(s, t, grad_dtype, g, weight_grads, rows, tensor_cores);
 }
 

@@ -134,9 +134,9 @@ __device__ __forceinline__ void load_step(uint32_t stage, const Tile& t, int ks,
   }
 }
 
-// d[128] (+)= A·B, m64n256k16, A and B from shared memory (descriptors, hopper.cuh); TB = 1: B
-// stored MN-major.
-template <int TB>
+// d[128] (+)= A·B, m64n256k16, A and B from shared memory (descriptors, hopper.cuh); TA/TB = 1:
+// that operand stored MN-major.
+template <int TA, int TB>
 __device__ __forceinline__ void wgmma_ss_n256(float (&d)[128], uint64_t a, uint64_t b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -149,7 +149,7 @@ __device__ __forceinline__ void wgmma_ss_n256(float (&d)[128], uint64_t a, uint6
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+      "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -166,7 +166,7 @@ __device__ __forceinline__ void wgmma_ss_n256(float (&d)[128], uint64_t a, uint6
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(a), "l"(b), "r"(accumulate), "n"(TB));
+      : "l"(a), "l"(b), "r"(accumulate), "n"(TA), "n"(TB));
 }
 
 // The products of one k-step for one warpgroup: 4 wgmma of k 16 onto the m64nBN accumulator.
@@ -180,7 +180,7 @@ __device__ __forceinline__ void step_products(float (&acc)[BN / 2], uint32_t a, 
     const uint64_t db = Forward ? smem_desc(b + 32 * kk, 16, 1024) : smem_desc(b + kk * 2048, kBK * 128, 1024);
     const int accumulate = !first || kk > 0;
     if constexpr (BN == 128) wgmma_ss_n128<0, Forward ? 0 : 1>(acc, da, db, accumulate);
-    else wgmma_ss_n256<Forward ? 0 : 1>(acc, da, db, accumulate);
+    else wgmma_ss_n256<0, Forward ? 0 : 1>(acc, da, db, accumulate);
   }
 }
 
@@ -279,6 +279,111 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgmma_kernel(const Args g
   cp_async_wait<0>();
 }
 
+// ---- weight gradient: dW_e [m, n] += dy[rows of e]ᵀ · x[rows of e] ---------------------------------
+//
+// The ragged dimension is the reduction: one CTA per (expert, m tile, n tile), grid over all of
+// them (an expert without rows or frozen, a null dW_e, returns at once; the hardware hands the
+// SMs to the CTAs left, which balances experts of different sizes). Both operands are MN-major:
+// A = dyᵀ as BM/64 chunks [64 rows][64 m], B = x as BN/64 chunks [64 rows][64 n]; warpgroup w
+// reads A's chunk w. The same pipeline as above over the expert's rows in steps of 64.
+
+struct WeightGradArgs {
+  const bf16* dy;  // [rows, m]
+  const bf16* x;   // [rows, n]
+  const int32_t* offsets;
+  int m, n;
+  int m_tiles, n_tiles;
+};
+
+// Copies rows r0 … r0 + 63 (of count) of a [rows, cols] matrix, columns c0 … c0 + 8·pieces − 1,
+// into MN-major chunks [64 rows][64 cols] at `dst`, zero past `count` rows or `cols` columns.
+template <int Pieces>
+__device__ __forceinline__ void load_mn_major(uint32_t dst, const bf16* src, int cols, int r0, int count, int c0) {
+#pragma unroll
+  for (int i = 0; i < (64 * Pieces) / kThreads; ++i) {
+    const int c = threadIdx.x + i * kThreads, kr = c / Pieces, np = c % Pieces;
+    const bool ok = r0 + kr < count && c0 + np * 8 < cols;
+    const bf16* from = ok ? src + static_cast<int64_t>(r0 + kr) * cols + c0 + np * 8 : src;
+    cp_async16(dst + (np >> 3) * (kBK * 128) + swizzled(kr, np & 7), from, ok);
+  }
+}
+
+template <int BN, typename TG>
+__global__ void __launch_bounds__(kThreads, 1)
+    weight_grad_wgmma_kernel(const WeightGradArgs g, const ExpertPointers grads) {
+  using Z = TileShape<BN>;
+  const int per_expert = g.m_tiles * g.n_tiles;
+  const int e = blockIdx.x / per_expert;
+  const int mt = (blockIdx.x % per_expert) / g.n_tiles, nt = blockIdx.x % g.n_tiles;
+  const int begin = g.offsets[e], count = g.offsets[e + 1] - begin;
+  TG* dw = static_cast<TG*>(grads.p[e]);
+  if (count <= 0 || dw == nullptr) return;
+  extern __shared__ unsigned char wgmma_smem_raw[];
+  const uint32_t stages = (smem_u32(wgmma_smem_raw) + 1023) & ~uint32_t{1023};
+  const int m0 = mt * kBM, n0 = nt * BN;
+  const bf16* dy = g.dy + static_cast<int64_t>(begin) * g.m;
+  const bf16* x = g.x + static_cast<int64_t>(begin) * g.n;
+  const int steps = (count + kBK - 1) / kBK;
+  auto load = [&](int s) {
+    const uint32_t stage = stages + (s % Z::kStages) * Z::kStageBytes;
+    load_mn_major<kBM / 8>(stage, dy, g.m, s * kBK, count, m0);
+    load_mn_major<BN / 8>(stage + kABytes, x, g.n, s * kBK, count, n0);
+  };
+#pragma unroll
+  for (int s = 0; s < Z::kLookahead; ++s) {
+    if (s < steps) load(s);
+    cp_async_commit();
+  }
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  const int gr = lane >> 2, tq = lane & 3;
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  for (int s = 0; s < steps; ++s) {
+    cp_async_wait<Z::kLookahead - 1>();
+    fence_proxy_async();
+    __syncthreads();
+    if (s + Z::kLookahead < steps) load(s + Z::kLookahead);
+    cp_async_commit();
+    const uint32_t a = stages + (s % Z::kStages) * Z::kStageBytes + wg * (kBK * 128);
+    const uint32_t b = stages + (s % Z::kStages) * Z::kStageBytes + kABytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBK / 16; ++kk) {
+      const uint64_t da = smem_desc(a + kk * 2048, kBK * 128, 1024);
+      const uint64_t db = smem_desc(b + kk * 2048, kBK * 128, 1024);
+      const int accumulate = s > 0 || kk > 0;
+      if constexpr (BN == 128) wgmma_ss_n128<1, 1>(acc, da, db, accumulate);
+      else wgmma_ss_n256<1, 1>(acc, da, db, accumulate);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+  }
+  wgmma_wait<0>();
+  fence_regs(acc);
+  cp_async_wait<0>();
+  const int m_count = min(kBM, g.m - m0), n_count = min(BN, g.n - n0);
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i) {
+    const int col = 8 * i + 2 * tq;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = wg * 64 + warp * 16 + gr + 8 * h;
+      if (col >= n_count || row >= m_count) continue;
+      TG* p = dw + static_cast<int64_t>(m0 + row) * g.n + n0 + col;
+      if constexpr (sizeof(TG) == 4) {
+        float2* q = reinterpret_cast<float2*>(p);
+        const float2 old = *q;
+        *q = make_float2(old.x + acc[4 * i + 2 * h], old.y + acc[4 * i + 2 * h + 1]);
+      } else {
+        __nv_bfloat162* q = reinterpret_cast<__nv_bfloat162*>(p);
+        const float2 old = __bfloat1622float2(*q);
+        *q = __floats2bfloat162_rn(old.x + acc[4 * i + 2 * h], old.y + acc[4 * i + 2 * h + 1]);
+      }
+    }
+  }
+}
+
 int sm_count() {
   static const int count = [] {
     int device = 0, n = 0;
@@ -303,6 +408,21 @@ void launch(cudaStream_t s, const Args& g, const ExpertPointers& table, int64_t 
   const int64_t tiles = ((rows + kBM - 1) / kBM + g.experts) * g.n_tiles;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sm_count()));
   grouped_wgmma_kernel<Forward, BN><<<grid, kThreads, Z::smem_bytes(g.experts), s>>>(g, table);
+  CUDA_CHECK_LAUNCH();
+}
+
+template <int BN, typename TG>
+void launch_weight_grad(cudaStream_t s, const WeightGradArgs& g, const ExpertPointers& grads, int experts) {
+  using Z = TileShape<BN>;
+  const size_t smem = Z::kStages * Z::kStageBytes + 1024;
+  static const bool configured = [smem] {
+    CUDA_CHECK(cudaFuncSetAttribute(weight_grad_wgmma_kernel<BN, TG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)));
+    return true;
+  }();
+  (void)configured;
+  const unsigned grid = static_cast<unsigned>(experts) * g.m_tiles * g.n_tiles;
+  weight_grad_wgmma_kernel<BN, TG><<<grid, kThreads, smem, s>>>(g, grads);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -336,6 +456,29 @@ void moe_grouped_gemm_wgmma(cudaStream_t s, const void* x, int64_t rows, int64_t
   } else {
     if (transpose_weight) launch<true, 256>(s, g, weights, rows);
     else launch<false, 256>(s, g, weights, rows);
+  }
+}
+
+void moe_grouped_gemm_weight_grad_wgmma(cudaStream_t s, const void* dy, const void* x, int64_t rows, int64_t m,
+                                        int64_t n, const int32_t* offsets, const ExpertPointers& weight_grads,
+                                        int experts, DType grad_dtype, int tile_n) {
+  if (rows == 0 || m == 0 || n == 0) return;
+  if (tile_n == 0) tile_n = n >= 256 ? 256 : 128;
+  if (tile_n != 128 && tile_n != 256)
+    throw_message("moe_grouped_gemm_weight_grad", "the Hopper kernel's tiles are 128 or 256 wide");
+  const int64_t m_tiles = (m + kBM - 1) / kBM, n_tiles = (n + tile_n - 1) / tile_n;
+  if (m_tiles * n_tiles * experts > 0x7fffffff) throw_message("moe_grouped_gemm_weight_grad", "too many tiles");
+  const WeightGradArgs g{static_cast<const bf16*>(dy), static_cast<const bf16*>(x), offsets,
+                         static_cast<int>(m),          static_cast<int>(n),         static_cast<int>(m_tiles),
+                         static_cast<int>(n_tiles)};
+  const bool f32 = grad_dtype == DType::F32;
+  if (!f32 && grad_dtype != DType::BF16) throw_dtype("moe_grouped_gemm_weight_grad", grad_dtype);
+  if (tile_n == 128) {
+    if (f32) launch_weight_grad<128, float>(s, g, weight_grads, experts);
+    else launch_weight_grad<128, bf16>(s, g, weight_grads, experts);
+  } else {
+    if (f32) launch_weight_grad<256, float>(s, g, weight_grads, experts);
+    else launch_weight_grad<256, bf16>(s, g, weight_grads, experts);
   }
 }
 
