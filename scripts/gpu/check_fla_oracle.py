@@ -347,7 +347,7 @@ def fla_group_job(jobs, autotune, out_dir):
 
     def tensor(dt, arr):
         if dt == "BF16":
-            return torch.from_numpy(np.array(arr)).view(torch.bfloat16).to(dev)
+            return torch.from_numpy(np.array(arr).view(np.int16)).view(torch.bfloat16).to(dev)
         return torch.from_numpy(np.array(arr)).to(dev)
 
     def run(inp, scale, h0, dht):
