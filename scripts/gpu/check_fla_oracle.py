@@ -50,15 +50,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import threading
 import traceback
 from dataclasses import dataclass, field
 
-# One thread per numpy process: the f64 references run many at once. Set before numpy loads, so
-# spawned workers (which import this module again) inherit it.
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 # ---- safetensors, read and written here: numpy has no bfloat16, so BF16 travels as uint16 bits ----
 NP_DTYPES = {"F64": np.float64, "F32": np.float32, "BF16": np.uint16, "I64": np.int64, "I32": np.int32}
@@ -436,18 +432,19 @@ TENSORS = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 def errors(got, want):
     """(L2, max) relative error of got against want, None when the shapes differ. In F32 when
-    neither side is F64 (both hold bf16 or f32 values: the F32 difference is exact enough)."""
+    neither side is F64 (both hold bf16 or f32 values: their F32 difference is exact enough)."""
     if got.shape != want.shape:
         return None
     dt = np.float64 if np.float64 in (got.dtype, want.dtype) else np.float32
-    got, want = got.astype(dt, copy=False), want.astype(dt, copy=False)
-    if not np.all(np.isfinite(got)):
-        return (math.inf, math.inf)
+    got, want = got.astype(dt, copy=False).ravel(), want.astype(dt, copy=False).ravel()
+    if got.size == 0:
+        return (0.0, 0.0)
     diff = got - want
-    ref_l2 = float(np.linalg.norm(want.ravel()))
-    ref_max = float(np.max(np.abs(want))) if want.size else 0.0
-    diff_l2 = float(np.linalg.norm(diff.ravel()))
-    diff_max = float(np.max(np.abs(diff))) if diff.size else 0.0
+    diff_l2, ref_l2 = math.sqrt(float(np.dot(diff, diff))), math.sqrt(float(np.dot(want, want)))
+    diff_max = max(float(diff.max()), -float(diff.min()))
+    ref_max = max(float(want.max()), -float(want.min()))
+    if math.isnan(diff_l2) or math.isnan(diff_max):  # a NaN in got: an element nobody wrote
+        return (math.inf, math.inf)
     return (diff_l2 / ref_l2 if ref_l2 > 0 else diff_l2, diff_max / ref_max if ref_max > 0 else diff_max)
 
 
@@ -463,8 +460,8 @@ def tolerance(a, b):
     return TOLERANCE.get(pair, TOLERANCE[("bf16", "bf16")])
 
 
-def compare_case(case, engine, fla, ref, engine_dtype, key_heads):
-    """Prints the case's table; returns 'PASS', 'FAIL' or 'MISSING', the failed cells, the missing ones.
+def compare_case(case, engine, fla, ref, engine_dtype, key_heads, out):
+    """Appends the case's table to the list out; returns the failed cells, the missing ones, every cell.
 
     engine, fla, ref: {variant: {tensor: array}} or None, variant A = the case's h0/dht (zero when it
     has none), B = zero states. The engine's chunked op starts from zero states (B); its
@@ -488,8 +485,8 @@ def compare_case(case, engine, fla, ref, engine_dtype, key_heads):
     if fla is None:  # CPU mode: no fla columns
         columns = [c for c in columns if "fla" not in c[0]]
     width = 20
-    print(f"  {'tensor':<12}" + "".join(f"{label:>{width}}" for label, *_ in columns))
-    print(f"  {'(L2/max)':<12}" + "".join(f"{'tol ' + format(tol, '.0e'):>{width}}" for _, _, tol, _ in columns))
+    out.append(f"  {'tensor':<12}" + "".join(f"{label:>{width}}" for label, *_ in columns))
+    out.append(f"  {'(L2/max)':<12}" + "".join(f"{'tol ' + format(tol, '.0e'):>{width}}" for _, _, tol, _ in columns))
     cells = {}  # (label, tensor) -> (worst error or None, ok)
     failed, missing = [], []
     for name in TENSORS:
@@ -520,7 +517,7 @@ def compare_case(case, engine, fla, ref, engine_dtype, key_heads):
             if not ok:
                 failed.append((label, name))
             line += f"{fmt(worst) + ('' if ok else ' X'):>{width}}"
-        print(line)
+        out.append(line)
     return failed, missing, cells
 
 
@@ -614,7 +611,7 @@ def main():
     if args.self_test:
         return self_test()
     start = time.time()
-    deadline = start + args.budget if args.budget > 0 else math.inf
+    deadline = start + args.budget if args.budget > 0 else math.inf  # waiting stops here; comparing follows
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     tool = args.tool or next((p for p in (os.path.join(repo, "build-bundle-lead/bin/gated_delta_io"),
                                           os.path.join(repo, "build/tests/cuda/gated_delta_io")) if os.path.exists(p)), None)
@@ -634,96 +631,135 @@ def main():
     if args.device == "cuda":
         for c in cases:
             groups.setdefault((c.hk, c.hv, c.d, c.dtype), []).append(c)
+    engine_env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = "1"  # inherited by the workers: many numpy processes at once, one thread each
     ref_pool = ctx.Pool(max(1, (os.cpu_count() or 2) - len(groups) - 1))
     paths = {c.name: os.path.join(workdir, f"{c.name}.in.safetensors") for c in cases}
-    for _ in ref_pool.starmap(write_inputs, [(c, paths[c.name]) for c in cases]):
-        pass
-    print(f"{time.time() - start:6.1f}s inputs written to {workdir}", flush=True)
+    ref_pool.starmap(write_inputs, [(c, paths[c.name]) for c in cases])
+    print_lock = threading.Lock()
 
-    # 2. Concurrently: the engine (one process for every case), fla (one process per group of cases
+    def say(text):
+        with print_lock:
+            print(f"{time.time() - start:6.1f}s {text}", flush=True)
+
+    say(f"inputs written to {workdir}")
+
+    # 2. Side by side: the engine (one process for every case), fla (one process per group of cases
     #    that share Triton compiles), the f64 references (the remaining cores).
+    def result_path(c, what):
+        return os.path.join(workdir, f"{c.name}.{what}")
+
     engine_cmd = [tool, "--device", args.device]
     for c in cases:
-        engine_cmd += [paths[c.name], os.path.join(workdir, f"{c.name}.engine.safetensors")]
-    engine_proc = subprocess.Popen(engine_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    fla_pool = ctx.Pool(len(groups), maxtasksperchild=1) if groups else None
-    fla_async = [fla_pool.apply_async(fla_group_job, ([(c, paths[c.name]) for c in group], args.autotune, workdir))
-                 for group in groups.values()]
-    ref_async = {}
-    for c in cases:
-        for variant, with_states in (("A", True), ("B", False)) if c.states else (("A", True),):
-            out = os.path.join(workdir, f"{c.name}.f64.{variant}.npz")
-            ref_async[(c.name, variant)] = ref_pool.apply_async(reference_job, (c, paths[c.name], out, with_states))
+        engine_cmd += [paths[c.name], result_path(c, "engine.safetensors")]
+    engine_proc = subprocess.Popen(engine_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env=engine_env)
 
-    def remaining():
-        return max(0.0, deadline - time.time()) if math.isfinite(deadline) else None
+    def engine_log():
+        for line in engine_proc.stdout:
+            say("engine: " + line.rstrip())
+        say(f"engine exited with {engine_proc.wait()}")
 
-    try:
-        engine_out, _ = engine_proc.communicate(timeout=remaining())
-    except subprocess.TimeoutExpired:
-        engine_proc.kill()
-        engine_out, _ = engine_proc.communicate()
-        engine_out += "\n(out of time)"
-    print(f"{time.time() - start:6.1f}s engine (rc {engine_proc.returncode}):\n" + engine_out.rstrip(), flush=True)
+    threading.Thread(target=engine_log, daemon=True).start()
 
-    for a in fla_async:
-        try:
-            log = a.get(timeout=remaining())
-            print(f"{time.time() - start:6.1f}s fla {json.dumps(log['versions'])} autotune {log['autotune']}, "
-                  f"group {log['group']}: "
-                  + ", ".join(f"{n} {v.get('seconds', 'ERROR')}s" for n, v in log["cases"].items()), flush=True)
+    group_done = {key: threading.Event() for key in groups}
+
+    def fla_finished(key):
+        def report(log):
+            say(f"fla {json.dumps(log['versions'])} autotune {log['autotune']}: "
+                + ", ".join(f"{n} {v.get('seconds', 'ERROR')}s" for n, v in log["cases"].items()))
             for n, v in log["cases"].items():
                 if "error" in v:
-                    print(f"  fla error in {n}: {v['error']}\n{v['trace']}")
-        except mp.TimeoutError:
-            print(f"{time.time() - start:6.1f}s fla group out of time", flush=True)
-        except Exception as e:
-            print(f"{time.time() - start:6.1f}s fla group failed: {type(e).__name__}: {e}", flush=True)
-    for key, a in ref_async.items():
-        try:
-            a.get(timeout=remaining())
-        except mp.TimeoutError:
-            print(f"{time.time() - start:6.1f}s f64 reference {key} out of time", flush=True)
-        except Exception as e:
-            print(f"{time.time() - start:6.1f}s f64 reference {key} failed: {type(e).__name__}: {e}", flush=True)
-    print(f"{time.time() - start:6.1f}s results in; comparing (L2/max relative error)", flush=True)
+                    say(f"fla error in {n}: {v['error']}\n{v['trace']}")
+            group_done[key].set()
 
-    verdicts = {}
+        def failed(e):
+            say(f"fla group {[c.name for c in groups[key]]} failed: {type(e).__name__}: {e}")
+            group_done[key].set()
+        return report, failed
+
+    fla_pool = ctx.Pool(len(groups), maxtasksperchild=1) if groups else None
+    for key, group in groups.items():
+        report, failed = fla_finished(key)
+        fla_pool.apply_async(fla_group_job, ([(c, paths[c.name]) for c in group], args.autotune, workdir),
+                             callback=report, error_callback=failed)
+    ref_done = {}
     for c in cases:
+        for variant, with_states in (("A", True), ("B", False)) if c.states else (("A", True),):
+            event = ref_done[(c.name, variant)] = threading.Event()
+
+            def failed(e, key=(c.name, variant), event=event):
+                say(f"f64 reference {key} failed: {type(e).__name__}: {e}")
+                event.set()
+            ref_pool.apply_async(reference_job, (c, paths[c.name], result_path(c, f"f64.{variant}.npz"), with_states),
+                                 callback=lambda _, event=event: event.set(), error_callback=failed)
+
+    # 3. Each case is compared as soon as its results are in (or the budget is spent).
+    def evaluate(c):
+        variants = ["A", "B"] if c.states else ["A"]
+        group_key = (c.hk, c.hv, c.d, c.dtype)
+        while time.time() < deadline:
+            engine_in = os.path.exists(result_path(c, "engine.safetensors")) or engine_proc.poll() is not None
+            fla_in = (group_key not in group_done or group_done[group_key].is_set()
+                      or all(os.path.exists(result_path(c, f"fla.{v}.npz")) for v in variants))
+            if engine_in and fla_in and all(ref_done[(c.name, v)].is_set() for v in variants):
+                break
+            time.sleep(0.25)
+        out = []
         key_heads = reference_heads(c)
-        engine_path = os.path.join(workdir, f"{c.name}.engine.safetensors")
         engine, engine_dtype = None, None
-        if os.path.exists(engine_path):
-            tensors, meta = read_safetensors(engine_path)
+        if os.path.exists(result_path(c, "engine.safetensors")):
+            tensors, meta = read_safetensors(result_path(c, "engine.safetensors"))
             engine_dtype = meta.get("dtype", "").lower()
             values = {n: as_float(dt, a) for n, (dt, a) in tensors.items()}
             engine = {"A": values, "B": values}  # chunk.* has zero states (B), states.* the case's (A)
         fla = None
         if args.device == "cuda":
-            fla = {v: r for v in ("A", "B") if (r := load_results(os.path.join(workdir, f"{c.name}.fla.{v}.npz")))}
-            if c.states is False and "A" in fla:
+            fla = {v: r for v in variants if (r := load_results(result_path(c, f"fla.{v}.npz")))}
+            if not c.states and "A" in fla:
                 fla["B"] = fla["A"]
-        ref = {v: r for v in ("A", "B") if (r := load_results(os.path.join(workdir, f"{c.name}.f64.{v}.npz")))}
+        ref = {v: r for v in variants if (r := load_results(result_path(c, f"f64.{v}.npz")))}
         if not c.states and "A" in ref:
             ref["B"] = ref["A"]
         heads = "all heads" if len(key_heads) == c.hk else f"key heads {key_heads}"
-        print(f"\ncase {c.name}: {c.dtype} inputs, engine {engine_dtype}, T {c.tokens}, documents {c.docs}, "
-              f"Hk {c.hk} Hv {c.hv} d {c.d}, {'random' if c.states else 'zero'} h0/dht; f64 on {heads}")
-        failed, missing, cells = compare_case(c, engine, fla, ref, engine_dtype or c.dtype, key_heads)
+        out.append(f"case {c.name}: {c.dtype} inputs, engine {engine_dtype or 'missing'}, T {c.tokens}, documents "
+                   f"{c.docs}, Hk {c.hk} Hv {c.hv} d {c.d}, {'random' if c.states else 'zero'} h0/dht; f64 on {heads}")
+        failed, missing, cells = compare_case(c, engine, fla, ref, engine_dtype or c.dtype, key_heads, out)
         verdict, lines = judge(failed, missing, cells)
-        for line in lines:
-            print(line)
+        out += lines
         if missing:
-            print(f"    missing: {', '.join(missing)}")
-        print(f"  {c.name}: {verdict}", flush=True)
-        verdicts[c.name] = verdict
+            by_column = {}
+            for m in missing:
+                label, name = m.rsplit(" ", 1)
+                by_column.setdefault(label, []).append(name)
+            out.append("    missing: " + "; ".join(f"{label} ({', '.join(names)})" for label, names in by_column.items()))
+        out.append(f"  {c.name}: {verdict}")
+        say("compared\n" + "\n".join(out))
+        return verdict
+
+    verdicts = {}
+    threads = {}
+    for c in cases:
+        def run(c=c):
+            try:
+                verdicts[c.name] = evaluate(c)
+            except Exception:
+                say(f"comparing {c.name} failed:\n{traceback.format_exc(limit=6)}")
+                verdicts[c.name] = "MISSING"
+        threads[c.name] = threading.Thread(target=run, daemon=True)
+        threads[c.name].start()
+    for t in threads.values():
+        t.join()
+    if engine_proc.poll() is None:
+        engine_proc.kill()
     if fla_pool:
         fla_pool.terminate()
     ref_pool.terminate()
-    print(f"\n{time.time() - start:6.1f}s summary: " + ", ".join(f"{n} {v}" for n, v in verdicts.items()))
+    say("summary: " + ", ".join(f"{c.name} {verdicts.get(c.name, 'MISSING')}" for c in cases))
     if any(v == "FAIL" for v in verdicts.values()):
         return 1
-    return 2 if any(v != "PASS" for v in verdicts.values()) else 0
+    return 2 if any(verdicts.get(c.name) != "PASS" for c in cases) else 0
 
 
 if __name__ == "__main__":

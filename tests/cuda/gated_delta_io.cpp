@@ -245,6 +245,7 @@ void run_one(Backend& be, const Options& opt, const std::string& in_path, const 
               std::string(dtype_name(io)).c_str(), be.device().str().c_str(), meta["chunk_kernels"].c_str(),
               meta["ms.chunk_forward"].c_str(), meta["ms.chunk_backward"].c_str(), meta["ms.states_forward"].c_str(),
               meta["ms.states_backward"].c_str(), out_path.c_str());
+  std::fflush(stdout);  // one line per case as it is done, also into a pipe
 }
 
 }  // namespace
