@@ -172,8 +172,9 @@ void bench(Backend& be, const Sizes& z) {
   }
 
   // The grouped GEMM kernels side by side (whichever SPINDLE_MOE_GEMM picked above) on the four
-  // shapes of the layer: mma.sync, and the Hopper kernel with 128- and 256-wide tiles (launched
-  // directly; skipped off Hopper).
+  // shapes of the layer: mma.sync, and the Hopper kernel with 128- and 256-wide tiles, its tile
+  // staged in shared memory ("smem") or stored from registers ("regs") (launched directly; skipped
+  // off Hopper).
   std::printf(" grouped GEMM kernels\n");
   {
     cuda::ExpertPointers gate_table{}, down_table{};
@@ -207,14 +208,18 @@ void bench(Backend& be, const Sizes& z) {
             be.moe_grouped_gemm(st, *z4.in, *z4.w, z4.transpose, offsets, *z4.out, z4.accumulate);
           }),
           gemm_gu, 0);
-      for (int tile_n : {128, 256}) {
-        if (major != 9) break;
-        row((std::string("wgmma ") + std::to_string(tile_n) + " " + z4.name).c_str(), median_ms(be, [&] {
-              cuda::moe_grouped_gemm_wgmma(cs, z4.in->data(), N, z4.in->dim(1), *z4.table, static_cast<int>(E),
-                                           z4.transpose, off, z4.out->data(), z4.out->dim(1), z4.accumulate, tile_n);
-            }),
-            gemm_gu, 0);
-      }
+      for (int tile_n : {128, 256})
+        for (bool staged : {true, false}) {
+          if (major != 9 || (z4.accumulate && staged)) continue;  // accumulating always stores from registers
+          const std::string label = std::string("wgmma ") + std::to_string(tile_n) + (staged ? " smem " : " regs ") +
+                                    z4.name;
+          row(label.c_str(), median_ms(be, [&] {
+                cuda::moe_grouped_gemm_wgmma(cs, z4.in->data(), N, z4.in->dim(1), *z4.table, static_cast<int>(E),
+                                             z4.transpose, off, z4.out->data(), z4.out->dim(1), z4.accumulate, tile_n,
+                                             staged);
+              }),
+              gemm_gu, 0);
+        }
     }
     if (restore.empty()) ::unsetenv("SPINDLE_MOE_GEMM");
     else ::setenv("SPINDLE_MOE_GEMM", restore.c_str(), 1);

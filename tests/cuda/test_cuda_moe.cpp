@@ -18,6 +18,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/moe.h"
 #include "backend/op_test_util.h"
 #include "core/error.h"
 
@@ -453,6 +454,20 @@ TEST_F(CudaMoe, GroupedGemmWgmmaMatchesMmaAndCpu) {
       gpu->moe_grouped_gemm(gs, gdy, gw, false, goff, gdx, true);
       got_dx[i] = to_host(*gpu, gdx);
       expect_close(got_dx[i], want_dx, tol_for(t), "input gradient");
+    }
+    // The Hopper kernel's other epilogue (stores from registers; the backend stages the tile in
+    // shared memory unless it accumulates), forward, 128- and 256-wide tiles.
+    {
+      cuda::ExpertPointers table{};
+      for (int64_t e = 0; e < c.experts; ++e) table.p[e] = gw[static_cast<size_t>(e)].data();
+      for (int tile_n : {128, 256}) {
+        SCOPED_TRACE(testing::Message() << "stores from registers, tile " << tile_n);
+        Tensor gy = poisoned(Shape{rows, c.out}, t);
+        cuda::moe_grouped_gemm_wgmma(static_cast<cudaStream_t>(gs.handle), gx.data(), rows, c.in, table,
+                                     static_cast<int>(c.experts), true, goff.data_as<int32_t>(), gy.data(), c.out,
+                                     false, tile_n, false);
+        expect_close(to_host(*gpu, gy), want_y, tol_for(t), "forward");
+      }
     }
     // Both round F32 sums of the same products to BF16: they differ in the last bits only.
     expect_close(got_y[1], got_y[0], 1e-2, "forward, wgmma against mma");

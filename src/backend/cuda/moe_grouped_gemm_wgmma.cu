@@ -184,7 +184,9 @@ __device__ __forceinline__ void step_products(float (&acc)[BN / 2], uint32_t a, 
   }
 }
 
-template <bool Forward, int BN>
+// Staged: the tile leaves through shared memory (see the epilogue below); otherwise each thread
+// stores its accumulator pairs straight from registers (and adds the old values when accumulating).
+template <bool Forward, int BN, bool Staged>
 __global__ void __launch_bounds__(kThreads, 1) grouped_wgmma_kernel(const Args g, const ExpertPointers table) {
   using Z = TileShape<BN>;
   extern __shared__ unsigned char wgmma_smem_raw[];
@@ -260,18 +262,56 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgmma_kernel(const Args g
     // The epilogue reads the accumulator on every thread's path alike (a read under a per-thread
     // condition makes ptxas serialize the wgmma of the whole kernel); only the stores are guarded.
     bf16* out = g.y + tile.row0 * g.n + tile.n0;
+    if constexpr (Staged) {
+      // From registers, a warp's store touches 8 rows with 16 bytes each; staged, 16-byte pieces
+      // of whole rows. The tile goes in 128-column halves [128 rows][256 bytes] (16-byte piece c of
+      // row r at piece c ^ (r % 8): conflict-free both ways) into the stages of this tile's last
+      // two steps, which no copy refills before the next step's barrier (the copies in flight
+      // are for the steps after them). The barrier first: the other warpgroup may still read them.
+      const int last = s - 1;
+      __syncthreads();
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-      const int col = 8 * i + 2 * tq;
+      for (int half = 0; half < BN / 128; ++half) {
+        const uint32_t buf = stages + ((last - half + Z::kStages) % Z::kStages) * Z::kStageBytes;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = wg * 64 + warp * 16 + gr + 8 * h;
-        const bool inside = col < tile.n_count && row < tile.m_count;
-        __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(out + static_cast<int64_t>(row) * g.n + col);
-        float2 old = make_float2(0.f, 0.f);
-        if (inside && g.accumulate) old = __bfloat1622float2(*p);
-        const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * i + 2 * h] + old.x, acc[4 * i + 2 * h + 1] + old.y);
-        if (inside) *p = v;
+        for (int i = 0; i < 16; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = wg * 64 + warp * 16 + gr + 8 * h;
+            const int block = half * 16 + i;
+            st_shared_b32(buf + row * 256 + ((i ^ (row & 7)) << 4) + tq * 4,
+                          pack_bf16x2(acc[4 * block + 2 * h], acc[4 * block + 2 * h + 1]));
+          }
+      }
+      __syncthreads();
+#pragma unroll
+      for (int half = 0; half < BN / 128; ++half) {
+        const uint32_t buf = stages + ((last - half + Z::kStages) % Z::kStages) * Z::kStageBytes;
+#pragma unroll
+        for (int j = 0; j < (kBM * 16) / kThreads; ++j) {
+          const int piece = threadIdx.x + j * kThreads, r = piece >> 4, c = piece & 15;
+          const int col = half * 128 + c * 8;
+          if (r < tile.m_count && col < tile.n_count) {
+            const int4 v = ld_shared_s32x4(buf + r * 256 + ((c ^ (r & 7)) << 4));
+            *reinterpret_cast<int4*>(out + static_cast<int64_t>(r) * g.n + col) = v;
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+        const int col = 8 * i + 2 * tq;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = wg * 64 + warp * 16 + gr + 8 * h;
+          const bool inside = col < tile.n_count && row < tile.m_count;
+          __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(out + static_cast<int64_t>(row) * g.n + col);
+          float2 old = make_float2(0.f, 0.f);
+          if (inside && g.accumulate) old = __bfloat1622float2(*p);
+          const __nv_bfloat162 v =
+              __floats2bfloat162_rn(acc[4 * i + 2 * h] + old.x, acc[4 * i + 2 * h + 1] + old.y);
+          if (inside) *p = v;
+        }
       }
     }
     fence_regs(acc);
@@ -394,12 +434,13 @@ int sm_count() {
   return count;
 }
 
-template <bool Forward, int BN>
+template <bool Forward, int BN, bool Staged>
 void launch(cudaStream_t s, const Args& g, const ExpertPointers& table, int64_t rows) {
   using Z = TileShape<BN>;
   static const bool configured = [] {
     // Sized for the most experts, so one setting serves every call.
-    CUDA_CHECK(cudaFuncSetAttribute(grouped_wgmma_kernel<Forward, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CUDA_CHECK(cudaFuncSetAttribute(grouped_wgmma_kernel<Forward, BN, Staged>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(Z::smem_bytes(kMaxGroupedExperts))));
     return true;
   }();
@@ -407,8 +448,20 @@ void launch(cudaStream_t s, const Args& g, const ExpertPointers& table, int64_t 
   // Every CTA past the device's tile count returns at once; the count is bounded on the host.
   const int64_t tiles = ((rows + kBM - 1) / kBM + g.experts) * g.n_tiles;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sm_count()));
-  grouped_wgmma_kernel<Forward, BN><<<grid, kThreads, Z::smem_bytes(g.experts), s>>>(g, table);
+  grouped_wgmma_kernel<Forward, BN, Staged><<<grid, kThreads, Z::smem_bytes(g.experts), s>>>(g, table);
   CUDA_CHECK_LAUNCH();
+}
+
+template <int BN>
+void launch_width(cudaStream_t s, const Args& g, const ExpertPointers& table, int64_t rows, bool transpose_weight,
+                  bool staged) {
+  if (transpose_weight) {
+    if (staged) launch<true, BN, true>(s, g, table, rows);
+    else launch<true, BN, false>(s, g, table, rows);
+  } else {
+    if (staged) launch<false, BN, true>(s, g, table, rows);
+    else launch<false, BN, false>(s, g, table, rows);
+  }
 }
 
 template <int BN, typename TG>
@@ -434,7 +487,7 @@ bool moe_grouped_gemm_wgmma_supports(DType t, int64_t k, int64_t n) {
 
 void moe_grouped_gemm_wgmma(cudaStream_t s, const void* x, int64_t rows, int64_t k, const ExpertPointers& weights,
                             int experts, bool transpose_weight, const int32_t* offsets, void* y, int64_t n,
-                            bool accumulate, int tile_n) {
+                            bool accumulate, int tile_n, bool staged_epilogue) {
   if (rows == 0 || n == 0) return;
   if (tile_n == 0) tile_n = n >= 256 ? 256 : 128;
   if (tile_n != 128 && tile_n != 256) throw_message("moe_grouped_gemm", "the Hopper kernel's tiles are 128 or 256 wide");
@@ -450,13 +503,11 @@ void moe_grouped_gemm_wgmma(cudaStream_t s, const void* x, int64_t rows, int64_t
                static_cast<int>(n_tiles),
                static_cast<int>((k + kBK - 1) / kBK),
                accumulate};
-  if (tile_n == 128) {
-    if (transpose_weight) launch<true, 128>(s, g, weights, rows);
-    else launch<false, 128>(s, g, weights, rows);
-  } else {
-    if (transpose_weight) launch<true, 256>(s, g, weights, rows);
-    else launch<false, 256>(s, g, weights, rows);
-  }
+  // Accumulating stores from registers: the sum rounds once (staged, the tile would be rounded
+  // to BF16 before the add).
+  const bool staged = staged_epilogue && !accumulate;
+  if (tile_n == 128) launch_width<128>(s, g, weights, rows, transpose_weight, staged);
+  else launch_width<256>(s, g, weights, rows, transpose_weight, staged);
 }
 
 void moe_grouped_gemm_weight_grad_wgmma(cudaStream_t s, const void* dy, const void* x, int64_t rows, int64_t m,
