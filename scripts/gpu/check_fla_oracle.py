@@ -347,26 +347,31 @@ def fla_group_job(jobs, autotune, out_dir):
         return torch.from_numpy(np.array(arr)).to(dev)
 
     def run(inp, scale, h0, dht):
+        """fla's results as numpy arrays, and the exception that stopped the chunked path (or None)."""
         q, k, v, g, beta, do = (tensor(*inp[n]).unsqueeze(0) for n in ("q", "k", "v", "g", "beta", "do"))
         cu = tensor(*inp["cu_seqlens"])
-        dk = q.shape[-1]
-        pad = 128 - dk if 32 < dk <= 64 else 0  # keep fla off the miscompiled BK = 64 tile
-        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
-        q_, k_, v_, g_, b_, h0_ = leaves
-        o, ht = chunk_gated_delta_rule(F.pad(q_, (0, pad)), F.pad(k_, (0, pad)), v_, g_, b_, scale=scale,
-                                       initial_state=F.pad(h0_, (0, 0, 0, pad)), output_final_state=True,
-                                       cu_seqlens=cu)
-        ht = ht[:, :, :dk]
-        torch.autograd.backward([o, ht], [do, dht])
-        out = {"o": o, "final_state": ht, "dq": q_.grad, "dk": k_.grad, "dv": v_.grad, "dg": g_.grad,
-               "dbeta": b_.grad, "dh0": h0_.grad}
+        out, error = {}, None
+        # The recurrent kernel first: a simple one, kept even if the chunked path fails.
         with torch.no_grad():
-            ro, rht = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale, initial_state=h0,
-                                                       output_final_state=True, cu_seqlens=cu)
-        out["recurrent.o"], out["recurrent.final_state"] = ro, rht
+            out["recurrent.o"], out["recurrent.final_state"] = fused_recurrent_gated_delta_rule(
+                q, k, v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        try:
+            dk = q.shape[-1]
+            pad = 128 - dk if 32 < dk <= 64 else 0  # keep fla off the miscompiled BK = 64 tile
+            q_, k_, v_, g_, b_, h0_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta, h0))
+            o, ht = chunk_gated_delta_rule(F.pad(q_, (0, pad)), F.pad(k_, (0, pad)), v_, g_, b_, scale=scale,
+                                           initial_state=F.pad(h0_, (0, 0, 0, pad)), output_final_state=True,
+                                           cu_seqlens=cu)
+            out["o"], out["final_state"] = o, ht[:, :, :dk]
+            torch.autograd.backward([o, out["final_state"]], [do, dht])
+            out.update(dq=q_.grad, dk=k_.grad, dv=v_.grad, dg=g_.grad, dbeta=b_.grad, dh0=h0_.grad)
+        except Exception as e:  # the recurrent results still go back
+            error = e
         torch.cuda.synchronize()
         arrays, bf16 = {}, []
         for n, x in out.items():  # batch dim dropped; BF16 kept as its bits (half the bytes to write)
+            if x is None:
+                continue
             x = x.detach() if n in ("final_state", "dh0", "recurrent.final_state") else x.detach().squeeze(0)
             if x.dtype == torch.bfloat16:
                 arrays[n] = x.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
@@ -374,7 +379,7 @@ def fla_group_job(jobs, autotune, out_dir):
             else:
                 arrays[n] = x.float().cpu().numpy()
         arrays["__bf16__"] = np.array(bf16)
-        return arrays
+        return arrays, error
 
     for case, path in jobs:
         start = time.time()
@@ -385,12 +390,14 @@ def fla_group_job(jobs, autotune, out_dir):
             zeros = torch.zeros(n, hv, d, d, dtype=torch.float32, device=dev)
             h0 = tensor(*inp["h0"]) if case.states else zeros
             dht = tensor(*inp["dht"]) if case.states else zeros
-            save_npz(os.path.join(out_dir, f"{case.name}.fla.A.npz"), run(inp, scale, h0, dht))
-            if case.states:
-                save_npz(os.path.join(out_dir, f"{case.name}.fla.B.npz"), run(inp, scale, zeros, zeros))
+            for variant, states in (("A", (h0, dht)), ("B", (zeros, zeros))) if case.states else (("A", (h0, dht)),):
+                arrays, error = run(inp, scale, *states)
+                save_npz(os.path.join(out_dir, f"{case.name}.fla.{variant}.npz"), arrays)
+                if error is not None:
+                    raise error
             log["cases"][case.name] = {"seconds": round(time.time() - start, 2)}
         except Exception as e:  # reported per case; the other cases still run
-            log["cases"][case.name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=4)}
+            log["cases"][case.name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=-8)}
     return log
 
 
