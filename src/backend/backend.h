@@ -237,6 +237,20 @@ class Backend {
   // the backward overwrites dx = rstd·(dy − y·(y·dy)).
   virtual void l2norm_forward(Stream stream, const Tensor& x, double eps, Tensor& y, Tensor& rstd) = 0;
   virtual void l2norm_backward(Stream stream, const Tensor& y, const Tensor& rstd, const Tensor& dy, Tensor& dx) = 0;
+  // A gated DeltaNet layer's conv and split in one op, with the results of the separate ops (each
+  // stored in its dtype before the next reads it): mixed = causal_conv1d_silu(qkv) [T, C] with
+  // C = 2·Hk·dk + Hv·dv, then q = l2norm(mixed[:, 0, Hk·dk)), k = l2norm(mixed[:, Hk·dk, 2·Hk·dk)),
+  // v = mixed[:, 2·Hk·dk, C). q, k [T, Hk, dk]; v [T, Hv, dv]; q_rstd, k_rstd [T·Hk] (stat dtype).
+  // Fused, mixed and the unnormalised q and k never reach memory.
+  virtual void deltanet_conv_split_forward(Stream stream, const Tensor& qkv, const Tensor& w, const Tensor& doc_ids,
+                                           double eps, Tensor& q, Tensor& k, Tensor& v, Tensor& q_rstd,
+                                           Tensor& k_rstd) = 0;
+  // Its backward: d_mixed = [l2norm_backward(q, dq) | l2norm_backward(k, dk) | dv] (stored in the io
+  // dtype), then causal_conv1d_silu_backward(qkv, w, d_mixed): d_qkv [T, C] overwritten, *dw +=.
+  virtual void deltanet_conv_split_backward(Stream stream, const Tensor& qkv, const Tensor& w, const Tensor& doc_ids,
+                                            const Tensor& q, const Tensor& k, const Tensor& q_rstd,
+                                            const Tensor& k_rstd, const Tensor& dq, const Tensor& dk,
+                                            const Tensor& dv, Tensor& d_qkv, Tensor* dw) = 0;
   // The gates of a gated DeltaNet: g [T, Hv] (stat dtype, log decay ≤ 0) = −exp(A_log)·softplus(a +
   // dt_bias) and beta [T, Hv] = σ(b); a, b [T, Hv], A_log and dt_bias [Hv]. The backward overwrites
   // da and db and adds into *dA_log and *ddt_bias (null: frozen).

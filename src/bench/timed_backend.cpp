@@ -178,6 +178,20 @@ void TimedBackend::l2norm_forward(Stream stream, const Tensor& x, double eps, Te
 void TimedBackend::l2norm_backward(Stream stream, const Tensor& y, const Tensor& rstd, const Tensor& dy, Tensor& dx) {
   timed(stream, C::OtherOps, "l2norm_backward", [&] { inner_.l2norm_backward(stream, y, rstd, dy, dx); });
 }
+void TimedBackend::deltanet_conv_split_forward(Stream stream, const Tensor& qkv, const Tensor& w,
+                                               const Tensor& doc_ids, double eps, Tensor& q, Tensor& k, Tensor& v,
+                                               Tensor& q_rstd, Tensor& k_rstd) {
+  timed(stream, C::OtherOps, "deltanet_conv_split_forward",
+        [&] { inner_.deltanet_conv_split_forward(stream, qkv, w, doc_ids, eps, q, k, v, q_rstd, k_rstd); });
+}
+void TimedBackend::deltanet_conv_split_backward(Stream stream, const Tensor& qkv, const Tensor& w,
+                                                const Tensor& doc_ids, const Tensor& q, const Tensor& k,
+                                                const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& dq,
+                                                const Tensor& dk, const Tensor& dv, Tensor& d_qkv, Tensor* dw) {
+  timed(stream, C::OtherOps, "deltanet_conv_split_backward", [&] {
+    inner_.deltanet_conv_split_backward(stream, qkv, w, doc_ids, q, k, q_rstd, k_rstd, dq, dk, dv, d_qkv, dw);
+  });
+}
 void TimedBackend::gated_delta_gates_forward(Stream stream, const Tensor& a, const Tensor& b, const Tensor& a_log,
                                              const Tensor& dt_bias, Tensor& g, Tensor& beta) {
   timed(stream, C::OtherOps, "gated_delta_gates_forward",

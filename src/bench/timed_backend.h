@@ -159,6 +159,13 @@ class TimedBackend final : public Backend {
                                    const Tensor& dy, Tensor& dx, Tensor* dw) override;
   void l2norm_forward(Stream stream, const Tensor& x, double eps, Tensor& y, Tensor& rstd) override;
   void l2norm_backward(Stream stream, const Tensor& y, const Tensor& rstd, const Tensor& dy, Tensor& dx) override;
+  void deltanet_conv_split_forward(Stream stream, const Tensor& qkv, const Tensor& w, const Tensor& doc_ids,
+                                   double eps, Tensor& q, Tensor& k, Tensor& v, Tensor& q_rstd,
+                                   Tensor& k_rstd) override;
+  void deltanet_conv_split_backward(Stream stream, const Tensor& qkv, const Tensor& w, const Tensor& doc_ids,
+                                    const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd,
+                                    const Tensor& dq, const Tensor& dk, const Tensor& dv, Tensor& d_qkv,
+                                    Tensor* dw) override;
   void gated_delta_gates_forward(Stream stream, const Tensor& a, const Tensor& b, const Tensor& a_log,
                                  const Tensor& dt_bias, Tensor& g, Tensor& beta) override;
   void gated_delta_gates_backward(Stream stream, const Tensor& a, const Tensor& beta, const Tensor& a_log,

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "backend/cpu/deltanet_conv_ops.h"
 #include "backend/cuda/attention_scratch.h"
 #include "backend/cuda/gated_delta_scratch.h"
 
@@ -161,6 +162,19 @@ void DryBackend::gated_delta_rule_backward(Stream, const Tensor& q, const Tensor
   const cuda::DeltaRuleShape sh = delta_rule_shape(q, v, chunk_size);
   const bool tensor_cores = q.dtype() == DType::BF16 && cuda::delta_rule_tensor_core_shape(sh);
   scratch(tensor_cores ? cuda::delta_rule_mma_scratch(sh).backward() : cuda::delta_rule_scratch(sh).backward());
+}
+
+void DryBackend::deltanet_conv_split_forward(Stream stream, const Tensor& qkv, const Tensor& w,
+                                             const Tensor& doc_ids, double eps, Tensor& q, Tensor& k, Tensor& v,
+                                             Tensor& q_rstd, Tensor& k_rstd) {
+  deltanet_conv_split_forward_by_parts(*this, stream, qkv, w, doc_ids, eps, q, k, v, q_rstd, k_rstd);
+}
+
+void DryBackend::deltanet_conv_split_backward(Stream stream, const Tensor& qkv, const Tensor& w,
+                                              const Tensor& doc_ids, const Tensor& q, const Tensor& k,
+                                              const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& dq,
+                                              const Tensor& dk, const Tensor& dv, Tensor& d_qkv, Tensor* dw) {
+  deltanet_conv_split_backward_by_parts(*this, stream, qkv, w, doc_ids, q, k, q_rstd, k_rstd, dq, dk, dv, d_qkv, dw);
 }
 
 MemoryStats DryBackend::memory_stats() {

@@ -114,6 +114,14 @@ class DryBackend final : public Backend {
                                    Tensor*) override {}
   void l2norm_forward(Stream, const Tensor&, double, Tensor&, Tensor&) override {}
   void l2norm_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&) override {}
+  // The separate ops, as every backend runs them for now (their buffers count).
+  void deltanet_conv_split_forward(Stream stream, const Tensor& qkv, const Tensor& w, const Tensor& doc_ids,
+                                   double eps, Tensor& q, Tensor& k, Tensor& v, Tensor& q_rstd,
+                                   Tensor& k_rstd) override;
+  void deltanet_conv_split_backward(Stream stream, const Tensor& qkv, const Tensor& w, const Tensor& doc_ids,
+                                    const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd,
+                                    const Tensor& dq, const Tensor& dk, const Tensor& dv, Tensor& d_qkv,
+                                    Tensor* dw) override;
   void gated_delta_gates_forward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
                                  Tensor&) override {}
   void gated_delta_gates_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,

@@ -1,7 +1,9 @@
 // The depthwise causal conv1d + SiLU of gated DeltaNet layers on the CPU backend: the formula, its
-// backward against finite differences, and the window restarting at every packed document.
+// backward against finite differences, the window restarting at every packed document, and the
+// layer's conv + split op (q and k L2-normalised).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <random>
 
 #include "backend/backend.h"
@@ -90,4 +92,46 @@ TEST_F(CausalConv1d, TwoPackedDocumentsGiveWhatEachGivesAlone) {
   Tensor y_joined = be->empty(x.shape(), DType::F64);
   be->causal_conv1d_silu_forward(st, x, w, int_tensor(*be, std::vector<int>(a + b, 0)), y_joined);
   EXPECT_GT(max_abs_difference(to_host(*be, y_joined), packed), 1e-3);
+}
+
+// The gated DeltaNet's conv and split as one op: q and k are the first two column blocks of the
+// conv's output, each key head L2-normalised, v the rest; its backward against finite differences
+// of a projection of all three (through the norms, the split and the conv), over two documents.
+TEST_F(CausalConv1d, ConvSplitNormalisesQAndKAndItsBackwardMatchesFiniteDifferences) {
+  const int64_t t = 7, hk = 2, dk = 3, hv = 2, dv = 2, key = hk * dk, value = hv * dv, c = 2 * key + value, k = 4;
+  Tensor x = random_tensor(*be, Shape{t, c}, DType::F64, rng);
+  Tensor w = random_tensor(*be, Shape{c, 1, k}, DType::F64, rng);
+  Tensor ids = int_tensor(*be, {0, 0, 0, 1, 1, 1, 1});
+  const Shape qs{t, hk, dk}, vs{t, hv, dv};
+  Tensor q = be->empty(qs, DType::F64), kk = be->empty(qs, DType::F64), v = be->empty(vs, DType::F64);
+  Tensor q_rstd = be->empty(Shape{t * hk}, DType::F64), k_rstd = be->empty(Shape{t * hk}, DType::F64);
+  be->deltanet_conv_split_forward(st, x, w, ids, 1e-6, q, kk, v, q_rstd, k_rstd);
+
+  Tensor mixed = be->empty(Shape{t, c}, DType::F64);
+  be->causal_conv1d_silu_forward(st, x, w, ids, mixed);
+  const auto ms = to_host(*be, mixed), gq = to_host(*be, q), gk = to_host(*be, kk), gv = to_host(*be, v);
+  for (int64_t i = 0; i < t; ++i) {
+    for (int64_t h = 0; h < hk; ++h)
+      for (int64_t part = 0; part < 2; ++part) {
+        const double* head = &ms[i * c + part * key + h * dk];
+        double ss = 1e-6;
+        for (int64_t j = 0; j < dk; ++j) ss += head[j] * head[j];
+        for (int64_t j = 0; j < dk; ++j)
+          EXPECT_NEAR((part ? gk : gq)[(i * hk + h) * dk + j], head[j] / std::sqrt(ss), 1e-14) << i << "," << h;
+      }
+    for (int64_t j = 0; j < value; ++j) EXPECT_EQ(gv[i * value + j], ms[i * c + 2 * key + j]) << i << "," << j;
+  }
+
+  Tensor pq = random_tensor(*be, qs, DType::F64, rng), pk = random_tensor(*be, qs, DType::F64, rng),
+         pv = random_tensor(*be, vs, DType::F64, rng);
+  auto objective = [&] {
+    be->deltanet_conv_split_forward(st, x, w, ids, 1e-6, q, kk, v, q_rstd, k_rstd);
+    return dot(*be, q, pq) + dot(*be, kk, pk) + dot(*be, v, pv);
+  };
+  objective();  // q, k and their rstd at x
+  Tensor dx = be->empty(Shape{t, c}, DType::F64), dw = be->zeros(w.shape(), DType::F64);
+  be->deltanet_conv_split_backward(st, x, w, ids, q, kk, q_rstd, k_rstd, pq, pk, pv, dx, &dw);
+  const std::vector<double> dxs = to_host(*be, dx), dws = to_host(*be, dw);
+  expect_gradient(*be, x, objective, dxs, 1e-7, "dx");
+  expect_gradient(*be, w, objective, dws, 1e-7, "dw");
 }

@@ -110,8 +110,8 @@ TEST(Bench, TimedBackendForwardsTheHybridMoeOps) {
         << plain.parameters()[i].name;
   std::set<std::string> labels;
   for (const OpTime& t : recorder.op_table()) labels.insert(t.label);
-  for (const char* op : {"gated_delta_rule_forward", "gated_delta_rule_backward", "causal_conv1d_silu_forward",
-                         "gated_rmsnorm_backward", "rope_partial", "sigmoid_gate_backward", "moe_router_forward",
+  for (const char* op : {"gated_delta_rule_forward", "gated_delta_rule_backward", "deltanet_conv_split_forward",
+                         "deltanet_conv_split_backward", "gated_rmsnorm_backward", "rope_partial", "sigmoid_gate_backward", "moe_router_forward",
                          "shared_expert_gate_forward", "shared_expert_gate_backward"})
     EXPECT_TRUE(labels.count(op)) << op << " was not recorded";
 }

@@ -17,6 +17,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/quant4_ops.h"
 #include "backend/cpu/gated_delta_ops.h"
+#include "backend/cpu/deltanet_conv_ops.h"
 #include "backend/cpu/host_memory.h"
 #include "backend/cpu/gated_delta_state_ops.h"
 #include "backend/cpu/moe_grouped_gemm.h"
@@ -682,6 +683,17 @@ class CpuBackend final : public Backend {
   }
   void l2norm_backward(Stream, const Tensor& y, const Tensor& rstd, const Tensor& dy, Tensor& dx) override {
     cpu::l2norm_backward(y, rstd, dy, dx);
+  }
+  void deltanet_conv_split_forward(Stream stream, const Tensor& qkv, const Tensor& w, const Tensor& doc_ids,
+                                   double eps, Tensor& q, Tensor& k, Tensor& v, Tensor& q_rstd,
+                                   Tensor& k_rstd) override {
+    deltanet_conv_split_forward_by_parts(*this, stream, qkv, w, doc_ids, eps, q, k, v, q_rstd, k_rstd);
+  }
+  void deltanet_conv_split_backward(Stream stream, const Tensor& qkv, const Tensor& w, const Tensor& doc_ids,
+                                    const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd,
+                                    const Tensor& dq, const Tensor& dk, const Tensor& dv, Tensor& d_qkv,
+                                    Tensor* dw) override {
+    deltanet_conv_split_backward_by_parts(*this, stream, qkv, w, doc_ids, q, k, q_rstd, k_rstd, dq, dk, dv, d_qkv, dw);
   }
   void gated_delta_gates_forward(Stream, const Tensor& a, const Tensor& b, const Tensor& a_log, const Tensor& dt_bias,
                                  Tensor& g, Tensor& beta) override {

@@ -22,6 +22,7 @@
 #include <string>
 #include <tuple>
 
+#include "backend/cpu/deltanet_conv_ops.h"
 #include "backend/cpu/quant4_ops.h"
 #include "backend/cuda/attention_cudnn.h"
 #include "backend/cuda/context.h"
@@ -549,6 +550,19 @@ class CudaBackend final : public Backend {
     const int64_t c = y.dim(y.rank() - 1), rows = c ? y.numel() / c : 0;
     require_stat(rstd, rows, "l2norm_backward rstd");
     cuda::l2norm_backward(s(stream), y.data(), rstd.data_as<float>(), dy.data(), dx.data(), y.dtype(), rows, c);
+  }
+
+  // The separate ops (each checks its tensors).
+  void deltanet_conv_split_forward(Stream stream, const Tensor& qkv, const Tensor& w, const Tensor& doc_ids,
+                                   double eps, Tensor& q, Tensor& k, Tensor& v, Tensor& q_rstd,
+                                   Tensor& k_rstd) override {
+    deltanet_conv_split_forward_by_parts(*this, stream, qkv, w, doc_ids, eps, q, k, v, q_rstd, k_rstd);
+  }
+  void deltanet_conv_split_backward(Stream stream, const Tensor& qkv, const Tensor& w, const Tensor& doc_ids,
+                                    const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd,
+                                    const Tensor& dq, const Tensor& dk, const Tensor& dv, Tensor& d_qkv,
+                                    Tensor* dw) override {
+    deltanet_conv_split_backward_by_parts(*this, stream, qkv, w, doc_ids, q, k, q_rstd, k_rstd, dq, dk, dv, d_qkv, dw);
   }
 
   void gated_delta_gates_forward(Stream stream, const Tensor& a, const Tensor& b, const Tensor& a_log,

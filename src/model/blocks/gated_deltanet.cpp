@@ -82,7 +82,7 @@ void GatedDeltaNet::forward(const LayerContext& ctx, const Tensor& xn, MixerActi
   GatedDeltaNetActivations& a = m.gated_deltanet;
   Backend& be = ctx.backend;
   const Stream st = ctx.stream;
-  const int64_t t = ctx.tokens(), key = key_heads_ * key_dim_, value = value_heads_ * value_dim_;
+  const int64_t t = ctx.tokens();
   qkv_.forward(be, st, xn, a.qkv, a.in_proj_qkv);
   z_.forward(be, st, xn, a.z, a.in_proj_z);
   b_.forward(be, st, xn, a.b, a.in_proj_b);
@@ -101,16 +101,10 @@ void GatedDeltaNet::forward(const LayerContext& ctx, const Tensor& xn, MixerActi
     return;
   }
 
-  // Conv over every channel, then split: q and k are normalised, v goes to the delta rule as is.
-  Tensor mixed = be.empty(a.qkv.shape(), ctx.dtype);  // [T, C]
-  be.causal_conv1d_silu_forward(st, a.qkv, conv_->value, ctx.batch.doc_ids, mixed);
-  Tensor q_raw = be.empty(Shape{t, key}, ctx.dtype), k_raw = be.empty(Shape{t, key}, ctx.dtype);
-  Tensor v_flat = a.v.reshape(Shape{t, value});
-  be.copy_columns(st, mixed, 0, q_raw, 0, key);
-  be.copy_columns(st, mixed, key, k_raw, 0, key);
-  be.copy_columns(st, mixed, 2 * key, v_flat, 0, value);
-  be.l2norm_forward(st, q_raw.reshape(a.q.shape()), kL2NormEps, a.q, a.q_rstd);
-  be.l2norm_forward(st, k_raw.reshape(a.k.shape()), kL2NormEps, a.k, a.k_rstd);
+  // Conv over every channel, then split: q and k are normalised, v goes to the delta rule as is (one
+  // op, so a backend can fuse the split into the conv and never store the conv's output [T, C]).
+  be.deltanet_conv_split_forward(st, a.qkv, conv_->value, ctx.batch.doc_ids, kL2NormEps, a.q, a.k, a.v, a.q_rstd,
+                                 a.k_rstd);
   be.gated_delta_gates_forward(st, a.a, a.b, a_log_->value, dt_bias_->value, a.g, a.beta);
 
   if (run_core) {
@@ -157,7 +151,7 @@ void GatedDeltaNet::backward(const LayerContext& ctx, const Tensor& xn, const Mi
   Backend& be = ctx.backend;
   const Stream st = ctx.stream;
   const DType dt = ctx.dtype;
-  const int64_t t = ctx.tokens(), key = key_heads_ * key_dim_, value = value_heads_ * value_dim_;
+  const int64_t t = ctx.tokens(), value = value_heads_ * value_dim_;
   const Shape head_rows{t * value_heads_, value_dim_};
 
   Tensor d_normed = be.empty(Shape{t, value}, dt);
@@ -183,16 +177,10 @@ void GatedDeltaNet::backward(const LayerContext& ctx, const Tensor& xn, const Mi
   be.gated_delta_gates_backward(st, a.a, a.beta, a_log_->value, dt_bias_->value, a.g, dg, dbeta, da, db,
                                 trainable_grad(*a_log_), trainable_grad(*dt_bias_));
 
-  // Back through the L2 norms and the split into the conv's output gradient [T, C].
-  Tensor d_mixed = be.empty(a.qkv.shape(), dt);
-  Tensor dq_raw = be.empty(a.q.shape(), dt), dk_raw = be.empty(a.k.shape(), dt);
-  be.l2norm_backward(st, a.q, a.q_rstd, dq, dq_raw);
-  be.l2norm_backward(st, a.k, a.k_rstd, dk, dk_raw);
-  be.copy_columns(st, dq_raw.reshape(Shape{t, key}), 0, d_mixed, 0, key);
-  be.copy_columns(st, dk_raw.reshape(Shape{t, key}), 0, d_mixed, key, key);
-  be.copy_columns(st, dv.reshape(Shape{t, value}), 0, d_mixed, 2 * key, value);
+  // Back through the L2 norms, the split and the conv.
   Tensor d_qkv = be.empty(a.qkv.shape(), dt);
-  be.causal_conv1d_silu_backward(st, a.qkv, conv_->value, ctx.batch.doc_ids, d_mixed, d_qkv, trainable_grad(*conv_));
+  be.deltanet_conv_split_backward(st, a.qkv, conv_->value, ctx.batch.doc_ids, a.q, a.k, a.q_rstd, a.k_rstd, dq, dk,
+                                  dv, d_qkv, trainable_grad(*conv_));
 
   projections_backward(ctx, xn, a, d_qkv, dz, db, da, dxn);
 }
