@@ -223,6 +223,27 @@ void bench(Backend& be, const Sizes& z) {
     }
     if (restore.empty()) ::unsetenv("SPINDLE_MOE_GEMM");
     else ::setenv("SPINDLE_MOE_GEMM", restore.c_str(), 1);
+    // Where the Hopper kernel's time goes, on the gate's shape: every row in expert 0 (one dense
+    // GEMM: no ragged tiles, one expert's weights; against cuBLAS below), and the real routing with
+    // every expert reading expert 0's weights (no weight traffic beyond the L2).
+    if (major == 9) {
+      std::vector<int32_t> one(static_cast<size_t>(E + 1), static_cast<int32_t>(N));
+      one[0] = 0;
+      Tensor one_offsets = be.empty(Shape{E + 1}, DType::I32);
+      be.copy_from_host(st, one.data(), one_offsets);
+      cuda::ExpertPointers same{};
+      for (int64_t e = 0; e < E; ++e) same.p[e] = gate[0].data();
+      row("wgmma 256 gate, all rows in one expert", median_ms(be, [&] {
+            cuda::moe_grouped_gemm_wgmma(cs, x.data(), N, H, gate_table, static_cast<int>(E), true,
+                                         one_offsets.data_as<int32_t>(), g.data(), I, false, 256, true);
+          }),
+          gemm_gu, 0);
+      row("wgmma 256 gate, every expert W_g of expert 0", median_ms(be, [&] {
+            cuda::moe_grouped_gemm_wgmma(cs, x.data(), N, H, same, static_cast<int>(E), true, off, g.data(), I, false,
+                                         256, true);
+          }),
+          gemm_gu, 0);
+    }
   }
 
   std::printf(" references\n");
