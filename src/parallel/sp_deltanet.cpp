@@ -49,6 +49,26 @@ RuleInputs rule_inputs(Backend& be, Stream st, const DeltaNetHeads& h, const Ten
   return x;
 }
 
+// The same from qkv [T, C] of the tokens' own documents (no halo): the conv, split and norms as one
+// op (Backend::deltanet_conv_split_forward; a backend may fuse them), then the gates.
+RuleInputs conv_rule_inputs(Backend& be, Stream st, const DeltaNetHeads& h, const Tensor& doc_ids, const Tensor& qkv,
+                            const Tensor& a, const Tensor& b) {
+  const int64_t t = qkv.dim(0);
+  const DType dt = qkv.dtype(), sdt = stat_dtype(dt);
+  const Shape key_shape{t, h.key_heads, h.key_dim};
+  RuleInputs x;
+  x.q = be.empty(key_shape, dt);
+  x.k = be.empty(key_shape, dt);
+  x.q_rstd = be.empty(Shape{t * h.key_heads}, sdt);
+  x.k_rstd = be.empty(Shape{t * h.key_heads}, sdt);
+  x.v = be.empty(Shape{t, h.value_heads, h.value_dim}, dt);
+  be.deltanet_conv_split_forward(st, qkv, h.conv, doc_ids, h.l2norm_eps, x.q, x.k, x.v, x.q_rstd, x.k_rstd);
+  x.g = be.empty(Shape{t, h.value_heads}, sdt);
+  x.beta = be.empty(Shape{t, h.value_heads}, dt);
+  be.gated_delta_gates_forward(st, a, b, h.a_log, h.dt_bias, x.g, x.beta);
+  return x;
+}
+
 struct RuleGrads {
   Tensor dq, dk, dv, dg, dbeta;
 };
@@ -80,24 +100,21 @@ void rule_inputs_backward(Backend& be, Stream st, const DeltaNetHeads& h, const 
 
 void LocalDeltaNet::forward(Backend& be, Stream st, const MicroBatch& batch, const DeltaNetHeads& h, const Tensor& qkv,
                             const Tensor& a, const Tensor& b, Tensor& core) {
-  Tensor mixed = be.empty(qkv.shape(), qkv.dtype());  // [T, C]
-  be.causal_conv1d_silu_forward(st, qkv, h.conv, batch.doc_ids, mixed);
-  const RuleInputs x = rule_inputs(be, st, h, mixed, a, b);
+  const RuleInputs x = conv_rule_inputs(be, st, h, batch.doc_ids, qkv, a, b);
   be.gated_delta_rule_forward(st, x.q, x.k, x.v, x.g, x.beta, batch.doc_ids, h.scale, h.chunk_size, core);
 }
 
 void LocalDeltaNet::backward(Backend& be, Stream st, const MicroBatch& batch, const DeltaNetHeads& h,
                              const Tensor& qkv, const Tensor& a, const Tensor& b, const Tensor& d_core, Tensor& d_qkv,
                              Tensor& da, Tensor& db) {
-  Tensor mixed = be.empty(qkv.shape(), qkv.dtype());  // recomputed: the strategy keeps nothing
-  be.causal_conv1d_silu_forward(st, qkv, h.conv, batch.doc_ids, mixed);
-  const RuleInputs x = rule_inputs(be, st, h, mixed, a, b);
+  const RuleInputs x = conv_rule_inputs(be, st, h, batch.doc_ids, qkv, a, b);  // recomputed: the strategy keeps nothing
   RuleGrads d = empty_rule_grads(be, x);
   be.gated_delta_rule_backward(st, x.q, x.k, x.v, x.g, x.beta, batch.doc_ids, h.scale, h.chunk_size, d_core, d.dq,
                                d.dk, d.dv, d.dg, d.dbeta);
-  Tensor d_mixed = be.empty(qkv.shape(), qkv.dtype());
-  rule_inputs_backward(be, st, h, x, a, d, d_mixed, da, db);
-  be.causal_conv1d_silu_backward(st, qkv, h.conv, batch.doc_ids, d_mixed, d_qkv, h.conv_grad);
+  be.gated_delta_gates_backward(st, a, x.beta, h.a_log, h.dt_bias, x.g, d.dg, d.dbeta, da, db, h.a_log_grad,
+                                h.dt_bias_grad);
+  be.deltanet_conv_split_backward(st, qkv, h.conv, batch.doc_ids, x.q, x.k, x.q_rstd, x.k_rstd, d.dq, d.dk, d.dv,
+                                  d_qkv, h.conv_grad);
 }
 
 // ---- Ulysses --------------------------------------------------------------------------------------
