@@ -412,8 +412,8 @@ std::vector<int> skewed_offsets(int64_t experts, int scale, std::mt19937_64& rng
 }
 
 // The Hopper kernels (SPINDLE_MOE_GEMM=wgmma) and the mma.sync ones against the CPU (F64) and each
-// other, BF16: the forward (y = x·W_eᵀ, every row written: y starts as NaN), the accumulating
-// input gradient (dx += dy·W_e) and the F32 weight gradient (dW_e += dy_eᵀ·x_e), with k tails (200 = 3·64 + 8), column tails (136, 520), a single
+// other, BF16: the forward (y = x·W_eᵀ, every row written: y starts as NaN), the input gradient
+// overwriting (dx = dy·W_e) and accumulating (dx += dy·W_e), and the F32 weight gradient (dW_e += dy_eᵀ·x_e), with k tails (200 = 3·64 + 8), column tails (136, 520), a single
 // k step (k 64: the copies run several tiles ahead), more tiles than SMs (each CTA of the
 // persistent grid takes several), and 128- and 256-wide tiles (n 256 and above).
 TEST_F(CudaMoe, GroupedGemmWgmmaMatchesMmaAndCpu) {
@@ -440,7 +440,9 @@ TEST_F(CudaMoe, GroupedGemmWgmmaMatchesMmaAndCpu) {
     cpu->moe_grouped_gemm(cs, on(*cpu, x, Shape{rows, c.in}, DType::F64), cw, true, coff, cy, false);
     Tensor cdx = on(*cpu, base, Shape{rows, c.in}, DType::F64);
     cpu->moe_grouped_gemm(cs, on(*cpu, dy, Shape{rows, c.out}, DType::F64), cw, false, coff, cdx, true);
-    const std::vector<double> want_y = to_host(*cpu, cy), want_dx = to_host(*cpu, cdx);
+    Tensor cdx0 = cpu->empty(Shape{rows, c.in}, DType::F64);
+    cpu->moe_grouped_gemm(cs, on(*cpu, dy, Shape{rows, c.out}, DType::F64), cw, false, coff, cdx0, false);
+    const std::vector<double> want_y = to_host(*cpu, cy), want_dx = to_host(*cpu, cdx), want_dx0 = to_host(*cpu, cdx0);
     std::vector<double> got_y[2], got_dx[2];
     const char* kernels[2] = {"mma", "wgmma"};
     for (int i = 0; i < 2; ++i) {
@@ -454,6 +456,9 @@ TEST_F(CudaMoe, GroupedGemmWgmmaMatchesMmaAndCpu) {
       gpu->moe_grouped_gemm(gs, gdy, gw, false, goff, gdx, true);
       got_dx[i] = to_host(*gpu, gdx);
       expect_close(got_dx[i], want_dx, tol_for(t), "input gradient");
+      Tensor gdx0 = poisoned(Shape{rows, c.in}, t);  // not accumulating: written whole
+      gpu->moe_grouped_gemm(gs, gdy, gw, false, goff, gdx0, false);
+      expect_close(to_host(*gpu, gdx0), want_dx0, tol_for(t), "input gradient, overwritten");
     }
     // The Hopper kernel's other epilogue (stores from registers; the backend stages the tile in
     // shared memory unless it accumulates), forward, 128- and 256-wide tiles.
