@@ -11,8 +11,9 @@ spindle, root = sys.argv[1], sys.argv[2]
 device = os.environ.get("SPINDLE_EVAL_DEVICE", "cpu")
 tolerance = 1e-5 if device == "cpu" else 1e-2
 failures = 0
-for case in ["llama", "qwen2", "qwen3", "qwen2_lora", "llama_rslora", "qwen3_5_moe", "qwen3_5_moe_lora",
-             "qwen3_5_moe_text", "qwen3_moe_expert_lora", "qwen3_5_moe_expert_lora"]:
+for case in ["llama", "qwen2", "qwen3", "qwen2_lora", "llama_rslora", "qwen3_5", "qwen3_5_lora", "qwen3_moe",
+             "qwen3_moe_lora", "qwen3_5_moe", "qwen3_5_moe_lora", "qwen3_5_moe_text", "qwen3_moe_expert_lora",
+             "qwen3_5_moe_expert_lora"]:
     d = os.path.join(root, "testdata", "hf", case)
     cmd = [spindle, "eval", "--model", d, "--data", os.path.join(d, "data.jsonl"), "--max-length", "48",
            "--device", device]

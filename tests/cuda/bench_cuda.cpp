@@ -15,6 +15,9 @@
 // the engine's own kernels (the simple ones: no tensor-core kernel takes 256) against cuDNN.
 // --delta-states: the state-passing delta rule (ring sequence parallelism over DeltaNet layers) at
 // Qwen3.6's DeltaNet shape (Hk 16, Hv 32, dk = dv = 128), one run, forward and backward.
+// --cudnn-workspace: the workspace cuDNN's own plans ask for, forward and backward, one causal
+// document at the attention shapes of the configs/ models, 4k to 1M tokens (builds plans only, runs
+// nothing), for the plan's model of it (backend/cuda/attention_scratch.h).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -394,6 +397,7 @@ int main(int argc, char** argv) {
   const bool delta_states = argc > 1 && std::strcmp(argv[1], "--delta-states") == 0;
   const bool overlap = argc > 1 && std::strcmp(argv[1], "--overlap") == 0;
   const bool lora = argc > 1 && std::strcmp(argv[1], "--lora") == 0;
+  const bool cudnn_workspace = argc > 1 && std::strcmp(argv[1], "--cudnn-workspace") == 0;
   if (cuda_device_count() == 0) {
     std::printf("bench_cuda: no CUDA device\n");
     return 0;
@@ -404,6 +408,32 @@ int main(int argc, char** argv) {
     std::printf("device: %s, %d SMs, %.0f MiB, L2 %d MiB\n", prop.name, prop.multiProcessorCount,
                 prop.totalGlobalMem / 1048576.0, prop.l2CacheSize >> 20);
     auto be = make_cuda_backend(0);
+    if (cudnn_workspace) {
+      if (!cuda::attention_cudnn_built()) {
+        std::printf("bench_cuda: built without cuDNN\n");
+        return 0;
+      }
+      // hq, hkv, d: Qwen2.5-1.5B, Qwen2.5-7B, Qwen2.5-72B, Qwen3-30B-A3B, Qwen3.6-35B-A3B
+      const int shapes[][3] = {{12, 2, 128}, {28, 4, 128}, {64, 8, 128}, {32, 4, 128}, {16, 2, 256}};
+      std::printf("%5s %4s %4s %9s %16s %16s %14s\n", "hq", "hkv", "d", "tokens", "forward bytes", "backward bytes",
+                  "bwd / (T·Hq·D)");
+      for (const auto& sh : shapes)
+        for (int64_t t : {4096, 32768, 131072, 524288, 1048576}) {
+          const cuda::AttentionShape a{t, t, sh[0], sh[1], sh[2]};
+          int64_t fwd = 0, bwd = 0;
+          try {
+            fwd = cuda::attention_cudnn_workspace_bytes(a, cuda::CudnnMask::Causal, false);
+            bwd = cuda::attention_cudnn_workspace_bytes(a, cuda::CudnnMask::Causal, true);
+          } catch (const Error& e) {
+            std::printf("%5d %4d %4d %9lld  no plan: %s\n", sh[0], sh[1], sh[2], static_cast<long long>(t), e.what());
+            continue;
+          }
+          std::printf("%5d %4d %4d %9lld %16lld %16lld %14.4f\n", sh[0], sh[1], sh[2], static_cast<long long>(t),
+                      static_cast<long long>(fwd), static_cast<long long>(bwd),
+                      static_cast<double>(bwd) / static_cast<double>(t * sh[0] * sh[2]));
+        }
+      return 0;
+    }
     if (profile || profile_packed || packed) {
       g_profile = profile || profile_packed;
       auto own = make_cuda_backend(0, {CudaAttention::Own});  // the engine's own kernels

@@ -70,6 +70,9 @@ bool attention_cudnn_built() { return false; }
 void throw_cudnn(int status, const char* call, const char* file, int line) {
   fail("cuDNN error {} in {} at {}:{} (this build has no cuDNN)", status, call, file, line);
 }
+int64_t attention_cudnn_workspace_bytes(const AttentionShape&, CudnnMask, bool) {
+  fail("cuDNN attention's workspace: this build has no cuDNN");
+}
 void attention_forward_cudnn(cudaStream_t, const AttentionShape&, CudnnMask, const void*, const void*, const void*,
                              float, void*, float*) {
   fail("attention_forward: cuDNN attention, but this build has no cuDNN (install cuDNN 9 and re-run cmake, "
@@ -474,14 +477,11 @@ Cache& cache() {
   return *c;
 }
 
-// Runs the plan for (sh, mask, backward) on stream s, binding uids to pointers; builds it first
-// if needed. `ws_user` gets the workspace pointer (backward binds its F32 buffers in it).
-template <typename Bind>
-void run(cudaStream_t s, const AttentionShape& sh, CudnnMask mask, bool backward, Bind&& bind) {
+// The cached plan for (sh, mask, backward) on the current device, built first if needed, and the
+// device's handle. Call with the cache's mutex held.
+const Plan& cached_plan(Cache& c, const AttentionShape& sh, CudnnMask mask, bool backward, cudnnHandle_t* handle) {
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  Cache& c = cache();
-  std::lock_guard<std::mutex> lock(c.mu);
   auto [hit, fresh] = c.handles.try_emplace(device, nullptr);
   if (fresh) {
     cudnnHandle_t h = nullptr;
@@ -493,8 +493,7 @@ void run(cudaStream_t s, const AttentionShape& sh, CudnnMask mask, bool backward
     }
     hit->second = h;
   }
-  cudnnHandle_t h = hit->second;
-  CUDNN_CHECK(cudnnSetStream(h, s));
+  *handle = hit->second;
   const Key key{device, sh.tq, sh.tk, sh.hq, sh.hkv, sh.d, mask, backward};
   auto it = c.plans.find(key);
   if (it == c.plans.end()) {
@@ -507,11 +506,22 @@ void run(cudaStream_t s, const AttentionShape& sh, CudnnMask mask, bool backward
       c.built.erase(oldest);
     }
     const Layout L{sh.tq, sh.tk, sh.hq, sh.hkv, sh.d};
-    Plan built = backward ? build_backward(h, L, mask) : build_forward(h, L, mask);
+    Plan built = backward ? build_backward(*handle, L, mask) : build_forward(*handle, L, mask);
     it = c.plans.emplace(key, std::move(built)).first;
     c.built.push_back(key);
   }
-  const Plan& plan = it->second;
+  return it->second;
+}
+
+// Runs the plan for (sh, mask, backward) on stream s, binding uids to pointers; builds it first
+// if needed. `ws_user` gets the workspace pointer (backward binds its F32 buffers in it).
+template <typename Bind>
+void run(cudaStream_t s, const AttentionShape& sh, CudnnMask mask, bool backward, Bind&& bind) {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  cudnnHandle_t h = nullptr;
+  const Plan& plan = cached_plan(c, sh, mask, backward, &h);
+  CUDNN_CHECK(cudnnSetStream(h, s));
   Scratch ws(s, static_cast<size_t>(plan.total()));
   std::vector<int64_t> uids;
   std::vector<void*> ptrs;
@@ -533,6 +543,14 @@ void require(const AttentionShape& sh, CudnnMask mask, const char* op) {
 }
 
 }  // namespace
+
+int64_t attention_cudnn_workspace_bytes(const AttentionShape& sh, CudnnMask mask, bool backward) {
+  require(sh, mask, backward ? "attention_backward" : "attention_forward");
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  cudnnHandle_t h = nullptr;
+  return cached_plan(c, sh, mask, backward, &h).workspace;
+}
 
 void attention_forward_cudnn(cudaStream_t s, const AttentionShape& sh, CudnnMask mask, const void* q, const void* k,
                              const void* v, float scale, void* out, float* lse) {

@@ -23,6 +23,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "backend/cuda/kernels.h"
@@ -42,6 +43,11 @@ CudnnMask attention_cudnn_classify(cudaStream_t s, const AttentionShape& sh, con
 // `io`: q/k/v dtype; `outs`: the out (forward) or gradient (backward) dtype.
 bool attention_cudnn_supports(const AttentionShape& sh, DType io, DType outs, CudnnMask mask,
                               std::string* why = nullptr);
+
+// The workspace cuDNN's own execution plan asks for (bytes; building the plan if needed), without
+// the F32 buffers the engine binds beside it. Measured per shape for `spindle plan`
+// (attention_scratch.h; bench_cuda --cudnn-workspace).
+int64_t attention_cudnn_workspace_bytes(const AttentionShape& sh, CudnnMask mask, bool backward);
 
 // out [tq, hq, d] BF16, lse F32 [hq, tq] = natural log of the scaled softmax denominator
 // (max_j s_ij + log Σ_j exp(s_ij − max), s = scale·q·kᵀ) — cuDNN's "Stats" output.
