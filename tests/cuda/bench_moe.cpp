@@ -290,7 +290,9 @@ int main(int argc, char** argv) {
     auto be = make_cuda_backend(0);
     const char* kernel = std::getenv("SPINDLE_MOE_GEMM");
     std::printf("grouped GEMMs: SPINDLE_MOE_GEMM=%s (%s)\n\n", kernel ? kernel : "",
-                cuda::moe_gemm_kernel_choice() == cuda::MoeGemmKernel::Wgmma ? "wgmma where it applies" : "mma.sync");
+                cuda::moe_gemm_kernel_choice() == cuda::MoeGemmKernel::Mma     ? "mma.sync"
+                : cuda::moe_gemm_kernel_choice() == cuda::MoeGemmKernel::Wgmma ? "wgmma where it applies"
+                                                                               : "wgmma where it applies, mma.sync for dW");
     std::vector<Sizes> runs{{"Qwen3-30B-A3B MoE layer", 16384, 2048, 128, 8, 768},
                             {"Qwen3.6-35B-A3B MoE layer (routed experts)", 16384, 2048, 256, 8, 512}};
     if (argc >= 2) {

@@ -60,13 +60,13 @@ struct ExpertPointers {
 void moe_grouped_gemm(cudaStream_t s, DType t, const void* x, int64_t rows, int64_t k, const ExpertPointers& weights,
                       int experts, bool transpose_weight, const int32_t* offsets, void* y, int64_t n,
                       bool accumulate);
-// Which kernel runs the grouped GEMMs (forward, input and weight gradients), from the environment
-// variable SPINDLE_MOE_GEMM, read at each call (docs/usage.md): "mma" the mma.sync kernels
-// everywhere; "wgmma" the Hopper kernels (moe_grouped_gemm_wgmma.cu) wherever they apply (compute
-// capability 9.x, BF16, the two non-ragged sizes multiples of 8 and at least 64), mma.sync
-// elsewhere; "auto" or unset: the default of moe_grouped_gemm.cu. Any other value is an error
-// naming these.
-enum class MoeGemmKernel { Mma, Wgmma };
+// Which kernels run the grouped GEMMs, from the environment variable SPINDLE_MOE_GEMM, read at each
+// call (docs/usage.md). Where the Hopper kernels (moe_grouped_gemm_wgmma.cu) apply (compute
+// capability 9.x, BF16, the two non-ragged sizes multiples of 8 and at least 64): "auto" or unset
+// takes them for the forward and the input gradients and mma.sync for the weight gradient (measured
+// faster there, docs/perf.md); "wgmma" takes them for all three; "mma" never. Elsewhere mma.sync
+// runs. Any other value is an error naming these.
+enum class MoeGemmKernel { Auto, Mma, Wgmma };
 MoeGemmKernel moe_gemm_kernel_choice();
 
 // The Hopper kernel's launcher (moe_grouped_gemm.cu calls it when it applies: supports(), a 9.x
