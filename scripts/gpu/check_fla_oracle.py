@@ -24,8 +24,8 @@ multiplied by exp(g)), F32; beta multiplies the update; value head h reads key h
 (fla's grouped value heads); states are [N, Hv, dk, dv].
 
 fla on Hopper with Triton 3.4 .. 3.7.0 (the GPU host has 3.6): fla 0.6.0 refuses the gated chunk
-backward there (its issue 640: Triton miscompiles chunk_bwd_kernel_dqkwg at a key tile BK = 64 and
-corrupts dk, dg and dbeta). The miscompile needs BK = 64; on Hopper fla tiles keys by 128, so BK is
+backward there (Triton miscompiles its chunk_bwd_kernel_dqkwg at a key tile BK = 64, which corrupts
+dk, dg and dbeta; Triton 3.7.1 fixes it). The miscompile needs BK = 64; on Hopper fla tiles keys by 128, so BK is
 64 only for 33 <= dk <= 64. This script zero-pads such keys to 128 (q and k gain zero columns, h0
 zero rows: the recurrence and every gradient of the real columns are unchanged) and lifts fla's guard
 for its calls, which then never run the BK = 64 tile. FLA_DISABLE_BACKEND_DISPATCH=1 keeps fla on
@@ -611,6 +611,8 @@ def main():
     ap.add_argument("--tool", help="gated_delta_io (default: build-bundle-lead/bin, then build/tests/cuda)")
     ap.add_argument("--cases", help="comma-separated case names (default: every case of the device)")
     ap.add_argument("--autotune", choices=["first", "full"], default="first")
+    ap.add_argument("--fla-dtypes", default="bf16",
+                    help="the case dtypes fla runs (bf16,f32: fla's F32 compiles did not finish in a minute on an H200)")
     ap.add_argument("--budget", type=float, default=0, help="seconds; results not in by then are reported missing")
     ap.add_argument("--workdir", help="keep inputs and results here (default: a temporary folder)")
     ap.add_argument("--self-test", action="store_true")
@@ -635,8 +637,9 @@ def main():
     # 1. Inputs, drawn side by side in the pool that runs the f64 references afterwards.
     ctx = mp.get_context("spawn")
     groups = {}
-    if args.device == "cuda":
-        for c in cases:
+    fla_dtypes = set(args.fla_dtypes.split(",")) if args.device == "cuda" else set()
+    for c in cases:
+        if c.dtype in fla_dtypes:
             groups.setdefault((c.hk, c.hv, c.d, c.dtype), []).append(c)
     engine_env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -721,8 +724,8 @@ def main():
             engine_dtype = meta.get("dtype", "").lower()
             values = {n: as_float(dt, a) for n, (dt, a) in tensors.items()}
             engine = {"A": values, "B": values}  # chunk.* has zero states (B), states.* the case's (A)
-        fla = None
-        if args.device == "cuda":
+        fla = None  # no fla columns
+        if c.dtype in fla_dtypes:
             fla = {v: r for v in variants if (r := load_results(result_path(c, f"fla.{v}.npz")))}
             if not c.states and "A" in fla:
                 fla["B"] = fla["A"]
