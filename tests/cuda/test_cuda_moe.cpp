@@ -460,8 +460,9 @@ TEST_F(CudaMoe, GroupedGemmWgmmaMatchesMmaAndCpu) {
       gpu->moe_grouped_gemm(gs, gdy, gw, false, goff, gdx0, false);
       expect_close(to_host(*gpu, gdx0), want_dx0, tol_for(t), "input gradient, overwritten");
     }
-    // The Hopper kernel's other epilogue (stores from registers; the backend stages the tile in
-    // shared memory unless it accumulates), forward, 128- and 256-wide tiles.
+    // The Hopper kernel's other epilogues, 128- and 256-wide tiles: the forward stored from
+    // registers (the backend stages overwriting calls in shared memory), and the input gradient
+    // accumulated through shared memory (the backend accumulates from registers).
     {
       cuda::ExpertPointers table{};
       for (int64_t e = 0; e < c.experts; ++e) table.p[e] = gw[static_cast<size_t>(e)].data();
@@ -472,6 +473,20 @@ TEST_F(CudaMoe, GroupedGemmWgmmaMatchesMmaAndCpu) {
                                      static_cast<int>(c.experts), true, goff.data_as<int32_t>(), gy.data(), c.out,
                                      false, tile_n, false);
         expect_close(to_host(*gpu, gy), want_y, tol_for(t), "forward");
+      }
+      // Accumulating through shared memory in F32 (staged_accumulate) rounds old + new once, as
+      // the register stores do: the same bits.
+      for (int tile_n : {128, 256}) {
+        SCOPED_TRACE(testing::Message() << "accumulating, tile " << tile_n);
+        Tensor from_registers = on(*gpu, base, Shape{rows, c.in}, t), staged = on(*gpu, base, Shape{rows, c.in}, t);
+        for (bool staged_accumulate : {false, true})
+          cuda::moe_grouped_gemm_wgmma(static_cast<cudaStream_t>(gs.handle), gdy.data(), rows, c.out, table,
+                                       static_cast<int>(c.experts), false, goff.data_as<int32_t>(),
+                                       (staged_accumulate ? staged : from_registers).data(), c.in, true, tile_n, true,
+                                       staged_accumulate);
+        const std::vector<double> got = to_host(*gpu, staged);
+        expect_close(got, want_dx, tol_for(t), "input gradient, staged accumulation");
+        EXPECT_EQ(got, to_host(*gpu, from_registers));
       }
     }
     // Both round F32 sums of the same products to BF16: they differ in the last bits only.

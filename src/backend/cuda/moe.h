@@ -72,13 +72,15 @@ MoeGemmKernel moe_gemm_kernel_choice();
 // The Hopper kernel's launcher (moe_grouped_gemm.cu calls it when it applies: supports(), a 9.x
 // device, 16-byte aligned pointers). tile_n: the tiles' width, 128 or 256 columns; 0 picks 256
 // for n ≥ 256 (a 128 × 256 tile reads 1.5 bytes per multiply-add where 128 × 128 reads 2).
-// staged_epilogue: tiles leave through shared memory in whole-row pieces (not when accumulating);
-// false stores from registers. Both are for the tests and bench_moe to compare; the backend
-// takes the defaults.
+// staged_epilogue: tiles leave through shared memory in whole-row pieces; false stores from
+// registers. Accumulating calls stage too only with staged_accumulate (F32 in shared memory, the
+// old values added in whole-row pieces, one rounding as from registers; not measured yet, so off).
+// These are for the tests and bench_moe to compare; the backend takes the defaults.
 bool moe_grouped_gemm_wgmma_supports(DType t, int64_t k, int64_t n);
 void moe_grouped_gemm_wgmma(cudaStream_t s, const void* x, int64_t rows, int64_t k, const ExpertPointers& weights,
                             int experts, bool transpose_weight, const int32_t* offsets, void* y, int64_t n,
-                            bool accumulate, int tile_n = 0, bool staged_epilogue = true);
+                            bool accumulate, int tile_n = 0, bool staged_epilogue = true,
+                            bool staged_accumulate = false);
 // The same for moe_grouped_gemm_weight_grad (BF16 dy and x, m and n multiples of 8 and at least 64,
 // dW of grad_dtype F32 or BF16): one CTA per (expert, 128-row tile of dW_e, tile_n-column tile).
 void moe_grouped_gemm_weight_grad_wgmma(cudaStream_t s, const void* dy, const void* x, int64_t rows, int64_t m,

@@ -184,9 +184,13 @@ __device__ __forceinline__ void step_products(float (&acc)[BN / 2], uint32_t a, 
   }
 }
 
-// Staged: the tile leaves through shared memory (see the epilogue below); otherwise each thread
-// stores its accumulator pairs straight from registers (and adds the old values when accumulating).
-template <bool Forward, int BN, bool Staged>
+// How a finished tile leaves (see the epilogue below): kRegisters, each thread stores its
+// accumulator pairs straight from registers (adding the old values when accumulating); kStaged,
+// through shared memory as BF16 (overwriting calls); kStagedAdd, through shared memory as F32, the
+// old values read in whole-row pieces and added before the one rounding (accumulating calls).
+constexpr int kRegisters = 0, kStaged = 1, kStagedAdd = 2;
+
+template <bool Forward, int BN, int Epi>
 __global__ void __launch_bounds__(kThreads, 1) grouped_wgmma_kernel(const Args g, const ExpertPointers table) {
   using Z = TileShape<BN>;
   extern __shared__ unsigned char wgmma_smem_raw[];
@@ -262,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgmma_kernel(const Args g
     // The epilogue reads the accumulator on every thread's path alike (a read under a per-thread
     // condition makes ptxas serialize the wgmma of the whole kernel); only the stores are guarded.
     bf16* out = g.y + tile.row0 * g.n + tile.n0;
-    if constexpr (Staged) {
+    if constexpr (Epi == kStaged) {
       // From registers, a warp's store touches 8 rows with 16 bytes each; staged, 16-byte pieces
       // of whole rows. The tile goes in 128-column halves [128 rows][256 bytes] (16-byte piece c of
       // row r at piece c ^ (r % 8): conflict-free both ways) into the stages of this tile's last
@@ -294,6 +298,56 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_wgmma_kernel(const Args g
           if (r < tile.m_count && col < tile.n_count) {
             const int4 v = ld_shared_s32x4(buf + r * 256 + ((c ^ (r & 7)) << 4));
             *reinterpret_cast<int4*>(out + static_cast<int64_t>(r) * g.n + col) = v;
+          }
+        }
+      }
+    } else if constexpr (Epi == kStagedAdd) {
+      // F32 quarters of 64 columns ([128 rows][256 bytes], pieces swizzled as above), two at a
+      // time in the same two stages: write, barrier, add the old values and store, barrier.
+      const int last = s - 1;
+#pragma unroll
+      for (int pass = 0; pass < BN / 128; ++pass) {
+        __syncthreads();  // the stages are free: the products and the previous pass are done with them
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const uint32_t buf = stages + ((last - q + Z::kStages) % Z::kStages) * Z::kStageBytes;
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = wg * 64 + warp * 16 + gr + 8 * h;
+              const int block = pass * 16 + q * 8 + i;
+              st_shared_f32x2(buf + row * 256 + (((2 * i + (tq >> 1)) ^ (row & 7)) << 4) + (tq & 1) * 8,
+                              acc[4 * block + 2 * h], acc[4 * block + 2 * h + 1]);
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const uint32_t buf = stages + ((last - q + Z::kStages) % Z::kStages) * Z::kStageBytes;
+#pragma unroll
+          for (int j = 0; j < (kBM * 8) / kThreads; ++j) {
+            const int piece = threadIdx.x + j * kThreads, r = piece >> 3, c8 = piece & 7;
+            const int col = pass * 128 + q * 64 + c8 * 8;
+            if (r < tile.m_count && col < tile.n_count) {
+              const int4 lo = ld_shared_s32x4(buf + r * 256 + (((2 * c8) ^ (r & 7)) << 4));
+              const int4 hi = ld_shared_s32x4(buf + r * 256 + (((2 * c8 + 1) ^ (r & 7)) << 4));
+              int4* dst = reinterpret_cast<int4*>(out + static_cast<int64_t>(r) * g.n + col);
+              const int4 old = *dst;
+              const float sum[8] = {__int_as_float(lo.x), __int_as_float(lo.y), __int_as_float(lo.z),
+                                    __int_as_float(lo.w), __int_as_float(hi.x), __int_as_float(hi.y),
+                                    __int_as_float(hi.z), __int_as_float(hi.w)};
+              const int words[4] = {old.x, old.y, old.z, old.w};
+              int packed[4];
+#pragma unroll
+              for (int w = 0; w < 4; ++w) {
+                __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&words[w]);
+                const float2 o = __bfloat1622float2(pair);
+                pair = __floats2bfloat162_rn(sum[2 * w] + o.x, sum[2 * w + 1] + o.y);
+                packed[w] = *reinterpret_cast<const int*>(&pair);
+              }
+              *dst = make_int4(packed[0], packed[1], packed[2], packed[3]);
+            }
           }
         }
       }
@@ -434,12 +488,12 @@ int sm_count() {
   return count;
 }
 
-template <bool Forward, int BN, bool Staged>
+template <bool Forward, int BN, int Epi>
 void launch(cudaStream_t s, const Args& g, const ExpertPointers& table, int64_t rows) {
   using Z = TileShape<BN>;
   static const bool configured = [] {
     // Sized for the most experts, so one setting serves every call.
-    CUDA_CHECK(cudaFuncSetAttribute(grouped_wgmma_kernel<Forward, BN, Staged>,
+    CUDA_CHECK(cudaFuncSetAttribute(grouped_wgmma_kernel<Forward, BN, Epi>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(Z::smem_bytes(kMaxGroupedExperts))));
     return true;
@@ -448,20 +502,22 @@ void launch(cudaStream_t s, const Args& g, const ExpertPointers& table, int64_t 
   // Every CTA past the device's tile count returns at once; the count is bounded on the host.
   const int64_t tiles = ((rows + kBM - 1) / kBM + g.experts) * g.n_tiles;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sm_count()));
-  grouped_wgmma_kernel<Forward, BN, Staged><<<grid, kThreads, Z::smem_bytes(g.experts), s>>>(g, table);
+  grouped_wgmma_kernel<Forward, BN, Epi><<<grid, kThreads, Z::smem_bytes(g.experts), s>>>(g, table);
   CUDA_CHECK_LAUNCH();
+}
+
+template <int BN, int Epi>
+void launch_epilogue(cudaStream_t s, const Args& g, const ExpertPointers& table, int64_t rows, bool transpose_weight) {
+  if (transpose_weight) launch<true, BN, Epi>(s, g, table, rows);
+  else launch<false, BN, Epi>(s, g, table, rows);
 }
 
 template <int BN>
 void launch_width(cudaStream_t s, const Args& g, const ExpertPointers& table, int64_t rows, bool transpose_weight,
-                  bool staged) {
-  if (transpose_weight) {
-    if (staged) launch<true, BN, true>(s, g, table, rows);
-    else launch<true, BN, false>(s, g, table, rows);
-  } else {
-    if (staged) launch<false, BN, true>(s, g, table, rows);
-    else launch<false, BN, false>(s, g, table, rows);
-  }
+                  int epilogue) {
+  if (epilogue == kStaged) launch_epilogue<BN, kStaged>(s, g, table, rows, transpose_weight);
+  else if (epilogue == kStagedAdd) launch_epilogue<BN, kStagedAdd>(s, g, table, rows, transpose_weight);
+  else launch_epilogue<BN, kRegisters>(s, g, table, rows, transpose_weight);
 }
 
 template <int BN, typename TG>
@@ -487,7 +543,7 @@ bool moe_grouped_gemm_wgmma_supports(DType t, int64_t k, int64_t n) {
 
 void moe_grouped_gemm_wgmma(cudaStream_t s, const void* x, int64_t rows, int64_t k, const ExpertPointers& weights,
                             int experts, bool transpose_weight, const int32_t* offsets, void* y, int64_t n,
-                            bool accumulate, int tile_n, bool staged_epilogue) {
+                            bool accumulate, int tile_n, bool staged_epilogue, bool staged_accumulate) {
   if (rows == 0 || n == 0) return;
   if (tile_n == 0) tile_n = n >= 256 ? 256 : 128;
   if (tile_n != 128 && tile_n != 256) throw_message("moe_grouped_gemm", "the Hopper kernel's tiles are 128 or 256 wide");
@@ -503,11 +559,9 @@ void moe_grouped_gemm_wgmma(cudaStream_t s, const void* x, int64_t rows, int64_t
                static_cast<int>(n_tiles),
                static_cast<int>((k + kBK - 1) / kBK),
                accumulate};
-  // Accumulating stores from registers: the sum rounds once (staged, the tile would be rounded
-  // to BF16 before the add).
-  const bool staged = staged_epilogue && !accumulate;
-  if (tile_n == 128) launch_width<128>(s, g, weights, rows, transpose_weight, staged);
-  else launch_width<256>(s, g, weights, rows, transpose_weight, staged);
+  const int epilogue = !staged_epilogue ? kRegisters : !accumulate ? kStaged : staged_accumulate ? kStagedAdd : kRegisters;
+  if (tile_n == 128) launch_width<128>(s, g, weights, rows, transpose_weight, epilogue);
+  else launch_width<256>(s, g, weights, rows, transpose_weight, epilogue);
 }
 
 void moe_grouped_gemm_weight_grad_wgmma(cudaStream_t s, const void* dy, const void* x, int64_t rows, int64_t m,
