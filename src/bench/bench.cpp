@@ -51,9 +51,12 @@ void validate(const BenchOptions& o) {
   if (!o.full && o.lora_rank <= 0) fail("--lora-rank must be positive (or use --full), got {}", o.lora_rank);
   if (o.recompute == "auto") {
     if (!o.choose_recompute) fail("--recompute auto is chosen by the spindle command line (spindle bench)");
+    if (o.offload_layers != -1)
+      fail("--offload-layers is chosen by --recompute auto (the fewest layers whose offload makes the step fit); "
+           "to set it, choose --recompute all or keep-attention with --offload activations");
   } else {
     check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
-    parse_offload(o.offload, parse_recompute_mode(o.recompute));
+    check_offload_layers(parse_offload(o.offload, parse_recompute_mode(o.recompute)), o.offload_layers);
   }
   parse_mlp_tile_tokens(o.mlp_tile_tokens);
   if (o.sp < 0 || o.ulysses < 0 || o.ring < 0) fail("--sp, --ulysses and --ring must be positive");
@@ -137,10 +140,12 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   const RecomputeMode recompute = parse_recompute_mode(o.recompute);
   DecoderOptions decoder_options = recompute_options(recompute, config.num_layers, o.recompute_layers);
   decoder_options.offload = parse_offload(o.offload, recompute);
+  decoder_options.offload_layers = o.offload_layers;
   decoder_options.mlp_tile_tokens = mlp_tile_tokens_to_run(parse_mlp_tile_tokens(o.mlp_tile_tokens));
   r.recompute = o.recompute;
   r.recompute_layers = o.recompute_layers;
   r.offload = decoder_options.offload;
+  r.offload_layers = decoder_options.offload_layers;
   r.mlp_tile_tokens = decoder_options.mlp_tile_tokens;
   Stream stream = backend.default_stream();
   Tensor loss = backend.zeros(Shape{1}, stat_dtype(dtype));
@@ -226,6 +231,13 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
     r.split_measured = true;
   }
   (void)device;
+}
+
+// ", activations offloaded: 12.3 GiB of host memory at the peak".
+std::string offload_summary(const BenchResult& r) {
+  return fmt::format(", activations {}offloaded: {:.2f} GiB of host memory at the peak",
+                     r.offload_layers >= 0 ? fmt::format("of the first {} layers ", r.offload_layers) : "",
+                     static_cast<double>(r.memory.peak_host_allocated_bytes) / (1 << 30));
 }
 
 // The profiled step's time outside ops and waited-for collectives.
@@ -399,9 +411,7 @@ std::string format_report(const BenchReport& rep) {
     if (r.offload || r.mlp_tile_tokens > 0 || o.recompute == "auto")
       s += fmt::format("{:>8}  recompute {}{}{}{}\n", "", r.recompute,
                        r.recompute_layers >= 0 ? fmt::format(" on the first {} layers", r.recompute_layers) : "",
-                       r.offload ? fmt::format(", activations offloaded: {} of host memory at the peak",
-                                               gib(r.memory.peak_host_allocated_bytes))
-                                 : "",
+                       r.offload ? offload_summary(r) : "",
                        r.mlp_tile_tokens > 0 ? fmt::format(", MLP in {}-token tiles", r.mlp_tile_tokens) : "");
   }
   bool any_split = false;
@@ -493,6 +503,7 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
     x["recompute"] = r.recompute;  // as run (auto: the choice)
     x["recompute_layers"] = r.recompute_layers;
     x["offload"] = r.offload ? "activations" : "none";
+    x["offload_layers"] = r.offload_layers;
     x["mlp_tile_tokens"] = r.mlp_tile_tokens;
     x["offload_host_bytes"] = r.memory.peak_host_allocated_bytes;  // host memory of offload at its peak
     if (r.split_measured) {

@@ -31,6 +31,7 @@ struct BenchOptions {
   std::string recompute = "all";       // none | all | keep-attention (RecomputeMode)
   int64_t recompute_layers = -1;       // the first N layers recompute; the others keep all (-1: every layer)
   std::string offload = "none";        // none | activations: recomputed layers' kept tensors in host memory
+  int64_t offload_layers = -1;         // with offload: the first N layers offload (-1: every recomputed one but the last)
   double router_aux_loss_coef = -1;    // MoE: the router load-balancing loss, as sft's flag (-1: the config's rule)
   std::string mlp_tile_tokens = "auto";  // SwiGLU MLP tiles: N tokens, 0 untiled, auto (model/recompute.h)
   // --recompute auto: called before each length runs with the options to fill in (recompute,
@@ -65,6 +66,7 @@ struct BenchResult {
   std::string recompute;               // the setting this length ran with (auto: the one chosen)
   int64_t recompute_layers = -1;
   bool offload = false;
+  int64_t offload_layers = -1;         // as run (DecoderOptions::offload_layers)
   int64_t mlp_tile_tokens = 0;         // as run: rows per SwiGLU MLP tile (0: untiled)
   bool split_measured = false;
   // Per step, by OpCategory: attention, gemm, communication (on the compute stream), other ops,

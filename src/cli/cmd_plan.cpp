@@ -33,6 +33,9 @@ int run_plan_command(PlanArgs& args) {
   args.options.offload = args.offload == "activations";
   if (args.offload != "none" && args.offload != "activations") parse_offload(args.offload, RecomputeMode::All);
   args.options.mlp_tile_tokens = parse_mlp_tile_tokens(args.mlp_tile_tokens);
+  if (args.options.recompute == "auto" && args.options.offload_layers != -1)
+    fail("--offload-layers is chosen by --recompute auto (the fewest layers whose offload makes the step fit); "
+         "to set it, choose --recompute all or keep-attention with --offload activations");
   int64_t device_bytes = 0;
   if (!args.device_memory.empty()) {
     device_bytes = plan::parse_memory_size(args.device_memory);
@@ -47,27 +50,32 @@ int run_plan_command(PlanArgs& args) {
     const plan::RecomputeSetting setting =
         automatic ? plan::most_frugal_setting(args.options)
                   : plan::RecomputeSetting{args.options.recompute, args.options.recompute_layers, args.options.offload,
+                                           args.options.offload_layers,
                                            mlp_tile_tokens_to_run(args.options.mlp_tile_tokens)};
     const int64_t usable = plan::usable_memory(device_bytes, args.options.device);
-    int64_t peak = 0;
+    int64_t peak = 0, host = 0;
+    plan::RecomputeSetting chosen = setting;
     const int64_t longest =
-        plan::longest_fitting_seq(args.options, setting, usable, int64_t{1} << 26, &peak);
+        plan::longest_fitting_seq(args.options, setting, usable, int64_t{1} << 26, &peak, &host, &chosen);
     if (args.json) {
       nlohmann::ordered_json j;
       j["model"] = args.options.model;
       j["device_memory_bytes"] = device_bytes;
       j["usable_memory_bytes"] = usable;
-      j["recompute"] = setting.recompute;
-      j["recompute_layers"] = setting.recompute_layers;
-      j["offload"] = setting.offload ? "activations" : "none";
-      j["mlp_tile_tokens"] = setting.mlp_tile_tokens;
+      j["recompute"] = chosen.recompute;
+      j["recompute_layers"] = chosen.recompute_layers;
+      j["offload"] = chosen.offload ? "activations" : "none";
+      j["offload_layers"] = chosen.offload_layers;
+      j["mlp_tile_tokens"] = chosen.mlp_tile_tokens;
       j["max_seq"] = longest;
       j["peak_allocated_bytes"] = peak;
+      j["offload_host_bytes"] = host;
       std::printf("%s\n", j.dump(2).c_str());
     } else {
-      std::printf("longest row that fits %s per device (%s usable) with %s: %lld tokens (peak %s)\n",
+      std::printf("longest row that fits %s per device (%s usable) with %s: %lld tokens (peak %s%s)\n",
                   plan::format_bytes(device_bytes).c_str(), plan::format_bytes(usable).c_str(),
-                  setting.describe().c_str(), static_cast<long long>(longest), plan::format_bytes(peak).c_str());
+                  chosen.describe().c_str(), static_cast<long long>(longest), plan::format_bytes(peak).c_str(),
+                  chosen.offload ? (", " + plan::format_bytes(host) + " of host memory").c_str() : "");
     }
     return 0;
   }
@@ -87,6 +95,7 @@ int run_plan_command(PlanArgs& args) {
     chosen.recompute = choice.setting.recompute;
     chosen.recompute_layers = choice.setting.recompute_layers;
     chosen.offload = choice.setting.offload;
+    chosen.offload_layers = choice.setting.offload_layers;
     chosen.mlp_tile_tokens = choice.setting.mlp_tile_tokens;
     const plan::PlanReport report = plan::run_plan(chosen);
     if (args.json) {
@@ -102,6 +111,7 @@ int run_plan_command(PlanArgs& args) {
       r["recompute_chosen"] = choice.setting.recompute;
       r["recompute_layers_chosen"] = choice.setting.recompute_layers;
       r["offload_chosen"] = choice.setting.offload ? "activations" : "none";
+      r["offload_layers_chosen"] = choice.setting.offload_layers;
       r["mlp_tile_tokens_chosen"] = choice.setting.mlp_tile_tokens;
       doc["results"].push_back(r);
     } else {
@@ -136,6 +146,7 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--offload", args->offload,
                   "none, or activations: recomputed layers' inputs (and kept attention) in host memory")
       ->capture_default_str();
+  cmd->add_option("--offload-layers", o.offload_layers, kOffloadLayersHelp)->capture_default_str();
   cmd->add_option("--mlp-tile-tokens", args->mlp_tile_tokens, kMlpTileTokensHelp)->capture_default_str();
   cmd->add_option("--router-aux-loss-coef", o.router_aux_loss_coef,
                   "MoE models: plan the router load-balancing loss as sft runs it with this coefficient (0: off; "

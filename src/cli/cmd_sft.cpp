@@ -156,6 +156,7 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
                   "none, or activations: recomputed layers' inputs (and kept attention outputs) go to host memory "
                   "during forward and come back ahead of backward (docs/memory.md)")
       ->capture_default_str();
+  cmd->add_option("--offload-layers", c.offload_layers, kOffloadLayersHelp)->capture_default_str();
   cmd->add_option("--mlp-tile-tokens", c.mlp_tile_tokens, kMlpTileTokensHelp)->capture_default_str();
   cmd->add_option("--device-memory", c.device_memory,
                   "with --recompute auto: the memory per device to fit (bytes, or 80GiB; default: the GPU's, or the "
@@ -196,6 +197,10 @@ void resolve_auto_recompute(TrainConfig& config) {
   p.seq_lengths = {config.max_length};
   p.lora_rank = config.full ? 0 : config.lora_rank;
   p.lora_alpha = config.lora_alpha;
+  // The adapters sft will attach (train/setup.cpp): the targets given, or of its default list those
+  // the model has.
+  p.lora_targets = config.lora_targets;
+  p.lora_targets_if_present = config.lora_targets == TrainConfig{}.lora_targets;
   p.full = config.full;
   p.quantize = config.quantize;
   p.double_quant = config.double_quant;
@@ -220,6 +225,7 @@ void resolve_auto_recompute(TrainConfig& config) {
   config.recompute = choice.setting.recompute;
   config.recompute_layers = choice.setting.recompute_layers;
   config.offload = choice.setting.offload ? "activations" : "none";
+  config.offload_layers = choice.setting.offload_layers;
   config.mlp_tile_tokens = std::to_string(choice.setting.mlp_tile_tokens);
   if (process.rank == 0) std::fprintf(stderr, "%s\n", choice.summary(0).c_str());
 }

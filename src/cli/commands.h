@@ -37,6 +37,12 @@ inline constexpr const char* kMlpTileTokensHelp =
     "live, for recomputing gate and up in backward; 0: untiled; auto: untiled unless --recompute auto finds that "
     "only tiled settings fit (docs/memory.md)";
 
+// --offload-layers's help (sft, dpo, check, bench, plan; DecoderOptions::offload_layers).
+inline constexpr const char* kOffloadLayersHelp =
+    "with --offload activations: offload only the first N layers' kept tensors and keep the later layers' on the GPU, "
+    "for when host memory cannot hold every layer (-1: every recomputed layer but the last; --recompute auto "
+    "chooses the fewest that fit; docs/memory.md)";
+
 // --seq of bench and plan: "32768", "32k", "32k,64k,128k" (k = 1024).
 std::vector<int64_t> parse_sequence_lengths(const std::string& text);
 

@@ -66,6 +66,15 @@ bool parse_offload(const std::string& value, RecomputeMode mode) {
   return true;
 }
 
+void check_offload_layers(bool offload, int64_t offload_layers) {
+  if (offload_layers < -1)
+    fail("--offload-layers must be -1 (every recomputed layer but the last) or >= 0, got {}", offload_layers);
+  if (offload_layers >= 0 && !offload)
+    fail("--offload-layers {} says how many layers --offload activations moves to host memory: it needs --offload "
+         "activations",
+         offload_layers);
+}
+
 int64_t parse_mlp_tile_tokens(const std::string& value) {
   if (value == "auto") return kMlpTileAuto;
   std::string digits = value;
@@ -104,11 +113,17 @@ Decoder::Decoder(Backend& backend, ModelWeights& weights, DecoderOptions options
   const ModelConfig& c = weights_.config;
   if (!options_.recompute.empty() && static_cast<int64_t>(options_.recompute.size()) != c.num_layers)
     fail("recompute policy names {} layers but the model has {}", options_.recompute.size(), c.num_layers);
+  check_offload_layers(options_.offload, options_.offload_layers);
   if (options_.mlp_tile_tokens < 0)
     fail("--mlp-tile-tokens must be 0 (untiled) or a positive number of tokens, got {}", options_.mlp_tile_tokens);
   std::vector<float> inv = rope_inverse_frequencies(c);
   inv_freq_ = backend_.empty(Shape{static_cast<int64_t>(inv.size())}, DType::F32);
   backend_.copy_from_host(stream_, inv.data(), inv_freq_);
+}
+
+bool Decoder::offloads(int64_t l, bool recomputed) const {
+  return options_.offload && recomputed && l + 1 < weights_.config.num_layers &&
+         (options_.offload_layers < 0 || l < options_.offload_layers);
 }
 
 std::vector<Tensor*> Decoder::offloaded_tensors(LayerActivations& a) {
@@ -166,10 +181,10 @@ Tensor Decoder::forward(const MicroBatch& batch, bool keep, std::vector<LayerAct
   auto recompute = [&](int64_t l) { return !keep || (!options_.recompute.empty() && options_.recompute[l]); };
   auto keeps_attention = [&](int64_t l) { return keep && options_.keep_attention && recompute(l); };
   // Kept layers own their activations; recomputed layers keep only their input (and, with
-  // keep_attention, their attention output) and run in a shared scratch set (also used for every
-  // layer when nothing is kept).
+  // keep_attention, their attention output) and run in a scratch set of their own, released after
+  // the layer (so a hybrid model never holds two kinds of mixer buffers at once; also every layer
+  // when nothing is kept).
   acts.assign(layers, LayerActivations());
-  LayerActivations scratch;
   Tensor x_final = be.empty(Shape{t, c.hidden_size}, weights_.dtype);
   auto allocate_layer = [&](int64_t l) {
     weights_.layers[l].allocate(be, weights_.dtype, t,
@@ -179,7 +194,7 @@ Tensor Decoder::forward(const MicroBatch& batch, bool keep, std::vector<LayerAct
   const LayerContext ctx = context(batch);
   // Offloaded layers' device copies stay alive until the default stream has waited for their copy
   // (the next layer's forward runs meanwhile).
-  auto offloads = [&](int64_t l) { return keep && options_.offload && recompute(l) && l + 1 < layers; };
+  auto to_host = [&](int64_t l) { return keep && offloads(l, recompute(l)); };
   std::vector<Tensor> copying;
   auto copies_done = [&] {
     if (copying.empty()) return;
@@ -192,7 +207,7 @@ Tensor Decoder::forward(const MicroBatch& batch, bool keep, std::vector<LayerAct
   after_forward(ParameterUnit::embedding());
   for (int64_t l = 0; l < layers; ++l) {
     if (l + 1 < layers) allocate_layer(l + 1);
-    LayerActivations view;
+    LayerActivations scratch, view;
     LayerActivations* a = &acts[l];
     if (recompute(l)) {
       view = scratch_view(scratch, acts[l], l, t, keeps_attention(l));  // the core lands in acts[l] when kept
@@ -204,7 +219,7 @@ Tensor Decoder::forward(const MicroBatch& batch, bool keep, std::vector<LayerAct
     after_forward(ParameterUnit::layer_unit(l));
     if (!keep) acts[l].x_in = Tensor();  // evaluation keeps nothing behind it
     copies_done();  // the previous layer's, enqueued before this layer's forward
-    if (offloads(l)) offload_layer(acts[l], copying);
+    if (to_host(l)) offload_layer(acts[l], copying);
   }
   copies_done();
   return x_final;
@@ -267,7 +282,6 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   // Layers whose mixer core forward() kept (see forward): their recompute skips it.
   auto keeps_attention = [&](int64_t l) { return backward && options_.keep_attention && recompute(l); };
   std::vector<LayerActivations> acts;
-  LayerActivations scratch;
   Tensor x_final = forward(batch, backward, acts);
   const LayerContext ctx = context(batch);
 
@@ -319,7 +333,7 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   if (router_aux_) router_aux_->finish_statistics();
   // Offloaded layers (see forward) come back one layer ahead: layer l−1's copy runs during layer l's
   // backward; the host copies stay alive until the default stream has waited for it.
-  auto offloaded = [&](int64_t l) { return options_.offload && recompute(l) && l + 1 < layers; };
+  auto offloaded = [&](int64_t l) { return offloads(l, recompute(l)); };
   std::vector<bool> fetched(static_cast<size_t>(layers), false);
   std::vector<Tensor> fetching;
   for (int64_t l = layers - 1; l >= 0; --l) {
@@ -334,10 +348,15 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
       fetched[l - 1] = true;
     }
     LayerActivations view;
-    const LayerActivations* a = &acts[l];
+    LayerActivations* a = &acts[l];
     if (recompute(l)) {
       const bool kept = keeps_attention(l);
-      view = scratch_view(scratch, acts[l], l, t, kept);
+      {
+        // A scratch set of this layer's own, whose only handles the view holds: the layer's backward
+        // frees parts of it as it goes (DecoderLayer::backward), the rest goes after the layer.
+        LayerActivations scratch;
+        view = scratch_view(scratch, acts[l], l, t, kept);
+      }
       weights_.layers[l].recompute(ctx, view, /*run_core=*/!kept);
       a = &view;
     }

@@ -74,6 +74,12 @@ struct DecoderOptions {
   // layer's. The last layer's stay (its backward comes first). Losses and gradients are
   // bit-identical with and without (the copies are exact). Ignored for kept layers.
   bool offload = false;
+  // With offload: only layers 0 … offload_layers − 1 offload (--offload-layers; -1: every recomputed
+  // layer but the last), so host memory need not hold every layer. The later layers keep theirs on
+  // the device: their backward comes first, so their copies would have the least time to hide, they
+  // are released first as the backward runs, and while they stay no copy is in flight at the top of
+  // the backward, where the device holds most.
+  int64_t offload_layers = -1;
   // Token tiling of the SwiGLU MLPs (--mlp-tile-tokens; 0: untiled): each MLP runs over its tokens in
   // tiles of at most this many rows and keeps only its input, so no layer holds a [T, F]
   // intermediate beyond one tile's (blocks/swiglu_mlp.h). Losses and gradients equal the untiled
@@ -120,10 +126,13 @@ class Decoder {
   LayerContext context(const MicroBatch& batch) {
     return {backend_, stream_, batch, weights_.config, weights_.dtype, *attention_, inv_freq_, router_aux_};
   }
-  // The tensors a recomputed layer runs in: the shared scratch set (allocated on first use) with
-  // the layer's kept x_in, and its kept mixer core when kept_core.
+  // The tensors a recomputed layer runs in: `scratch` (each layer its own, in forward and in
+  // backward) with the layer's kept x_in, and its kept mixer core when kept_core.
   LayerActivations scratch_view(LayerActivations& scratch, const LayerActivations& layer, int64_t layer_index,
                                 int64_t tokens, bool kept_core);
+  // Whether layer l's kept tensors go to host memory in a training step (DecoderOptions::offload,
+  // offload_layers), given whether it is recomputed.
+  bool offloads(int64_t l, bool recomputed) const;
   // Offload (DecoderOptions::offload): the device tensors a recomputed layer keeps, in a fixed
   // order (x_in, then its mixer's kept core), that are defined.
   static std::vector<Tensor*> offloaded_tensors(LayerActivations& a);

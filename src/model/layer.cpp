@@ -150,7 +150,7 @@ void DecoderLayer::recompute(const LayerContext& ctx, LayerActivations& a, bool 
   forward(ctx, a, discard, run_core);
 }
 
-void DecoderLayer::backward(const LayerContext& ctx, const LayerActivations& a, Tensor& d_res,
+void DecoderLayer::backward(const LayerContext& ctx, LayerActivations& a, Tensor& d_res,
                             bool need_input_grad) const {
   Backend& be = ctx.backend;
   const Stream st = ctx.stream;
@@ -159,7 +159,10 @@ void DecoderLayer::backward(const LayerContext& ctx, const LayerActivations& a, 
   feed_forward_->backward(ctx, a.xn2, a.feed_forward, d_res, d_xn2);
   be.rmsnorm_backward(st, a.x_mid, rmsnorm_multiplier(be, st, post_norm_->value, zero_centered_norm_), a.rstd2, d_xn2,
                       d_res, trainable_grad(*post_norm_), true);
-  d_xn2 = Tensor();  // read: free before the mixer's backward allocates its own (a [T, H] less at its peak)
+  // Read: free before the mixer's backward allocates its own (three [T, H] less at its peak, and the
+  // feed-forward's record; stream-ordered, so the kernels above have read them first).
+  d_xn2 = a.x_mid = a.xn2 = a.rstd2 = Tensor();
+  a.feed_forward = FeedForwardActivations();
   Tensor d_xn1 = be.empty(hidden, ctx.dtype);
   mixer_->backward(ctx, a.xn1, a.mixer, d_res, d_xn1);
   if (need_input_grad || input_norm_->trainable)

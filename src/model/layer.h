@@ -15,8 +15,9 @@ namespace spindle {
 // Saved activations of one layer (sizes as in model/block.h). What a step holds per layer between
 // forward and backward:
 //   kept layer:                   every tensor (the SwiGLU product excepted: recomputed in backward);
-//   recomputed layer:             x_in only; the rest lives in one scratch set shared by all
-//                                 recomputed layers, refilled in backward;
+//   recomputed layer:             x_in only; the rest lives in a scratch set of the layer's own
+//                                 while it runs, in forward and again in backward (which releases
+//                                 it as it goes);
 //   recomputed, keep_attention:   x_in and the mixer's core (attention: attn and lse).
 // A layer's tensors are allocated in forward just before the layer runs and released in backward
 // once the layer below no longer needs them.
@@ -49,8 +50,10 @@ class DecoderLayer {
   // its backward, so the recompute stops at the feed-forward's input.
   void recompute(const LayerContext& ctx, LayerActivations& a, bool run_core) const;
   // d_res holds ∂L/∂x_out on entry and ∂L/∂x_in on exit (the residual path carries it through);
-  // without need_input_grad the input norm's backward is skipped unless its weight trains.
-  void backward(const LayerContext& ctx, const LayerActivations& a, Tensor& d_res, bool need_input_grad) const;
+  // without need_input_grad the input norm's backward is skipped unless its weight trains. Releases
+  // a's x_mid, xn2, rstd2 and feed-forward record once read, before the mixer's backward: what
+  // they held is free at its peak unless the caller keeps other handles to them.
+  void backward(const LayerContext& ctx, LayerActivations& a, Tensor& d_res, bool need_input_grad) const;
 
   // Every parameter of the layer, in creation order (LoRA pairs included once attached).
   std::vector<Parameter*> parameters() const;

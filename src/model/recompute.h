@@ -22,6 +22,10 @@ void check_recompute_layers(RecomputeMode mode, int64_t recompute_layers);
 // --offload: "none" (false) or "activations" (true: DecoderOptions::offload); anything else, or
 // activations with a mode that recomputes nothing, throws an Error naming the option.
 bool parse_offload(const std::string& value, RecomputeMode mode);
+// --offload-layers: -1 (every recomputed layer but the last) or N >= 0 (layers 0 … N−1; the others
+// keep their tensors on the device: DecoderOptions::offload_layers), and N >= 0 only with offload;
+// anything else throws an Error naming the option.
+void check_offload_layers(bool offload, int64_t offload_layers);
 
 // --mlp-tile-tokens: N >= 0 tokens per tile of the SwiGLU MLPs (DecoderOptions::mlp_tile_tokens; 0:
 // untiled; "16k" = 16384), or "auto" (kMlpTileAuto): untiled unless --recompute auto finds that only

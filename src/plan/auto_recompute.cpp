@@ -28,14 +28,12 @@ struct Candidate {
 };
 
 // The peak (largest rank) and offload host bytes of `base` planned with `setting` at `seq`.
-struct Planned {
-  int64_t peak = 0, host = 0;
-};
-
 Planned plan_with(PlanOptions o, const RecomputeSetting& setting, int64_t seq) {
+  SPINDLE_CHECK(setting.offload_layers >= -1, "plan_with: offload_layers {} is not resolved", setting.offload_layers);
   o.recompute = setting.recompute;
   o.recompute_layers = setting.recompute_layers;
   o.offload = setting.offload;
+  o.offload_layers = setting.offload ? setting.offload_layers : -1;
   o.mlp_tile_tokens = setting.mlp_tile_tokens;
   o.seq_lengths = {seq};
   o.device_memory_gib = 0;
@@ -129,13 +127,62 @@ int64_t machine_device_memory(const std::string& device, int index) {
 }
 
 RecomputeSetting most_frugal_setting(const PlanOptions& base) {
-  return {"all", -1, true, candidate_tiles(base, ModelConfig::from_file(base.model)).back()};
+  return {"all", -1, true, kFewestOffloadLayers, candidate_tiles(base, ModelConfig::from_file(base.model)).back()};
+}
+
+bool plan_fits(const PlanOptions& base, RecomputeSetting& setting, int64_t seq, int64_t usable_bytes, Planned& planned,
+               int& plans, int64_t min_offload_layers) {
+  if (!setting.offload || setting.offload_layers != kFewestOffloadLayers) {
+    planned = plan_with(base, setting, seq);
+    ++plans;
+    return fits(planned, usable_bytes, base);
+  }
+  // Layers that can offload: the recomputed ones but the last layer (model/decoder.h).
+  const int64_t layers = ModelConfig::from_file(base.model).num_layers;
+  const int64_t recomputed = setting.recompute_layers < 0 ? layers : setting.recompute_layers;
+  const int64_t most = std::min(recomputed, layers - 1);
+  auto with = [&](int64_t m) {
+    RecomputeSetting s = setting;
+    s.offload = m > 0;
+    s.offload_layers = m >= most ? -1 : m;
+    return s;
+  };
+  auto device_fits = [&](int64_t m, Planned& p) {
+    p = plan_with(base, with(m), seq);
+    ++plans;
+    return p.peak <= usable_bytes;
+  };
+  // Every offloadable layer first: the least the device can hold. Then the fewest that still fit.
+  int64_t hi = most;
+  if (!device_fits(hi, planned) || most < min_offload_layers) {
+    setting = with(most);
+    return false;
+  }
+  int64_t lo = min_offload_layers - 1;  // lo does not fit (or is below the range), hi fits
+  Planned hi_plan = planned;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    Planned p;
+    if (device_fits(mid, p)) {
+      hi = mid;
+      hi_plan = p;
+    } else {
+      lo = mid;
+    }
+  }
+  setting = with(hi);
+  planned = hi_plan;
+  return fits(planned, usable_bytes, base);
 }
 
 std::string RecomputeSetting::describe() const {
   std::string s = recompute;
   if (recompute != "none" && recompute_layers >= 0) s += fmt::format(" on the first {} layers", recompute_layers);
-  if (offload) s += ", activations offloaded to host memory";
+  if (offload && offload_layers == kFewestOffloadLayers)
+    s += ", activations of the fewest first layers that fit offloaded to host memory";
+  else if (offload && offload_layers >= 0)
+    s += fmt::format(", activations of the first {} layers offloaded to host memory", offload_layers);
+  else if (offload) s += ", activations offloaded to host memory";
   if (mlp_tile_tokens > 0) s += fmt::format(", MLP in {}-token tiles", mlp_tile_tokens);
   return s;
 }
@@ -150,7 +197,7 @@ std::string AutoChoice::summary(int64_t num_layers) const {
 }
 
 int64_t longest_fitting_seq(const PlanOptions& base, const RecomputeSetting& setting, int64_t usable_bytes,
-                            int64_t limit, int64_t* peak_bytes) {
+                            int64_t limit, int64_t* peak_bytes, int64_t* host_bytes, RecomputeSetting* chosen) {
   const ModelConfig config = ModelConfig::from_file(base.model);
   parallel::MeshFlags flags;
   if (base.dp) flags.dp = base.dp;
@@ -159,40 +206,42 @@ int64_t longest_fitting_seq(const PlanOptions& base, const RecomputeSetting& set
   if (base.ring) flags.ring = base.ring;
   const int64_t step = parallel::sequence_multiple(parallel::resolve_mesh(
       flags, base.world, static_cast<int>(config.num_heads), static_cast<int>(config.num_kv_heads)));
-  // The device peak of a length that fits (host memory of offload within host_budget), else -1.
-  auto peak = [&](int64_t units) {
-    const Planned p = plan_with(base, setting, units * step);
-    return fits(p, usable_bytes, base) ? p.peak : int64_t{-1};
+  // Whether a length fits (host memory of offload within host_budget); the plan and the setting of
+  // the longest that does so far.
+  Planned lo_plan;
+  RecomputeSetting lo_setting = setting;
+  int plans = 0;
+  auto fits_at = [&](int64_t units) {
+    RecomputeSetting s = setting;
+    Planned p;
+    if (!plan_fits(base, s, units * step, usable_bytes, p, plans)) return false;
+    lo_plan = p;
+    lo_setting = s;
+    return true;
+  };
+  auto done = [&](int64_t units) {
+    if (peak_bytes) *peak_bytes = lo_plan.peak;
+    if (host_bytes) *host_bytes = lo_plan.host;
+    if (chosen) *chosen = lo_setting;
+    return units * step;
   };
   int64_t lo = 0, hi = 1;  // lo·step fits (0: none known), hi·step is the next to try
   const int64_t most = limit / step;
-  int64_t lo_peak = 0;
   while (hi <= most) {  // doubling
-    const int64_t p = peak(hi);
-    if (p < 0) break;
+    if (!fits_at(hi)) break;
     lo = hi;
-    lo_peak = p;
     hi = hi * 2;
   }
   if (hi > most) {
-    if (lo == most || most == 0) {
-      if (peak_bytes) *peak_bytes = lo_peak;
-      return lo * step;
-    }
+    if (lo == most || most == 0) return done(lo);
     hi = most + 1;  // most itself is untried: bisect up to it
   }
   while (hi - lo > 1) {  // bisection: lo fits, hi does not (or is past the limit)
     const int64_t mid = lo + (hi - lo) / 2;
-    const int64_t p = peak(mid);
-    if (p >= 0) {
-      lo = mid;
-      lo_peak = p;
-    } else {
-      hi = mid;
-    }
+    if (fits_at(mid)) lo = mid;
+    else hi = mid;
   }
-  if (peak_bytes) *peak_bytes = lo_peak;
-  return lo * step;
+  return done(lo);
 }
 
 AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device_bytes, bool offload_only) {
@@ -210,10 +259,11 @@ AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device
   flops.tokens = seq;
   flops.doc_length = base.doc_length;
   flops.lora_rank = base.full ? 0 : base.lora_rank;
+  flops.lora_targets = base.lora_targets;
   std::vector<Candidate> candidates;
   auto add = [&](const std::string& mode, int64_t n, bool offload, int64_t tile) {
     Candidate c;
-    c.setting = {mode, mode == "none" || n == layers ? -1 : n, offload, tile};
+    c.setting = {mode, mode == "none" || n == layers ? -1 : n, offload, offload ? kFewestOffloadLayers : -1, tile};
     flops.recompute = parse_recompute_mode(mode);
     flops.recomputed_layers = c.setting.recompute_layers;
     flops.mlp_tiled = tile > 0;
@@ -238,10 +288,11 @@ AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device
   });
   Planned least{};
   for (const Candidate& c : candidates) {
-    const Planned p = plan_with(base, c.setting, seq);
-    ++choice.candidates_planned;
-    if (fits(p, choice.usable_bytes, base)) {
-      choice.setting = c.setting;
+    RecomputeSetting setting = c.setting;
+    Planned p;
+    // With offload at least one layer: a setting that fits without was planned before.
+    if (plan_fits(base, setting, seq, choice.usable_bytes, p, choice.candidates_planned, 1)) {
+      choice.setting = setting;
       choice.peak_bytes = p.peak;
       choice.host_bytes = p.host;
       return choice;
@@ -272,17 +323,21 @@ AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device
       if (seq % parallel::sequence_multiple(parallel::resolve_mesh(wider, o.world, static_cast<int>(config.num_heads),
                                                                    static_cast<int>(config.num_kv_heads))) != 0)
         continue;
-      const Planned p = plan_with(o, smallest, seq);
-      if (fits(p, choice.usable_bytes, o))
+      RecomputeSetting wider_setting = smallest;
+      Planned p;
+      int plans = 0;
+      if (plan_fits(o, wider_setting, seq, choice.usable_bytes, p, plans))
         would = fmt::format("--sp {} over {} processes ({} per device, recompute {})", sp, o.world,
-                            format_bytes(p.peak), smallest.describe());
+                            format_bytes(p.peak), wider_setting.describe());
     } catch (const Error&) {
       // a mesh the heads do not allow: try the next
     }
   }
-  const int64_t fits = longest_fitting_seq(base, smallest, choice.usable_bytes, seq);
+  RecomputeSetting longest_setting = smallest;
+  const int64_t fits = longest_fitting_seq(base, smallest, choice.usable_bytes, seq, nullptr, nullptr, &longest_setting);
   const std::string longest =
-      fits > 0 ? fmt::format("--seq {} (the longest that fits on this mesh, recompute {})", fits, smallest.describe())
+      fits > 0 ? fmt::format("--seq {} (the longest that fits on this mesh, recompute {})", fits,
+                             longest_setting.describe())
              : std::string("no length on this mesh (the weights and optimizer state alone do not fit)");
   fail("--recompute auto: no setting fits {} per device ({} usable after the margin, docs/memory.md) at {} tokens: "
        "the one needing least plans {}. It would fit with {}{}",

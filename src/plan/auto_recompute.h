@@ -26,17 +26,37 @@ int64_t usable_memory(int64_t device_bytes, const std::string& device);
 // (0 otherwise: the caller asks for --device-memory).
 int64_t machine_device_memory(const std::string& device, int index);
 
+// RecomputeSetting::offload_layers of a search: the fewest first layers whose offload makes the
+// device peak fit, found per length (plan_fits).
+constexpr int64_t kFewestOffloadLayers = -2;
+
 struct RecomputeSetting {
   std::string recompute = "none";  // none | all | keep-attention
   int64_t recompute_layers = -1;   // first N layers (-1: all)
   bool offload = false;            // --offload activations
+  int64_t offload_layers = -1;     // --offload-layers: the first N layers offload (-1: all; kFewestOffloadLayers)
   int64_t mlp_tile_tokens = 0;     // --mlp-tile-tokens (0: untiled)
-  std::string describe() const;    // "keep-attention on the first 12 of 28 layers, offloaded"
+  std::string describe() const;    // "all, activations of the first 13 layers offloaded to host memory"
 };
 
-// The setting that needs least device memory: recompute all with offload, and with --mlp-tile-tokens
-// auto the MLP in kAutoMlpTileTokens-token tiles (the one given otherwise).
+// The setting that needs least memory on the device and the host together: recompute all, with
+// --mlp-tile-tokens auto the MLP in kAutoMlpTileTokens-token tiles (the one given otherwise), and
+// offload on the fewest first layers that make the device peak fit (kFewestOffloadLayers): offloading
+// more layers moves bytes from the device to the host, so the longest row that fits is where both
+// are full.
 RecomputeSetting most_frugal_setting(const PlanOptions& base);
+
+// The plan of `setting` at `seq` (peak of the largest rank and its host memory of offload), and
+// whether it fits `usable_bytes` on the device and three quarters of the host's memory. With
+// offload_layers == kFewestOffloadLayers the first M >= min_offload_layers layers offload, M the
+// fewest whose device peak fits (a bisection: the device peak falls and the host memory grows with
+// M), and `setting` receives M (offload off when M is 0, -1 when M is every recomputed layer but
+// the last). `plans` counts the plans run.
+struct Planned {
+  int64_t peak = 0, host = 0;
+};
+bool plan_fits(const PlanOptions& base, RecomputeSetting& setting, int64_t seq, int64_t usable_bytes, Planned& planned,
+               int& plans, int64_t min_offload_layers = 0);
 
 struct AutoChoice {
   RecomputeSetting setting;
@@ -51,7 +71,9 @@ struct AutoChoice {
 // `seq`, fastest first (fewest executed FLOPs: the step's forward, backward and each candidate's
 // recompute, bench/flops.h), every setting without offload before those with it; the first whose
 // peak fits usable_memory(device_bytes), and whose offloaded host tensors fit three quarters of the
-// machine's physical memory, is returned. `offload_only`: the user asked for
+// machine's physical memory, is returned. A setting with offload offloads the fewest first layers
+// that make its device peak fit (plan_fits), so the fewest bytes cross the host link and host
+// memory bounds only what it must. `offload_only`: the user asked for
 // --offload activations, so only recomputing settings with offload are candidates. The SwiGLU MLP
 // tiling is base.mlp_tile_tokens when given; when auto, every untiled candidate comes first and the
 // same candidates with kAutoMlpTileTokens-token tiles after them (tiling costs two projections more
@@ -62,8 +84,10 @@ AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device
 // The longest row (a multiple of the mesh's sequence multiple, at most `limit` tokens) whose planned
 // peak with `setting` fits `usable_bytes` (and whose offloaded host tensors fit three quarters of
 // the machine's memory), found by doubling then bisection (the peak grows with the
-// length); 0 when not even one multiple fits. `peak_bytes` receives that length's peak.
+// length); 0 when not even one multiple fits. `peak_bytes` receives that length's peak, `host_bytes`
+// its host memory of offload and `chosen` the setting it fits with (kFewestOffloadLayers resolved).
 int64_t longest_fitting_seq(const PlanOptions& base, const RecomputeSetting& setting, int64_t usable_bytes,
-                            int64_t limit, int64_t* peak_bytes = nullptr);
+                            int64_t limit, int64_t* peak_bytes = nullptr, int64_t* host_bytes = nullptr,
+                            RecomputeSetting* chosen = nullptr);
 
 }  // namespace spindle::plan

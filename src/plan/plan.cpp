@@ -143,6 +143,11 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
     lora.alpha = o.lora_alpha;
     // As bench: every projection the family has unless named (the routed experts only when named).
     lora.targets = o.lora_targets.empty() ? weights.projection_names() : o.lora_targets;
+    if (o.lora_targets_if_present) {
+      const std::vector<std::string> has = weights.projection_names();
+      std::erase_if(lora.targets,
+                    [&](const std::string& t) { return std::find(has.begin(), has.end(), t) == has.end(); });
+    }
     weights.add_lora(backend, lora, 0);
   }
   std::unique_ptr<parallel::Fsdp> fsdp;
@@ -186,6 +191,7 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
   const RecomputeMode recompute = parse_recompute_mode(o.recompute);
   DecoderOptions decoder_options = recompute_options(recompute, config.num_layers, o.recompute_layers);
   decoder_options.offload = o.offload;
+  decoder_options.offload_layers = o.offload_layers;
   decoder_options.mlp_tile_tokens = mlp_tile_tokens_to_run(o.mlp_tile_tokens);
   Decoder decoder(backend, weights, decoder_options);
   std::unique_ptr<AttentionStrategy> attention;
@@ -240,6 +246,7 @@ PlanReport run_plan(const PlanOptions& o) {
   if (o.seq_lengths.empty()) fail("--seq needs at least one length");
   check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
   if (o.offload) parse_offload("activations", parse_recompute_mode(o.recompute));
+  check_offload_layers(o.offload, o.offload_layers);
   if (o.mlp_tile_tokens < kMlpTileAuto)
     fail("--mlp-tile-tokens must be auto, 0 (untiled) or a positive number of tokens, got {}", o.mlp_tile_tokens);
   PlanReport rep;
@@ -327,7 +334,9 @@ std::string format_plan(const PlanReport& rep) {
       o.device, rep.dtype,
       o.optimizer ? "with AdamW state," : "without optimizer state,", rep.world, rep.dp, rep.sp, rep.ulysses, rep.ring,
       o.recompute, o.recompute_layers >= 0 ? fmt::format(" (first {} layers)", o.recompute_layers) : "",
-      o.offload ? ", activations offloaded to host memory" : "",
+      !o.offload ? std::string()
+      : o.offload_layers >= 0 ? fmt::format(", activations of the first {} layers offloaded to host memory", o.offload_layers)
+                              : std::string(", activations offloaded to host memory"),
       rep.router_aux_loss_coef > 0 ? fmt::format(", router aux loss {:g}", rep.router_aux_loss_coef) : "");
   if (mlp_tile_tokens_to_run(o.mlp_tile_tokens) > 0)
     s += fmt::format("SwiGLU MLPs in tiles of {} tokens (--mlp-tile-tokens)\n", o.mlp_tile_tokens);
@@ -366,6 +375,7 @@ nlohmann::ordered_json plan_json(const PlanReport& rep) {
   j["recompute"] = rep.options.recompute;
   j["recompute_layers"] = rep.options.recompute_layers;
   j["offload"] = rep.options.offload ? "activations" : "none";
+  j["offload_layers"] = rep.options.offload_layers;
   j["mlp_tile_tokens"] = mlp_tile_tokens_to_run(rep.options.mlp_tile_tokens);
   j["lora_rank"] = rep.options.full ? 0 : rep.options.lora_rank;
   if (!rep.options.full && !rep.options.lora_targets.empty()) j["lora_targets"] = rep.options.lora_targets;

@@ -22,6 +22,7 @@ struct PlanOptions {
   int64_t lora_rank = 16;            // 0 with full
   double lora_alpha = 32;
   std::vector<std::string> lora_targets;  // as bench's --lora-targets; empty: every projection the family has
+  bool lora_targets_if_present = false;   // only those of lora_targets the model has (sft's default list)
   bool full = false;
   std::string quantize;              // nf4 | fp4: 4-bit base projections, as sft/bench --quantize; empty: dense
   bool double_quant = false;
@@ -29,6 +30,7 @@ struct PlanOptions {
   std::string recompute = "all";     // none | all | keep-attention
   int64_t recompute_layers = -1;
   bool offload = false;              // --offload activations: recomputed layers' kept tensors in host memory
+  int64_t offload_layers = -1;       // --offload-layers: the first N layers offload (-1: every recomputed one but the last)
   int64_t mlp_tile_tokens = kMlpTileAuto;  // --mlp-tile-tokens: rows per SwiGLU MLP tile, 0 untiled (auto: untiled
                                            // here; choose_recompute tries tiles when nothing untiled fits)
   bool optimizer = true;             // AdamW state (sft holds it; `spindle bench`'s step does not)

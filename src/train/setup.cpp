@@ -192,6 +192,8 @@ DecoderOptions decoder_options(const TrainConfig& config, const ModelConfig& mod
   const RecomputeMode mode = parse_recompute_mode(config.recompute);
   DecoderOptions options = recompute_options(mode, model_config.num_layers, config.recompute_layers);
   options.offload = parse_offload(config.offload, mode);
+  check_offload_layers(options.offload, config.offload_layers);
+  options.offload_layers = config.offload_layers;
   options.mlp_tile_tokens = mlp_tile_tokens_to_run(parse_mlp_tile_tokens(config.mlp_tile_tokens));
   return options;
 }

@@ -54,7 +54,10 @@ void TrainConfig::validate() const {
   if (log_every <= 0) fail("--log-every must be positive, got {}", log_every);
   if (recompute != "auto") {  // auto is resolved into a mode by the command line before training starts
     check_recompute_layers(parse_recompute_mode(recompute), recompute_layers);
-    parse_offload(offload, parse_recompute_mode(recompute));
+    check_offload_layers(parse_offload(offload, parse_recompute_mode(recompute)), offload_layers);
+  } else if (offload_layers != -1) {
+    fail("--offload-layers is chosen by --recompute auto (the fewest layers whose offload makes the step fit); "
+         "to set it, choose --recompute all or keep-attention with --offload activations");
   }
   parse_mlp_tile_tokens(mlp_tile_tokens);
   if (device != "auto" && device != "cpu" && device != "cuda")

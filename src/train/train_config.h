@@ -57,6 +57,7 @@ struct TrainConfig {
   std::string recompute = "none";     // none | all | keep-attention | auto: activation checkpointing (RecomputeMode; auto: docs/memory.md)
   int64_t recompute_layers = -1;       // how many layers (the first ones) --recompute applies to; -1: all
   std::string offload = "none";       // none | activations: recomputed layers' kept tensors in host memory
+  int64_t offload_layers = -1;        // with offload: the first N layers offload, the others stay (-1: all but the last)
   std::string mlp_tile_tokens = "auto";  // SwiGLU MLP token tiles: N, 0 (untiled) or auto (model/recompute.h)
   std::string device_memory;          // --recompute auto: memory per device to fit (bytes or 80GiB); empty: the device's
   std::string device = "auto";        // auto | cpu | cuda (auto: CUDA when built with it and a GPU is visible)

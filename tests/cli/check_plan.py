@@ -74,6 +74,29 @@ offload_cases = [
     ("qwen3 offload, Ulysses sp 2", "qwen3", 96, ["--recompute", "all", "--offload", "activations"],
      (2, ["--sp", "2", "--ulysses", "2"])),
 ]
+# Partial offload (--offload-layers): the first layers' kept tensors in host memory, the later layers'
+# on the device. A five-layer model (the config alone) so that some offloadable layers stay; with
+# per-layer recompute, keep-attention, the MLP in tiles, sequence parallelism, and the hybrid MoE model.
+deep = tempfile.mkdtemp(prefix="spindle-plan-deep-")
+with open(os.path.join(deep, "config.json"), "w") as f:
+    json.dump({"model_type": "qwen2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+               "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu"}, f)
+offload_cases += [
+    ("5 layers, offload of the first 2, recompute all", deep, 96,
+     ["--recompute", "all", "--offload", "activations", "--offload-layers", "2"], (1, [])),
+    ("5 layers, offload of the first layer, keep-attention, full", deep, 96,
+     ["--full", "--recompute", "keep-attention", "--offload", "activations", "--offload-layers", "1"], (1, [])),
+    ("5 layers, recompute on the first 4, offload of the first 3", deep, 64,
+     ["--recompute", "all", "--recompute-layers", "4", "--offload", "activations", "--offload-layers", "3"], (1, [])),
+    ("5 layers, offload of no layer (--offload-layers 0)", deep, 64,
+     ["--recompute", "all", "--offload", "activations", "--offload-layers", "0"], (1, [])),
+    ("5 layers, offload of the first 2, MLP in 40-token tiles, Ulysses sp 2", deep, 96,
+     ["--recompute", "all", "--offload", "activations", "--offload-layers", "2", "--mlp-tile-tokens", "40"],
+     (2, ["--sp", "2", "--ulysses", "2"])),
+    ("qwen3_5_moe (text) offload of the first of 3 layers, recompute all", "qwen3_5_moe_text", 64,
+     ["--recompute", "all", "--offload", "activations", "--offload-layers", "1"], (1, [])),
+]
 cases += offload_cases
 # SwiGLU MLPs in token tiles: one tile's intermediates, gate and up recomputed in backward; tiles that
 # divide the row's tokens and that do not, with offload, and under sequence parallelism.
@@ -138,7 +161,8 @@ for name, model, seq, extra, mesh in cases:
     got, phase, got_host = predicted(path, seq, extra, mesh)
     rel = abs(got - want) / want
     ok = rel <= 0.05
-    offloads = "--offload" in extra
+    offloads = "--offload" in extra and extra[extra.index("--offload") + 1] == "activations" and not (
+        "--offload-layers" in extra and extra[extra.index("--offload-layers") + 1] == "0")
     if offloads:  # the host side of offload: planned as the CPU backend allocates it
         host_rel = abs(got_host - want_host) / max(want_host, 1)
         ok = ok and want_host > 0 and host_rel <= 0.05
@@ -156,6 +180,9 @@ for bad, needle in ((["--world", "3", "--sp", "2"], "--sp"), (["--seq", "0"], "-
                     (["--recompute", "none", "--recompute-layers", "1"], "--recompute-layers"),
                     (["--recompute", "none", "--offload", "activations"], "--offload"),
                     (["--offload", "disk"], "--offload"), (["--quantize", "nf8"], "--quantize"),
+                    (["--offload-layers", "2"], "--offload activations"),
+                    (["--offload", "activations", "--offload-layers", "-2"], "--offload-layers"),
+                    (["--recompute", "auto", "--offload", "activations", "--offload-layers", "2"], "--offload-layers"),
                     (["--full", "--quantize", "nf4"], "4-bit")):
     model = ["--model", os.path.join(hf, "qwen2")]
     p = subprocess.run([spindle, "plan"] + model + bad,

@@ -2,9 +2,10 @@
 """`--recompute auto` (bench, sft, plan) on the CPU backend, with the device's memory given by
 --device-memory: the choice is the fastest setting whose planned peak fits (none when it fits; else
 keep-attention or all on the fewest first layers, the others keeping everything; offload only when
-nothing fits without it; the MLP in token tiles only when nothing untiled fits), the run's measured
-peak stays within the budget, and a budget nothing fits is refused before the step with the longest
-sequence that would fit."""
+nothing fits without it, and then on the fewest first layers that make it fit; the MLP in token
+tiles only when nothing untiled fits), the run's measured peak stays within the budget, and a budget
+nothing fits is refused before the step with the longest sequence that would fit. sft plans the LoRA
+targets it will train. `plan --max-seq --recompute auto` offloads as many layers as the host holds."""
 import json
 import os
 import subprocess
@@ -39,13 +40,13 @@ with open(os.path.join(model, "config.json"), "w") as f:
 common = ["--model", model, "--seq", str(SEQ), "--device", "cpu"]
 
 
-def planned(recompute, layers=-1, offload=False, extra=()):
+def planned(recompute, layers=-1, offload=False, extra=(), offload_layers=-1, field="peak_allocated_bytes"):
     args = [spindle, "plan", "--bench-step", "--json", "--recompute", recompute] + common + list(extra)
     if layers >= 0:
         args += ["--recompute-layers", str(layers)]
     if offload:
-        args += ["--offload", "activations"]
-    return json.loads(run(args).stdout)["results"][0]["peak_allocated_bytes"]
+        args += ["--offload", "activations", "--offload-layers", str(offload_layers)]
+    return json.loads(run(args).stdout)["results"][0][field]
 
 
 def bench_auto(budget):
@@ -95,6 +96,15 @@ check(r is not None and r["offload"] == "activations" and r["peak_allocated_byte
       and r["offload_host_bytes"] > 0,
       f"budget {budget}: {r and (r['recompute'], r['recompute_layers'], r['offload'])}, measured "
       f"{r and r['peak_allocated_bytes']} with {r and r['offload_host_bytes']} host bytes")
+# ... on the fewest first layers that fit: one layer fewer does not.
+if r is not None and r["offload"] == "activations":
+    m = r["offload_layers"]
+    n = r["recompute_layers"] if r["recompute_layers"] >= 0 else 6
+    offloaded = m if m >= 0 else min(n, 5)
+    fewer = (planned(r["recompute"], r["recompute_layers"], True, offload_layers=offloaded - 1) if offloaded > 1
+             else planned(r["recompute"], r["recompute_layers"]))
+    check(fewer > budget and planned(r["recompute"], r["recompute_layers"], True, offload_layers=m) <= budget,
+          f"budget {budget}: offload on the first {offloaded} layers; {offloaded - 1} plan {fewer} bytes")
 
 # plan --recompute auto says the same as bench.
 doc = json.loads(run([spindle, "plan", "--bench-step", "--json", "--recompute", "auto", "--device-memory",
@@ -145,6 +155,27 @@ with tempfile.TemporaryDirectory() as tmp:
     check(p.returncode != 0 and "no setting fits" in p.stderr,
           f"wide MLP, budget {budget}, --mlp-tile-tokens 0: refused ({p.stderr.strip().splitlines()[-1:]})")
 
+# plan --max-seq --recompute auto: recompute all (and tiles where they help), offload on as many first
+# layers as the host holds and the other layers' kept tensors on the device. With a host too small for
+# every layer's tensors it reaches longer rows than offloading all of them or none.
+def max_seq(extra, host):
+    out = run([spindle, "plan", "--json", "--bench-step", "--max-seq", "--model", model, "--device", "cpu",
+               "--device-memory", str(budget_dev), "--host-memory", str(host)] + extra).stdout
+    return json.loads(out)
+
+
+budget_dev = planned("all", offload=True, extra=["--mlp-tile-tokens", "0"]) * 8
+host_all = planned("all", offload=True, extra=["--mlp-tile-tokens", "0"], field="offload_host_bytes") * 8
+for host in (host_all * 4 // 3 * 2 // 3, host_all * 4 // 3 // 2):  # two thirds / half of what 8x the row needs
+    auto = max_seq(["--recompute", "auto", "--mlp-tile-tokens", "0"], host)
+    whole = max_seq(["--recompute", "all", "--offload", "activations", "--mlp-tile-tokens", "0"], host)
+    none_off = max_seq(["--recompute", "all", "--mlp-tile-tokens", "0"], host)
+    check(auto["max_seq"] > max(whole["max_seq"], none_off["max_seq"]) and 0 <= auto["offload_layers"] < 5
+          and auto["peak_allocated_bytes"] <= budget_dev and auto["offload_host_bytes"] <= host // 4 * 3,
+          f"--max-seq with host {host}: auto {auto['max_seq']} (offload on the first {auto['offload_layers']} layers, "
+          f"{auto['peak_allocated_bytes']} + {auto['offload_host_bytes']} host bytes), every layer offloaded "
+          f"{whole['max_seq']}, none {none_off['max_seq']}")
+
 # sft: the choice from the plan of its rows (--max-length) with the AdamW state, and its peak within.
 with tempfile.TemporaryDirectory() as tmp:
     base = [spindle, "plan", "--json", "--model", qwen2, "--seq", "32", "--device", "cpu", "--lora-rank", "4"]
@@ -160,6 +191,26 @@ with tempfile.TemporaryDirectory() as tmp:
     check(p.returncode == 0 and "--recompute auto: " in p.stderr and "none" not in p.stderr.split("--recompute auto: ")[1][:5]
           and peaks and max(peaks) <= budget,
           f"sft --recompute auto at {budget} bytes: peaks {peaks} ({p.stderr.strip().splitlines()[:2]})")
+
+# sft --recompute auto plans the adapters it trains (--lora-targets): a budget that LoRA on q_proj alone
+# fits without recompute runs without (LoRA on every projection would need recompute there).
+with tempfile.TemporaryDirectory() as tmp:
+    base = [spindle, "plan", "--json", "--model", qwen2, "--seq", "32", "--device", "cpu", "--lora-rank", "4",
+            "--recompute", "none"]
+    q_only = json.loads(run(base + ["--lora-targets", "q_proj"]).stdout)["results"][0]["peak_allocated_bytes"]
+    every = json.loads(run(base).stdout)["results"][0]["peak_allocated_bytes"]
+    p = run([spindle, "sft", "--model", qwen2, "--data", os.path.join(qwen2, "data.jsonl"), "--output",
+             os.path.join(tmp, "out"), "--max-steps", "1", "--lr", "0.01", "--lora-rank", "4", "--max-length", "32",
+             "--lora-targets", "q_proj", "--threads", "1", "--device", "cpu", "--recompute", "auto",
+             "--device-memory", str(q_only)], ok=False)
+    peaks = []
+    if p.returncode == 0:
+        with open(os.path.join(tmp, "out", "metrics.jsonl")) as f:
+            peaks = [json.loads(line)["peak_memory"] for line in f]
+    check(every > q_only and p.returncode == 0 and "--recompute auto: none " in p.stderr and peaks
+          and max(peaks) <= q_only,
+          f"sft --lora-targets q_proj --recompute auto at {q_only} bytes (every projection: {every}): peaks {peaks} "
+          f"({p.stderr.strip().splitlines()[:2]})")
 
 # sft with --offload activations: the same losses as without, the host memory in metrics.jsonl.
 with tempfile.TemporaryDirectory() as tmp:

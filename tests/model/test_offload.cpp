@@ -2,8 +2,9 @@
 // goes to host memory after their forward and comes back ahead of their backward. On the CPU
 // backend the host copy is a separate allocation (Backend::empty_host), so these tests see both
 // properties that matter: losses and every gradient are bit-identical with and without offload
-// (recompute all, keep-attention, per-layer mixes; dense attention and gated DeltaNet layers; F32
-// and F64; LoRA and full), and the device's peak drops by the offloaded bytes, which the host holds.
+// (recompute all, keep-attention, per-layer mixes, offload on the first layers only; dense attention
+// and gated DeltaNet layers; F32 and F64; LoRA and full), and the device's peak drops by the
+// offloaded bytes, which the host holds.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -105,6 +106,7 @@ TEST_P(Offload, IsBitIdenticalAndMovesKeptTensorsOffTheDevice) {
     const std::string name = recompute_mode_name(mode);
     const DecoderOptions plain = recompute_options(mode, layers);
     const Result kept = run(*be, w, plain);
+
     double grad_sum = 0;
     for (const auto& g : kept.grads)
       for (double x : g) grad_sum += std::fabs(x);
@@ -130,6 +132,49 @@ TEST_P(Offload, IsBitIdenticalAndMovesKeptTensorsOffTheDevice) {
     const Result first_two = run(*be, w, with_offload(recompute_options(mode, layers, 2)));
     expect_identical(first_two, kept, name + " on the first 2 layers with offload");
     EXPECT_GE(first_two.host_peak, 2 * x_in);
+
+    // Partial offload (--offload-layers): every layer recomputed, only the first ones offloaded, the
+    // later ones keeping theirs on the device. The host holds those layers' tensors and no more.
+    for (int64_t offloaded : {int64_t{0}, int64_t{1}, layers / 2, layers - 1, layers}) {
+      DecoderOptions partial = with_offload(plain);
+      partial.offload_layers = offloaded;
+      const Result some = run(*be, w, partial);
+      const std::string what = name + " with the first " + std::to_string(offloaded) + " layers offloaded";
+      expect_identical(some, kept, what);
+      const int64_t moving = std::min(offloaded, layers - 1);  // the last layer never offloads
+      EXPECT_EQ(some.host_after, 0) << what;
+      if (moving == 0) {
+        EXPECT_EQ(some.host_peak, 0) << what;
+        EXPECT_EQ(some.device_peak, kept.device_peak) << what;
+      } else {
+        EXPECT_GE(some.host_peak, moving * x_in) << what;
+        EXPECT_LE(some.host_peak, moved.host_peak) << what;
+        EXPECT_LE(some.device_peak, kept.device_peak) << what;
+        EXPECT_GE(some.device_peak, moved.device_peak) << what;
+      }
+      if (moving == layers - 1) {
+        EXPECT_EQ(some.host_peak, moved.host_peak) << what;
+        EXPECT_EQ(some.device_peak, moved.device_peak) << what;
+      }
+    }
+  }
+}
+
+TEST(OffloadLayers, AreCheckedAgainstTheOffloadOption) {
+  EXPECT_NO_THROW(check_offload_layers(true, -1));
+  EXPECT_NO_THROW(check_offload_layers(true, 3));
+  EXPECT_NO_THROW(check_offload_layers(false, -1));
+  try {
+    check_offload_layers(false, 2);
+    ADD_FAILURE() << "--offload-layers without --offload activations was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--offload activations"), std::string::npos) << e.what();
+  }
+  try {
+    check_offload_layers(true, -3);
+    ADD_FAILURE() << "--offload-layers -3 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--offload-layers"), std::string::npos) << e.what();
   }
 }
 
