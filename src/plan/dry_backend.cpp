@@ -6,6 +6,7 @@
 
 #include "backend/cpu/deltanet_conv_ops.h"
 #include "backend/cuda/attention_scratch.h"
+#include "backend/cuda/deltanet_conv_shape.h"
 #include "backend/cuda/gated_delta_scratch.h"
 
 namespace spindle::plan {
@@ -167,6 +168,10 @@ void DryBackend::gated_delta_rule_backward(Stream, const Tensor& q, const Tensor
 void DryBackend::deltanet_conv_split_forward(Stream stream, const Tensor& qkv, const Tensor& w,
                                              const Tensor& doc_ids, double eps, Tensor& q, Tensor& k, Tensor& v,
                                              Tensor& q_rstd, Tensor& k_rstd) {
+  if (qkv.rank() != 2 || q.rank() != 3 || qkv.dim(1) == 0) return;
+  if (device_.kind == DeviceKind::CUDA &&
+      cuda::conv_split_fused_shape(qkv.dim(1), w.numel() / qkv.dim(1), q.dim(2)))
+    return;
   deltanet_conv_split_forward_by_parts(*this, stream, qkv, w, doc_ids, eps, q, k, v, q_rstd, k_rstd);
 }
 
@@ -174,6 +179,12 @@ void DryBackend::deltanet_conv_split_backward(Stream stream, const Tensor& qkv, 
                                               const Tensor& doc_ids, const Tensor& q, const Tensor& k,
                                               const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& dq,
                                               const Tensor& dk, const Tensor& dv, Tensor& d_qkv, Tensor* dw) {
+  if (qkv.rank() != 2 || q.rank() != 3 || qkv.dim(1) == 0) return;
+  const int64_t width = w.numel() / qkv.dim(1);
+  if (device_.kind == DeviceKind::CUDA && cuda::conv_split_fused_shape(qkv.dim(1), width, q.dim(2))) {
+    if (dw && qkv.dim(0) > 0) scratch({cuda::conv_backward_scratch_bytes(qkv.dim(0), qkv.dim(1), width)});
+    return;
+  }
   deltanet_conv_split_backward_by_parts(*this, stream, qkv, w, doc_ids, q, k, q_rstd, k_rstd, dq, dk, dv, d_qkv, dw);
 }
 

@@ -114,7 +114,8 @@ class DryBackend final : public Backend {
                                    Tensor*) override {}
   void l2norm_forward(Stream, const Tensor&, double, Tensor&, Tensor&) override {}
   void l2norm_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&) override {}
-  // The separate ops, as every backend runs them for now (their buffers count).
+  // The fused conv and split hold nothing but the dw partial sums (backend/cuda/deltanet_conv_shape.h);
+  // where the CUDA kernels do not take the shape, and on the CPU, the separate ops run (their buffers).
   void deltanet_conv_split_forward(Stream stream, const Tensor& qkv, const Tensor& w, const Tensor& doc_ids,
                                    double eps, Tensor& q, Tensor& k, Tensor& v, Tensor& q_rstd,
                                    Tensor& k_rstd) override;

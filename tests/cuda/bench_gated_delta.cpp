@@ -1,6 +1,7 @@
 // Times the gated DeltaNet kernels of the CUDA backend (docs/perf.md): the chunked delta rule
 // forward and backward at Qwen3.5/3.6 head shapes (16 key heads, 32 value heads of 128), the causal
-// conv1d and the gated RMSNorm, BF16, one document per row. Median of many runs, CUDA events; and the
+// conv1d (alone and with the layer's split fused, each against what it replaced), a column copy and
+// the gated RMSNorm, BF16, one document per row. Median of many runs, CUDA events; and the
 // delta rule's device scratch per call, measured on the memory pool against what spindle plan counts.
 // Not a test. usage: bench_gated_delta [tokens ...]   (default 16384 32768)
 #include <cuda_runtime.h>
@@ -15,6 +16,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/gated_delta.h"
 #include "backend/cuda/gated_delta_scratch.h"
 #include "core/dtype.h"
 
@@ -128,17 +130,74 @@ int main(int argc, char** argv) {
                 static_cast<long long>(d), fwd, fwd_flop / fwd / 1e9, io_bytes / fwd / 1e6, bwd,
                 bwd_flop / bwd / 1e9);
 
-    // The conv over the projected q, k, v channels and the gated norm over the value heads.
-    const int64_t channels = 2 * hk * d + hv * d;
+    // The conv over the projected q, k, v channels: the register-window kernels against the row-wise
+    // ones they replaced, and the layer's conv + split (q, k L2-normalised, v) fused against the
+    // separate ops the layer ran before (row-wise conv, three column copies, two L2 norms).
+    const int64_t channels = 2 * hk * d + hv * d, key = hk * d, value = hv * d;
+    cudaStream_t cs = static_cast<cudaStream_t>(st.handle);
     Tensor x = random_bf16(*be, Shape{t, channels}, rng, -1, 1), y = be->empty(Shape{t, channels}, DType::BF16);
     Tensor w = random_bf16(*be, Shape{channels, 1, conv_width}, rng, -0.5f, 0.5f);
     Tensor dw = be->zeros(w.shape(), DType::BF16), dx = be->empty(x.shape(), DType::BF16);
     const double conv_f = median_ms(*be, [&] { be->causal_conv1d_silu_forward(st, x, w, doc, y); }, 20);
     const double conv_b = median_ms(*be, [&] { be->causal_conv1d_silu_backward(st, x, w, doc, y, dx, &dw); }, 20);
+    const double row_f = median_ms(*be, [&] {
+      cuda::causal_conv1d_silu_forward_rowwise(cs, x.data(), w.data(), DType::BF16, doc.data_as<int32_t>(), y.data(),
+                                               DType::BF16, t, channels, conv_width);
+    }, 20);
+    const double row_b = median_ms(*be, [&] {
+      cuda::causal_conv1d_silu_backward_rowwise(cs, x.data(), w.data(), DType::BF16, doc.data_as<int32_t>(),
+                                                y.data(), dx.data(), dw.data(), DType::BF16, t, channels, conv_width);
+    }, 20);
     const double conv_bytes = 2.0 * t * channels * 2;  // read x, write y
-    std::printf("conv1d T %lld C %lld: forward %.3f ms (%.0f GB/s), backward %.3f ms (%.0f GB/s of x, dy, dx)\n",
-                static_cast<long long>(t), static_cast<long long>(channels), conv_f, conv_bytes / conv_f / 1e6, conv_b,
-                1.5 * conv_bytes / conv_b / 1e6);
+    std::printf("conv1d T %lld C %lld: forward %.3f ms (%.0f GB/s; row-wise %.3f ms, %.0f GB/s), backward %.3f ms "
+                "(%.0f GB/s of x, dy, dx; row-wise %.3f ms, %.0f GB/s)\n",
+                static_cast<long long>(t), static_cast<long long>(channels), conv_f, conv_bytes / conv_f / 1e6, row_f,
+                conv_bytes / row_f / 1e6, conv_b, 1.5 * conv_bytes / conv_b / 1e6, row_b,
+                1.5 * conv_bytes / row_b / 1e6);
+    Tensor qn = be->empty(qs, DType::BF16), kn = be->empty(qs, DType::BF16), vn = be->empty(vs, DType::BF16);
+    Tensor q_rstd = be->empty(Shape{t * hk}, DType::F32), k_rstd = be->empty(Shape{t * hk}, DType::F32);
+    Tensor d_qkv = be->empty(x.shape(), DType::BF16);
+    const double split_f =
+        median_ms(*be, [&] { be->deltanet_conv_split_forward(st, x, w, doc, 1e-6, qn, kn, vn, q_rstd, k_rstd); }, 20);
+    const double split_b = median_ms(*be, [&] {
+      be->deltanet_conv_split_backward(st, x, w, doc, qn, kn, q_rstd, k_rstd, dq, dk, dv, d_qkv, &dw);
+    }, 20);
+    const double parts_f = median_ms(*be, [&] {
+      Tensor mixed = be->empty(x.shape(), DType::BF16);
+      cuda::causal_conv1d_silu_forward_rowwise(cs, x.data(), w.data(), DType::BF16, doc.data_as<int32_t>(),
+                                               mixed.data(), DType::BF16, t, channels, conv_width);
+      Tensor q_raw = be->empty(Shape{t, key}, DType::BF16), k_raw = be->empty(Shape{t, key}, DType::BF16);
+      Tensor v_flat = vn.reshape(Shape{t, value});
+      be->copy_columns(st, mixed, 0, q_raw, 0, key);
+      be->copy_columns(st, mixed, key, k_raw, 0, key);
+      be->copy_columns(st, mixed, 2 * key, v_flat, 0, value);
+      be->l2norm_forward(st, q_raw.reshape(qs), 1e-6, qn, q_rstd);
+      be->l2norm_forward(st, k_raw.reshape(qs), 1e-6, kn, k_rstd);
+    }, 20);
+    const double parts_b = median_ms(*be, [&] {
+      Tensor d_mixed = be->empty(x.shape(), DType::BF16);
+      Tensor dq_raw = be->empty(qs, DType::BF16), dk_raw = be->empty(qs, DType::BF16);
+      be->l2norm_backward(st, qn, q_rstd, dq, dq_raw);
+      be->l2norm_backward(st, kn, k_rstd, dk, dk_raw);
+      be->copy_columns(st, dq_raw.reshape(Shape{t, key}), 0, d_mixed, 0, key);
+      be->copy_columns(st, dk_raw.reshape(Shape{t, key}), 0, d_mixed, key, key);
+      be->copy_columns(st, dv.reshape(Shape{t, value}), 0, d_mixed, 2 * key, value);
+      cuda::causal_conv1d_silu_backward_rowwise(cs, x.data(), w.data(), DType::BF16, doc.data_as<int32_t>(),
+                                                d_mixed.data(), d_qkv.data(), dw.data(), DType::BF16, t, channels,
+                                                conv_width);
+    }, 20);
+    // Fused: the forward reads qkv and writes q, k, v; the backward reads qkv, q, k, dq, dk, dv and
+    // writes d_qkv (the rstd rows are 1/64 of that).
+    const double split_f_bytes = 2.0 * t * channels * 2, split_b_bytes = 2.0 * t * (3 * channels + 2 * key);
+    std::printf("conv + split T %lld: forward %.3f ms (%.0f GB/s; separate ops %.3f ms), backward %.3f ms (%.0f GB/s; "
+                "separate ops %.3f ms)\n",
+                static_cast<long long>(t), split_f, split_f_bytes / split_f / 1e6, parts_f, split_b,
+                split_b_bytes / split_b / 1e6, parts_b);
+    const int64_t copy_rows = t * 16;  // gated attention's query/gate split: 16 heads of [query 256 | gate 256]
+    Tensor fused_qg = random_bf16(*be, Shape{copy_rows, 512}, rng, -1, 1), half = be->empty(Shape{copy_rows, 256}, DType::BF16);
+    const double copy_ms = median_ms(*be, [&] { be->copy_columns(st, fused_qg, 256, half, 0, 256); }, 20);
+    std::printf("copy_columns %lld rows, 256 of 512 columns: %.3f ms (%.0f GB/s)\n", static_cast<long long>(copy_rows),
+                copy_ms, 2.0 * copy_rows * 256 * 2 / copy_ms / 1e6);
     const Shape rows{t * hv, d};
     Tensor xn = random_bf16(*be, rows, rng, -1, 1), z = random_bf16(*be, rows, rng, -2, 2),
            nw = random_bf16(*be, Shape{d}, rng, 0.5f, 1.5f), yn = be->empty(rows, DType::BF16);

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/backend.h"
@@ -88,17 +89,24 @@ std::vector<int> packed_docs(const std::vector<int>& lengths) {
 
 TEST_P(CudaGated, CopyColumnsMovesExactlyOneBlock) {
   const DType t = GetParam();
-  const int64_t rows = 37, src_cols = 29, dst_cols = 41;
-  auto src = rand_values(rows * src_cols, t), dst = rand_values(rows * dst_cols, t);
-  Tensor gsrc = on_gpu(src, Shape{rows, src_cols}, t), gdst = on_gpu(dst, Shape{rows, dst_cols}, t);
-  gpu->copy_columns(gs, gsrc, 5, gdst, 11, 17);
-  auto got = to_host(*gpu, gdst);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < dst_cols; ++j) {
-      const double want = j >= 11 && j < 28 ? src[r * src_cols + 5 + (j - 11)] : dst[r * dst_cols + j];
-      ASSERT_EQ(got[r * dst_cols + j], want) << r << "," << j;
-    }
-  EXPECT_THROW(gpu->copy_columns(gs, gsrc, 20, gdst, 0, 10), Error);  // past the source's columns
+  // Odd offsets and widths (element by element); then offsets, widths and rows of whole 16-, 8- and
+  // 4-byte words (the word-wise kernel).
+  for (const auto& [src_cols, dst_cols, src_col, dst_col, width] :
+       {std::tuple{29, 41, 5, 11, 17}, std::tuple{64, 48, 16, 8, 32}, std::tuple{12, 20, 4, 8, 4},
+        std::tuple{6, 10, 2, 4, 2}}) {
+    const int64_t rows = 37;
+    auto src = rand_values(rows * src_cols, t), dst = rand_values(rows * dst_cols, t);
+    Tensor gsrc = on_gpu(src, Shape{rows, src_cols}, t), gdst = on_gpu(dst, Shape{rows, dst_cols}, t);
+    gpu->copy_columns(gs, gsrc, src_col, gdst, dst_col, width);
+    auto got = to_host(*gpu, gdst);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < dst_cols; ++j) {
+        const double want = j >= dst_col && j < dst_col + width ? src[r * src_cols + src_col + (j - dst_col)]
+                                                                : dst[r * dst_cols + j];
+        ASSERT_EQ(got[r * dst_cols + j], want) << src_cols << " into " << dst_cols << ": " << r << "," << j;
+      }
+    EXPECT_THROW(gpu->copy_columns(gs, gsrc, src_cols - 3, gdst, 0, 10), Error);  // past the source's columns
+  }
 }
 
 TEST_P(CudaGated, PartialRopeMatchesCpu) {
@@ -161,6 +169,119 @@ TEST_P(CudaGated, CausalConv1dRestartsAtDocumentsForwardAndBackward) {
   gpu->causal_conv1d_silu_backward(gs, on_gpu(x, xs, t), on_gpu(w, ws, t), int_tensor(*gpu, ids), on_gpu(dy, xs, t),
                                    dx2, nullptr);
   expect(dx2, cdx, tol_for(t), "conv1d dx, frozen weight");
+}
+
+// The register-window kernels (channels a multiple of 4, widths 1-4; 128 channels and 16 or 32
+// tokens a thread run, 256 tokens a dw partial) and the row-wise ones (width 5), against the CPU.
+// Documents cross the runs and the blocks, start at a run's first token, and last one token; a
+// second backward with the same inputs must give the same bits (dw is summed in a fixed order).
+TEST_P(CudaGated, CausalConv1dWindowKernelsMatchCpu) {
+  const DType t = GetParam();
+  struct Case {
+    int64_t channels, width;
+    std::vector<int> docs;
+  };
+  const std::vector<Case> cases = {
+      {132, 4, {3, 1, 90, 2, 1, 50, 4, 16, 32, 1, 300, 13}},  // 513 tokens: 3 blocks, lanes past C idle
+      {8192, 4, {40, 1, 31, 200}},                             // Qwen3.6's channels
+      {64, 3, {17, 1, 1, 2, 300}},
+      {36, 2, {1, 255, 2, 40}},
+      {8, 1, {5, 60}},
+      {64, 5, {7, 1, 120}},  // wider than the window: the row-wise kernels
+  };
+  for (const Case& c : cases) {
+    const std::vector<int> ids = packed_docs(c.docs);
+    const int64_t tokens = static_cast<int64_t>(ids.size());
+    const std::string what = "C " + std::to_string(c.channels) + " K " + std::to_string(c.width) + ": ";
+    auto x = rand_values(tokens * c.channels, t, -2, 2), w = rand_values(c.channels * c.width, t),
+         dy = rand_values(tokens * c.channels, t), dw0 = rand_values(c.channels * c.width, t);
+    const Shape xs{tokens, c.channels}, ws{c.channels, 1, c.width};
+    Tensor gx = on_gpu(x, xs, t), gw = on_gpu(w, ws, t), gdy = on_gpu(dy, xs, t), gids = int_tensor(*gpu, ids);
+    Tensor cx = on_cpu(x, xs), cw = on_cpu(w, ws), cids = int_tensor(*cpu, ids);
+    Tensor y = poisoned(xs, t), cy = cpu->empty(xs, DType::F64);
+    gpu->causal_conv1d_silu_forward(gs, gx, gw, gids, y);
+    cpu->causal_conv1d_silu_forward(cs, cx, cw, cids, cy);
+    expect(y, cy, tol_for(t), what + "conv1d y");
+    Tensor dx = poisoned(xs, t), cdx = cpu->empty(xs, DType::F64);
+    Tensor dw = on_gpu(dw0, ws, t), cdw = on_cpu(dw0, ws);  // accumulated into
+    gpu->causal_conv1d_silu_backward(gs, gx, gw, gids, gdy, dx, &dw);
+    cpu->causal_conv1d_silu_backward(cs, cx, cw, cids, on_cpu(dy, xs), cdx, &cdw);
+    expect(dx, cdx, tol_for(t), what + "conv1d dx");
+    expect(dw, cdw, tol_for(t), what + "conv1d dw");
+    Tensor dx2 = poisoned(xs, t), dw2 = on_gpu(dw0, ws, t);
+    gpu->causal_conv1d_silu_backward(gs, gx, gw, gids, gdy, dx2, &dw2);
+    EXPECT_EQ(to_host(*gpu, dx2), to_host(*gpu, dx)) << what << "dx run to run";
+    EXPECT_EQ(to_host(*gpu, dw2), to_host(*gpu, dw)) << what << "dw run to run";
+    Tensor dx3 = poisoned(xs, t);  // frozen weight
+    gpu->causal_conv1d_silu_backward(gs, gx, gw, gids, gdy, dx3, nullptr);
+    EXPECT_EQ(to_host(*gpu, dx3), to_host(*gpu, dx)) << what << "dx, frozen weight";
+  }
+}
+
+// The conv with the layer's split fused (q, k L2-normalised per head, v as is) against the CPU's
+// separate ops: Qwen3.6's heads (16 key heads of 128, 32 value heads of 128), small heads the
+// fused kernels take (a head fewer lanes than a warp), and head dims they do not (3, 256: the
+// separate ops on the GPU).
+TEST_P(CudaGated, DeltaNetConvSplitMatchesCpu) {
+  const DType t = GetParam();
+  struct Case {
+    int64_t key_heads, key_dim, value_heads, value_dim, width;
+    std::vector<int> docs;
+  };
+  const std::vector<Case> cases = {
+      {16, 128, 32, 128, 4, {40, 1, 31, 200}},
+      {2, 8, 4, 8, 4, {3, 1, 90, 2, 1, 50, 4, 16, 32, 1, 300, 13}},
+      {1, 4, 2, 6, 2, {1, 20, 70}},
+      {2, 3, 4, 5, 4, {9, 1, 60}},
+      {1, 256, 2, 128, 4, {30, 50}},
+  };
+  for (const Case& c : cases) {
+    const std::vector<int> ids = packed_docs(c.docs);
+    const int64_t tokens = static_cast<int64_t>(ids.size()), key = c.key_heads * c.key_dim,
+                  value = c.value_heads * c.value_dim, channels = 2 * key + value;
+    const std::string what = "dk " + std::to_string(c.key_dim) + ": ";
+    auto x = rand_values(tokens * channels, t, -2, 2), w = rand_values(channels * c.width, t),
+         dq = rand_values(tokens * key, t), dk = rand_values(tokens * key, t), dv = rand_values(tokens * value, t),
+         dw0 = rand_values(channels * c.width, t);
+    const Shape xs{tokens, channels}, ws{channels, 1, c.width}, qs{tokens, c.key_heads, c.key_dim},
+        vs{tokens, c.value_heads, c.value_dim}, rs{tokens * c.key_heads};
+    Tensor gx = on_gpu(x, xs, t), gw = on_gpu(w, ws, t), gids = int_tensor(*gpu, ids);
+    Tensor cx = on_cpu(x, xs), cw = on_cpu(w, ws), cids = int_tensor(*cpu, ids);
+    Tensor q = poisoned(qs, t), k = poisoned(qs, t), v = poisoned(vs, t), q_rstd = poisoned(rs, DType::F32),
+           k_rstd = poisoned(rs, DType::F32);
+    Tensor cq = cpu->empty(qs, DType::F64), ck = cpu->empty(qs, DType::F64), cv = cpu->empty(vs, DType::F64),
+           cq_rstd = cpu->empty(rs, DType::F32), ck_rstd = cpu->empty(rs, DType::F32);
+    gpu->deltanet_conv_split_forward(gs, gx, gw, gids, 1e-6, q, k, v, q_rstd, k_rstd);
+    cpu->deltanet_conv_split_forward(cs, cx, cw, cids, 1e-6, cq, ck, cv, cq_rstd, ck_rstd);
+    expect(q, cq, tol_for(t), what + "q");
+    expect(k, ck, tol_for(t), what + "k");
+    expect(v, cv, tol_for(t), what + "v");
+    expect(q_rstd, cq_rstd, tol_for(t), what + "q rstd");  // of the stored conv output
+    expect(k_rstd, ck_rstd, tol_for(t), what + "k rstd");
+
+    // The backward from the GPU's own q, k and rstd, as the model runs it.
+    auto to_cpu = [&](const Tensor& g, DType dt) {
+      Tensor c = cpu->empty(g.shape(), dt);
+      from_host(*cpu, to_host(*gpu, g), c);
+      return c;
+    };
+    Tensor gdq = on_gpu(dq, qs, t), gdk = on_gpu(dk, qs, t), gdv = on_gpu(dv, vs, t);
+    Tensor d_qkv = poisoned(xs, t), dw = on_gpu(dw0, ws, t);
+    Tensor cd_qkv = cpu->empty(xs, DType::F64), cdw = on_cpu(dw0, ws);
+    gpu->deltanet_conv_split_backward(gs, gx, gw, gids, q, k, q_rstd, k_rstd, gdq, gdk, gdv, d_qkv, &dw);
+    cpu->deltanet_conv_split_backward(cs, cx, cw, cids, to_cpu(q, DType::F64), to_cpu(k, DType::F64),
+                                      to_cpu(q_rstd, DType::F32), to_cpu(k_rstd, DType::F32), on_cpu(dq, qs),
+                                      on_cpu(dk, qs), on_cpu(dv, vs), cd_qkv, &cdw);
+    expect(d_qkv, cd_qkv, tol_for(t), what + "d_qkv");
+    expect(dw, cdw, tol_for(t), what + "dw");
+    Tensor d_qkv2 = poisoned(xs, t), dw2 = on_gpu(dw0, ws, t);
+    gpu->deltanet_conv_split_backward(gs, gx, gw, gids, q, k, q_rstd, k_rstd, gdq, gdk, gdv, d_qkv2, &dw2);
+    EXPECT_EQ(to_host(*gpu, d_qkv2), to_host(*gpu, d_qkv)) << what << "d_qkv run to run";
+    EXPECT_EQ(to_host(*gpu, dw2), to_host(*gpu, dw)) << what << "dw run to run";
+    Tensor d_qkv3 = poisoned(xs, t);  // frozen weight
+    gpu->deltanet_conv_split_backward(gs, gx, gw, gids, q, k, q_rstd, k_rstd, gdq, gdk, gdv, d_qkv3, nullptr);
+    EXPECT_EQ(to_host(*gpu, d_qkv3), to_host(*gpu, d_qkv)) << what << "d_qkv, frozen weight";
+  }
 }
 
 TEST_P(CudaGated, L2NormForwardAndBackward) {

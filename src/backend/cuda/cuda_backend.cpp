@@ -552,17 +552,59 @@ class CudaBackend final : public Backend {
     cuda::l2norm_backward(s(stream), y.data(), rstd.data_as<float>(), dy.data(), dx.data(), y.dtype(), rows, c);
   }
 
-  // The separate ops (each checks its tensors).
   void deltanet_conv_split_forward(Stream stream, const Tensor& qkv, const Tensor& w, const Tensor& doc_ids,
                                    double eps, Tensor& q, Tensor& k, Tensor& v, Tensor& q_rstd,
                                    Tensor& k_rstd) override {
-    deltanet_conv_split_forward_by_parts(*this, stream, qkv, w, doc_ids, eps, q, k, v, q_rstd, k_rstd);
+    const char* op = "deltanet_conv_split_forward";
+    require_compute(qkv, op);
+    for (const Tensor* t : {&q, &k, &v}) require_same(qkv, *t, op);
+    require_compute(w, "deltanet_conv_split_forward weight");
+    require_i32(doc_ids, op);
+    SPINDLE_CHECK(qkv.rank() == 2 && q.rank() == 3 && k.shape() == q.shape() && v.rank() == 3 &&
+                      q.dim(0) == qkv.dim(0) && v.dim(0) == qkv.dim(0) &&
+                      2 * q.dim(1) * q.dim(2) + v.dim(1) * v.dim(2) == qkv.dim(1) && w.rank() >= 1 &&
+                      w.dim(0) == qkv.dim(1) && qkv.dim(1) > 0 && w.numel() % qkv.dim(1) == 0 &&
+                      doc_ids.numel() == qkv.dim(0),
+                  "{}: qkv {} w {} doc_ids {} into q {} k {} v {}", op, qkv.describe(), w.describe(),
+                  doc_ids.describe(), q.describe(), k.describe(), v.describe());
+    const int64_t t = qkv.dim(0), key = q.dim(1) * q.dim(2), value = v.dim(1) * v.dim(2);
+    require_stat(q_rstd, t * q.dim(1), "deltanet_conv_split_forward q_rstd");
+    require_stat(k_rstd, t * q.dim(1), "deltanet_conv_split_forward k_rstd");
+    const bool fused = cuda::deltanet_conv_split_forward(
+        s(stream), qkv.data(), w.data(), w.dtype(), doc_ids.data_as<int32_t>(), q.data(), k.data(), v.data(),
+        q_rstd.data_as<float>(), k_rstd.data_as<float>(), qkv.dtype(), t, key, value, q.dim(2),
+        w.numel() / qkv.dim(1), static_cast<float>(eps));
+    if (!fused) deltanet_conv_split_forward_by_parts(*this, stream, qkv, w, doc_ids, eps, q, k, v, q_rstd, k_rstd);
   }
+
   void deltanet_conv_split_backward(Stream stream, const Tensor& qkv, const Tensor& w, const Tensor& doc_ids,
                                     const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd,
                                     const Tensor& dq, const Tensor& dk, const Tensor& dv, Tensor& d_qkv,
                                     Tensor* dw) override {
-    deltanet_conv_split_backward_by_parts(*this, stream, qkv, w, doc_ids, q, k, q_rstd, k_rstd, dq, dk, dv, d_qkv, dw);
+    const char* op = "deltanet_conv_split_backward";
+    require_compute(qkv, op);
+    for (const Tensor* t : {&q, &k, &dq, &dk, &dv, static_cast<const Tensor*>(&d_qkv)}) require_same(qkv, *t, op);
+    require_compute(w, "deltanet_conv_split_backward weight");
+    if (dw) require_same(w, *dw, "deltanet_conv_split_backward dw");
+    require_i32(doc_ids, op);
+    SPINDLE_CHECK(qkv.rank() == 2 && d_qkv.shape() == qkv.shape() && q.rank() == 3 && k.shape() == q.shape() &&
+                      dq.shape() == q.shape() && dk.shape() == q.shape() && dv.rank() == 3 &&
+                      q.dim(0) == qkv.dim(0) && dv.dim(0) == qkv.dim(0) &&
+                      2 * q.dim(1) * q.dim(2) + dv.dim(1) * dv.dim(2) == qkv.dim(1) && w.rank() >= 1 &&
+                      w.dim(0) == qkv.dim(1) && qkv.dim(1) > 0 && w.numel() % qkv.dim(1) == 0 &&
+                      doc_ids.numel() == qkv.dim(0) && (!dw || dw->shape() == w.shape()),
+                  "{}: qkv {} w {} doc_ids {} q {} dv {} d_qkv {}", op, qkv.describe(), w.describe(),
+                  doc_ids.describe(), q.describe(), dv.describe(), d_qkv.describe());
+    const int64_t t = qkv.dim(0), key = q.dim(1) * q.dim(2), value = dv.dim(1) * dv.dim(2);
+    require_stat(q_rstd, t * q.dim(1), "deltanet_conv_split_backward q_rstd");
+    require_stat(k_rstd, t * q.dim(1), "deltanet_conv_split_backward k_rstd");
+    const bool fused = cuda::deltanet_conv_split_backward(
+        s(stream), qkv.data(), w.data(), w.dtype(), doc_ids.data_as<int32_t>(), q.data(), k.data(),
+        q_rstd.data_as<float>(), k_rstd.data_as<float>(), dq.data(), dk.data(), dv.data(), d_qkv.data(),
+        dw ? dw->data() : nullptr, qkv.dtype(), t, key, value, q.dim(2), w.numel() / qkv.dim(1));
+    if (!fused)
+      deltanet_conv_split_backward_by_parts(*this, stream, qkv, w, doc_ids, q, k, q_rstd, k_rstd, dq, dk, dv, d_qkv,
+                                            dw);
   }
 
   void gated_delta_gates_forward(Stream stream, const Tensor& a, const Tensor& b, const Tensor& a_log,

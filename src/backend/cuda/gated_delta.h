@@ -27,11 +27,31 @@ void sigmoid_gate_forward(cudaStream_t s, const void* x, const void* gate, void*
 void sigmoid_gate_backward(cudaStream_t s, const void* x, const void* gate, const void* dout, void* dx, void* dgate,
                            DType io, int64_t n);
 // x, y [tokens, channels]; w [channels, width] of dtype wt; doc_ids I32 [tokens]; dw (null: frozen) +=.
+// (deltanet_conv.cu)
 void causal_conv1d_silu_forward(cudaStream_t s, const void* x, const void* w, DType wt, const int32_t* doc_ids,
                                 void* y, DType io, int64_t tokens, int64_t channels, int64_t width);
 void causal_conv1d_silu_backward(cudaStream_t s, const void* x, const void* w, DType wt, const int32_t* doc_ids,
                                  const void* dy, void* dx, void* dw, DType io, int64_t tokens, int64_t channels,
                                  int64_t width);
+// The row-wise kernels alone (any shape): what the two above run where their register-window kernels
+// do not take the shape (deltanet_conv_shape.h); bench_gated_delta compares the two.
+void causal_conv1d_silu_forward_rowwise(cudaStream_t s, const void* x, const void* w, DType wt, const int32_t* doc_ids,
+                                        void* y, DType io, int64_t tokens, int64_t channels, int64_t width);
+void causal_conv1d_silu_backward_rowwise(cudaStream_t s, const void* x, const void* w, DType wt,
+                                         const int32_t* doc_ids, const void* dy, void* dx, void* dw, DType io,
+                                         int64_t tokens, int64_t channels, int64_t width);
+// The conv with the gated DeltaNet's split fused (backend.h: deltanet_conv_split_*): qkv, d_qkv
+// [tokens, 2·key + value]; q, k, dq, dk [tokens, key] in heads of head_dim; v, dv [tokens, value];
+// rstd F32 [tokens·key/head_dim]. They return false, having launched nothing, for a shape the fused
+// kernels do not take (deltanet_conv_shape.h; or tensors not aligned to 4 elements): the caller then
+// runs the separate ops. (deltanet_conv.cu)
+bool deltanet_conv_split_forward(cudaStream_t s, const void* qkv, const void* w, DType wt, const int32_t* doc_ids,
+                                 void* q, void* k, void* v, float* q_rstd, float* k_rstd, DType io, int64_t tokens,
+                                 int64_t key, int64_t value, int64_t head_dim, int64_t width, float eps);
+bool deltanet_conv_split_backward(cudaStream_t s, const void* qkv, const void* w, DType wt, const int32_t* doc_ids,
+                                  const void* q, const void* k, const float* q_rstd, const float* k_rstd,
+                                  const void* dq, const void* dk, const void* dv, void* d_qkv, void* dw, DType io,
+                                  int64_t tokens, int64_t key, int64_t value, int64_t head_dim, int64_t width);
 // x, y [rows, c]; rstd F32 [rows].
 void l2norm_forward(cudaStream_t s, const void* x, void* y, float* rstd, DType io, int64_t rows, int64_t c, float eps);
 void l2norm_backward(cudaStream_t s, const void* y, const float* rstd, const void* dy, void* dx, DType io,

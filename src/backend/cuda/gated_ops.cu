@@ -1,8 +1,8 @@
 // The small ops of gated attention and the gated DeltaNet (backend.h; the CPU reference is
-// backend/cpu/gated_delta_ops.cpp): column copies, partial RoPE, the sigmoid output gate, the
-// causal depthwise conv1d with SiLU over packed documents, L2 norm, the DeltaNet gates and the
-// gated RMSNorm. F32 arithmetic on F32 or BF16 storage; every sum over rows (a weight's gradient)
-// is two-stage in a fixed order, so it is the same run to run.
+// backend/cpu/gated_delta_ops.cpp): column copies, partial RoPE, the sigmoid output gate, L2 norm,
+// the DeltaNet gates and the gated RMSNorm (the causal conv1d: deltanet_conv.cu). F32 arithmetic on
+// F32 or BF16 storage; every sum over rows (a weight's gradient) is two-stage in a fixed order, so
+// it is the same run to run.
 #include <algorithm>
 
 #include "backend/cuda/device_util.cuh"
@@ -14,7 +14,6 @@ namespace spindle::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxConvWidth = 16;
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float silu_grad(float x) {
@@ -68,6 +67,18 @@ __global__ void copy_columns_kernel(const E* src, int64_t src_cols, int64_t src_
   }
 }
 
+// The same in words V of 4, 8 or 16 bytes (every row start, column offset and width a whole number
+// of them): src and dst point at the first copied word of row 0, strides and width in words; fewer
+// than 2^32 words, so the row is a 32-bit division.
+template <typename V>
+__global__ void copy_column_words_kernel(const V* src, uint32_t src_stride, V* dst, uint32_t dst_stride,
+                                         uint32_t width, uint32_t n) {
+  for (uint32_t x = blockIdx.x * blockDim.x + threadIdx.x; x < n; x += gridDim.x * blockDim.x) {
+    const uint32_t r = x / width, j = x - r * width;
+    dst[static_cast<int64_t>(r) * dst_stride + j] = src[static_cast<int64_t>(r) * src_stride + j];
+  }
+}
+
 // ---- partial RoPE ---------------------------------------------------------------------------------
 // As rope.cu: the f32 angle, its cos and sin in double, the rotation in f32; dims ≥ rotary_dim
 // are left alone.
@@ -100,76 +111,6 @@ struct SigmoidGateBackward {  // in: x, gate, dout; out: dx, dgate
     o[1] = in[2] * in[0] * s * (1.0f - s);
   }
 };
-
-// ---- causal conv1d + SiLU ---------------------------------------------------------------------------
-// How many tokens before t belong to t's document, up to width − 1 (tap j reads t − width + 1 + j,
-// valid when width − 1 − j ≤ back).
-__device__ __forceinline__ int reach_back(const int32_t* doc, int64_t t, int width) {
-  int back = 0;
-  while (back < width - 1 && t - back - 1 >= 0 && doc[t - back - 1] == doc[t - back]) ++back;
-  return back;
-}
-
-template <typename T>
-__device__ __forceinline__ float conv_pre(const T* x, const void* w, bool bf16w, const int32_t* doc, int64_t t,
-                                          int64_t c, int64_t channels, int width) {
-  const int back = reach_back(doc, t, width);
-  float pre = 0.f;
-  for (int j = width - 1 - back; j < width; ++j)
-    pre = fmaf(load_weight(w, bf16w, c * width + j), to_f32(x[(t - width + 1 + j) * channels + c]), pre);
-  return pre;
-}
-
-template <typename T>
-__global__ void conv_forward_kernel(const T* x, const void* w, bool bf16w, const int32_t* doc, T* y, int64_t tokens,
-                                    int64_t channels, int width) {
-  const int64_t n = tokens * channels;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = i / channels, c = i % channels;
-    const float pre = conv_pre(x, w, bf16w, doc, t, c, channels, width);
-    y[i] = from_f32<T>(pre * sigmoidf(pre));
-  }
-}
-
-// One thread per channel walks the rows [r0, r1) of its block (plus width − 1 rows after, whose
-// pre-activation gradient reaches dx of the last rows): dpre[t] = dy[t]·silu'(pre[t]) is spread
-// over the dx of the taps it read (a ring of width pending sums, each written once complete), and
-// dw partial [row blocks, channels·width] sums x·dpre over t in [r0, r1).
-template <typename T>
-__global__ void conv_backward_kernel(const T* x, const void* w, bool bf16w, const int32_t* doc, const T* dy, T* dx,
-                                     float* dw_partial, int64_t tokens, int64_t channels, int width,
-                                     int64_t rows_per_block) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= channels) return;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_block, r1 = min(tokens, r0 + rows_per_block);
-  const int64_t t_end = min(tokens, r1 + width - 1);
-  float wv[kMaxConvWidth], pending[kMaxConvWidth], dw_acc[kMaxConvWidth];
-  for (int j = 0; j < width; ++j) {
-    wv[j] = load_weight(w, bf16w, c * width + j);
-    pending[j] = 0.f;
-    dw_acc[j] = 0.f;
-  }
-  for (int64_t t = r0; t < t_end; ++t) {
-    const int back = reach_back(doc, t, width);
-    float pre = 0.f;
-    for (int j = width - 1 - back; j < width; ++j) pre = fmaf(wv[j], to_f32(x[(t - width + 1 + j) * channels + c]), pre);
-    const float dp = to_f32(dy[t * channels + c]) * silu_grad(pre);
-    for (int j = width - 1 - back; j < width; ++j) {
-      const int64_t src = t - width + 1 + j;
-      if (src >= r0) pending[src % width] = fmaf(wv[j], dp, pending[src % width]);
-      if (t < r1) dw_acc[j] = fmaf(to_f32(x[src * channels + c]), dp, dw_acc[j]);
-    }
-    const int64_t done = t - (width - 1);  // every t' ≥ done that reads `done` has been seen
-    if (done >= r0) {
-      dx[done * channels + c] = from_f32<T>(pending[done % width]);
-      pending[done % width] = 0.f;
-    }
-  }
-  for (int64_t s = max(r0, t_end - (width - 1)); s < r1; ++s) dx[s * channels + c] = from_f32<T>(pending[s % width]);
-  if (dw_partial)
-    for (int j = 0; j < width; ++j) dw_partial[blockIdx.y * channels * width + c * width + j] = dw_acc[j];
-}
 
 // ---- L2 norm ----------------------------------------------------------------------------------------
 // One warp per row.
@@ -331,6 +272,31 @@ void copy_columns(cudaStream_t s, const void* src, int64_t src_cols, int64_t src
                   int64_t dst_col, int64_t rows, int64_t width, size_t elem_bytes) {
   const int64_t n = rows * width;
   if (n == 0) return;
+  // The widest word that divides every byte offset and count: 16-byte loads and stores reach the
+  // bandwidth, single 2-byte elements with a 64-bit division each do not.
+  const char* from = static_cast<const char*>(src) + src_col * static_cast<int64_t>(elem_bytes);
+  char* to = static_cast<char*>(dst) + dst_col * static_cast<int64_t>(elem_bytes);
+  const int64_t src_row = src_cols * static_cast<int64_t>(elem_bytes), dst_row = dst_cols * static_cast<int64_t>(elem_bytes),
+                row_bytes = width * static_cast<int64_t>(elem_bytes);
+  const uint64_t all = static_cast<uint64_t>(src_row | dst_row | row_bytes) | reinterpret_cast<uintptr_t>(from) |
+                       reinterpret_cast<uintptr_t>(to);
+  for (int64_t word : {16, 8, 4}) {
+    if (all % static_cast<uint64_t>(word) != 0 || static_cast<uint64_t>(rows) * (row_bytes / word) >= (uint64_t{1} << 32) ||
+        src_row / word >= (int64_t{1} << 32) || dst_row / word >= (int64_t{1} << 32))
+      continue;
+    const uint32_t words = static_cast<uint32_t>(rows * (row_bytes / word));
+    auto run = [&](auto v) {
+      using V = decltype(v);
+      copy_column_words_kernel<<<grid_for(words, kThreads), kThreads, 0, s>>>(
+          reinterpret_cast<const V*>(from), static_cast<uint32_t>(src_row / word), reinterpret_cast<V*>(to),
+          static_cast<uint32_t>(dst_row / word), static_cast<uint32_t>(row_bytes / word), words);
+    };
+    if (word == 16) run(uint4{});
+    if (word == 8) run(uint2{});
+    if (word == 4) run(uint32_t{});
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
   const unsigned grid = grid_for(n, kThreads);
   auto run = [&](auto e) {
     using E = decltype(e);
@@ -374,44 +340,6 @@ void sigmoid_gate_backward(cudaStream_t s, const void* x, const void* gate, cons
     launch_elementwise<T, 3, 2>(s, {{static_cast<const T*>(x), static_cast<const T*>(gate), static_cast<const T*>(dout)}},
                                 {{static_cast<T*>(dx), static_cast<T*>(dgate)}}, n, SigmoidGateBackward{});
   });
-}
-
-void causal_conv1d_silu_forward(cudaStream_t s, const void* x, const void* w, DType wt, const int32_t* doc_ids,
-                                void* y, DType io, int64_t tokens, int64_t channels, int64_t width) {
-  const bool bf16w = weight_is_bf16(wt, "causal_conv1d_silu_forward");
-  if (width < 1 || width > kMaxConvWidth) throw_message("causal_conv1d_silu_forward", "conv width must be 1 ... 16");
-  if (tokens * channels == 0) return;
-  dispatch_compute(io, "causal_conv1d_silu_forward", [&](auto z) {
-    using T = decltype(z);
-    conv_forward_kernel<<<grid_for(tokens * channels, kThreads), kThreads, 0, s>>>(
-        static_cast<const T*>(x), w, bf16w, doc_ids, static_cast<T*>(y), tokens, channels, static_cast<int>(width));
-    CUDA_CHECK_LAUNCH();
-  });
-}
-
-void causal_conv1d_silu_backward(cudaStream_t s, const void* x, const void* w, DType wt, const int32_t* doc_ids,
-                                 const void* dy, void* dx, void* dw, DType io, int64_t tokens, int64_t channels,
-                                 int64_t width) {
-  const bool bf16w = weight_is_bf16(wt, "causal_conv1d_silu_backward");
-  if (width < 1 || width > kMaxConvWidth) throw_message("causal_conv1d_silu_backward", "conv width must be 1 ... 16");
-  if (tokens * channels == 0) return;
-  // A fixed split (the shape's alone) keeps dw the same run to run.
-  constexpr int64_t kRowsPerBlock = 64;
-  const int64_t row_blocks = (tokens + kRowsPerBlock - 1) / kRowsPerBlock;
-  if (row_blocks > 65535) throw_message("causal_conv1d_silu_backward", "more than 4M tokens");
-  Scratch partial(s, dw ? sizeof(float) * row_blocks * channels * width : 0);
-  constexpr int kChannelThreads = 128;
-  dispatch_compute(io, "causal_conv1d_silu_backward", [&](auto z) {
-    using T = decltype(z);
-    const dim3 grid(static_cast<unsigned>((channels + kChannelThreads - 1) / kChannelThreads),
-                    static_cast<unsigned>(row_blocks));
-    conv_backward_kernel<<<grid, kChannelThreads, 0, s>>>(static_cast<const T*>(x), w, bf16w, doc_ids,
-                                                          static_cast<const T*>(dy), static_cast<T*>(dx),
-                                                          dw ? partial.as<float>() : nullptr, tokens, channels,
-                                                          static_cast<int>(width), kRowsPerBlock);
-    CUDA_CHECK_LAUNCH();
-  });
-  if (dw) finish_partials(s, partial.as<float>(), row_blocks, channels * width, dw, bf16w);
 }
 
 void l2norm_forward(cudaStream_t s, const void* x, void* y, float* rstd, DType io, int64_t rows, int64_t c, float eps) {
