@@ -18,6 +18,7 @@
 #include "backend/cuda/device_util.cuh"
 #include "backend/cuda/gated_delta.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/weight_grad.cuh"
 
 namespace spindle::cuda {
 namespace {
@@ -32,45 +33,6 @@ constexpr int kRuns = 8;                                       // blockDim.y: to
 constexpr int kForwardRun = 16;                                // tokens per thread, forward
 constexpr int kBackwardRun = static_cast<int>(kConvWindowBackwardRows) / kRuns;  // 32
 
-__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
-__device__ __forceinline__ float silu_grad(float x) {
-  const float s = sigmoidf(x);
-  return s * (1.0f + x * (1.0f - s));
-}
-
-// A weight element of dtype F32 or BF16 (wt independent of the io dtype).
-__device__ __forceinline__ float load_weight(const void* p, bool bf16w, int64_t i) {
-  return bf16w ? __bfloat162float(static_cast<const bf16*>(p)[i]) : static_cast<const float*>(p)[i];
-}
-__device__ __forceinline__ void add_weight(void* p, bool bf16w, int64_t i, float v) {
-  if (bf16w) {
-    bf16* q = static_cast<bf16*>(p) + i;
-    *q = __float2bfloat16_rn(__bfloat162float(*q) + v);
-  } else {
-    static_cast<float*>(p)[i] += v;
-  }
-}
-
-bool weight_is_bf16(DType wt, const char* op) {
-  if (wt != DType::F32 && wt != DType::BF16) throw_dtype(op, wt);
-  return wt == DType::BF16;
-}
-
-// dst[j] += Σ_b partial[b, j] in the order b = 0, 1, ...; one thread per j.
-__global__ void finish_partials_kernel(const float* partial, int64_t blocks, int64_t n, void* dst, bool bf16w) {
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= n) return;
-  float sum = 0.f;
-  for (int64_t b = 0; b < blocks; ++b) sum += partial[b * n + j];
-  add_weight(dst, bf16w, j, sum);
-}
-
-void finish_partials(cudaStream_t s, const float* partial, int64_t blocks, int64_t n, void* dst, bool bf16w) {
-  if (n == 0) return;
-  finish_partials_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, s>>>(partial, blocks,
-                                                                                                  n, dst, bf16w);
-  CUDA_CHECK_LAUNCH();
-}
 
 // ---- the register-window kernels ---------------------------------------------------------------------
 // 4 consecutive elements (8 bytes of BF16, 16 of F32; the address aligned to that).
