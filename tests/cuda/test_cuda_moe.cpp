@@ -373,6 +373,80 @@ TEST_P(CudaMoe, GroupedGemmsMatchCpuOverRaggedAndEmptyExperts) {
   }
 }
 
+// The grouped GEMMs as the routed experts' LoRA pairs call them (model/expert_lora.cpp): A [E·r, in]
+// and B [E, out, r] are single tensors whose per-expert weights are row views (B's gate and up halves
+// of a fused gate_up tensor: rows begin … end − 1 of each expert), ranks 2 and 4, small experts,
+// gradients into views of the gradient tensors in the parameters' dtype (as ModelWeights keeps them):
+// xs = x·A_eᵀ, y += xs·B_e[begin:end]ᵀ, dB_e[begin:end] += dyᵀ·xs, dxs = dy·B_e[begin:end],
+// dA_e += dxsᵀ·x, dx += dxs·A_e.
+TEST_P(CudaMoe, ExpertLoraShapesThroughViewsMatchCpu) {
+  const DType t = GetParam();
+  struct Case {
+    int64_t experts, in, out, rank, begin, end;
+  };
+  // qwen3_5_moe_expert_lora's gate_up (H 64 -> 2·32, r 4; each half) and down (32 -> 64); qwen3_moe's r 2.
+  for (const Case c : {Case{4, 64, 64, 4, 0, 32}, Case{4, 64, 64, 4, 32, 64}, Case{4, 32, 64, 4, 0, 64},
+                       Case{8, 48, 64, 2, 32, 64}, Case{8, 32, 48, 2, 0, 48}}) {
+    SCOPED_TRACE(testing::Message() << "E " << c.experts << " in " << c.in << " out " << c.out << " r " << c.rank
+                                    << " rows " << c.begin << "-" << c.end);
+    std::vector<int> offsets{0};
+    for (int64_t e = 0; e < c.experts; ++e) offsets.push_back(offsets.back() + static_cast<int>(e == 1 ? 0 : 3 + 5 * e));
+    const int64_t rows = offsets.back(), width = c.end - c.begin;
+    Tensor goff = int_tensor(*gpu, offsets), coff = int_tensor(*cpu, offsets);
+    const auto a = rand_values(c.experts * c.rank * c.in, t), b = rand_values(c.experts * c.out * c.rank, t);
+    const auto x = rand_values(rows * c.in, t), dy = rand_values(rows * width, t);
+    const auto y0 = rand_values(rows * width, t), dx0 = rand_values(rows * c.in, t);
+    struct Side {
+      Tensor a, b, da, db, x, dy, xs, y, dxs, dx;
+    };
+    auto make = [&](Backend& be, DType dt) {
+      Side s;
+      s.a = on(be, a, Shape{c.experts * c.rank, c.in}, dt);
+      s.b = on(be, b, Shape{c.experts, c.out, c.rank}, dt);
+      s.da = be.zeros(s.a.shape(), dt);
+      s.db = be.zeros(s.b.shape(), dt);
+      s.x = on(be, x, Shape{rows, c.in}, dt);
+      s.dy = on(be, dy, Shape{rows, width}, dt);
+      s.xs = be.empty(Shape{rows, c.rank}, dt);
+      s.y = on(be, y0, Shape{rows, width}, dt);
+      s.dxs = be.empty(Shape{rows, c.rank}, dt);
+      s.dx = on(be, dx0, Shape{rows, c.in}, dt);
+      return s;
+    };
+    auto per_a = [&](const Tensor& m) {
+      std::vector<Tensor> v;
+      for (int64_t e = 0; e < c.experts; ++e) v.push_back(m.rows(e * c.rank, (e + 1) * c.rank));
+      return v;
+    };
+    auto per_b = [&](const Tensor& m) {
+      std::vector<Tensor> v;
+      for (int64_t e = 0; e < c.experts; ++e)
+        v.push_back(m.flat((e * c.out + c.begin) * c.rank, width * c.rank).reshape(Shape{width, c.rank}));
+      return v;
+    };
+    auto run = [&](Backend& be, Stream st, Side& s, const Tensor& off) {
+      be.moe_grouped_gemm(st, s.x, per_a(s.a), true, off, s.xs, false);
+      be.moe_grouped_gemm(st, s.xs, per_b(s.b), true, off, s.y, true);
+      std::vector<Tensor> db = per_b(s.db), da = per_a(s.da);
+      be.moe_grouped_gemm_weight_grad(st, s.dy, s.xs, off, db);
+      be.moe_grouped_gemm(st, s.dy, per_b(s.b), false, off, s.dxs, false);
+      be.moe_grouped_gemm_weight_grad(st, s.dxs, s.x, off, da);
+      be.moe_grouped_gemm(st, s.dxs, per_a(s.a), false, off, s.dx, true);
+    };
+    Side g = make(*gpu, t), r = make(*cpu, DType::F64);
+    run(*gpu, gs, g, goff);
+    run(*cpu, cs, r, coff);
+    // Each stage runs on its own inputs' rounding: BF16 rounds xs and dxs between the products.
+    const double tol = t == DType::F32 ? 1e-5 : 3e-2;
+    expect_close(to_host(*gpu, g.xs), to_host(*cpu, r.xs), tol, "xs = x·A_eᵀ");
+    expect_close(to_host(*gpu, g.y), to_host(*cpu, r.y), tol, "y += xs·B_eᵀ");
+    expect_close(to_host(*gpu, g.db), to_host(*cpu, r.db), tol, "dB_e += dyᵀ·xs");
+    expect_close(to_host(*gpu, g.dxs), to_host(*cpu, r.dxs), tol, "dxs = dy·B_e");
+    expect_close(to_host(*gpu, g.da), to_host(*cpu, r.da), tol, "dA_e += dxsᵀ·x");
+    expect_close(to_host(*gpu, g.dx), to_host(*cpu, r.dx), tol, "dx += dxs·A_e");
+  }
+}
+
 // Sets SPINDLE_MOE_GEMM for one scope (the grouped GEMM reads it at each call), then restores it.
 class MoeGemmKernelEnv {
  public:
