@@ -106,6 +106,9 @@ std::vector<int64_t> parse_sequence_lengths(const std::string& text) {
     if (!item.empty() && (item.back() == 'k' || item.back() == 'K')) {
       multiplier = 1024;
       item.pop_back();
+    } else if (!item.empty() && (item.back() == 'm' || item.back() == 'M')) {
+      multiplier = 1024 * 1024;
+      item.pop_back();
     }
     size_t used = 0;
     int64_t value = 0;
@@ -115,7 +118,9 @@ std::vector<int64_t> parse_sequence_lengths(const std::string& text) {
       used = 0;
     }
     if (item.empty() || used != item.size() || value <= 0)
-      fail("--seq '{}': expected positive lengths separated by commas, e.g. 32768 or 32k,64k", text);
+      fail("--seq '{}': expected positive lengths separated by commas, e.g. 32768, 32k,64k or 1M (k = 1024 tokens, "
+           "M = 1024k)",
+           text);
     lengths.push_back(value * multiplier);
     if (comma == std::string::npos) break;
     start = comma + 1;
@@ -130,8 +135,9 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
   CLI::App* cmd = app.add_subcommand(
       "bench", "Training-step throughput, MFU, peak memory and time split on synthetic data (random weights)");
   cmd->add_option("--model", o.model, "model folder or its config.json (only the architecture is used)")->required();
-  cmd->add_option("--seq", args->seq, "sequence length(s), one causal document per step: 32768 or 32k,64k,128k "
-                                      "(a sweep on the same weights; stops at the first that does not fit)")
+  cmd->add_option("--seq", args->seq,
+                  "sequence length(s), one causal document per step: 32768 or 32k,64k,1M (k = 1024, M = 1024k; "
+                  "a sweep on the same weights; stops at the first that does not fit)")
       ->capture_default_str();
   cmd->add_option("--doc-length", o.doc_length,
                   "pack each step's row with documents of this many tokens (the last one shorter), as SFT "

@@ -131,7 +131,7 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
   CLI::App* cmd = app.add_subcommand(
       "plan", "Predicted peak memory of a training step per rank, before anything is allocated (no GPU needed)");
   cmd->add_option("--model", o.model, "model folder or its config.json (only the architecture is used)")->required();
-  cmd->add_option("--seq", args->seq, "tokens per row: 32768 or 32k,64k,128k (k = 1024)")->capture_default_str();
+  cmd->add_option("--seq", args->seq, "tokens per row: 32768 or 32k,64k,1M (k = 1024, M = 1024k)")->capture_default_str();
   cmd->add_option("--doc-length", o.doc_length, "rows packed with documents of this many tokens (0: one document)");
   cmd->add_option("--lora-rank", o.lora_rank, "LoRA rank on every projection")->capture_default_str();
   cmd->add_option("--lora-alpha", o.lora_alpha, "LoRA alpha")->capture_default_str();
