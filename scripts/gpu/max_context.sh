@@ -12,6 +12,7 @@
 #   written first (<tag>_plan.txt) so the measured peak and host bytes sit beside it. The 7B at 512k
 #   fits only with its MLP in token tiles: MODEL=7b OFFLOAD=activations MLP_TILE=16k SEQ=512k (planned
 #   58.5 GiB on the GPU, 94.5 GiB pinned; the step is ≈ 10 minutes of attention, so TIMEOUT may need raising).
+# OFFLOAD_LAYERS=N offloads only the first N layers (--offload-layers; the others stay on the GPU).
 set -uo pipefail
 root=$PWD
 stage=${BUNDLE_DIR:-$root/build-bundle}
@@ -25,8 +26,9 @@ gpus=${GPUS:-1}
 launch=()
 [[ $gpus -gt 1 ]] && launch=(--nproc-per-node "$gpus")
 model="$root/configs/qwen2.5-${MODEL:-1.5b}.json"
-tag="max_context_${gpus}gpu_${SEQ:-512k}${MODEL:+_$MODEL}${OFFLOAD:+_offload}${MLP_TILE:+_tile$MLP_TILE}"
-settings=(--recompute "${RECOMPUTE:-all}" --offload "${OFFLOAD:-none}" ${MLP_TILE:+--mlp-tile-tokens "$MLP_TILE"})
+tag="max_context_${gpus}gpu_${SEQ:-512k}${MODEL:+_$MODEL}${OFFLOAD:+_offload}${OFFLOAD_LAYERS:+$OFFLOAD_LAYERS}${MLP_TILE:+_tile$MLP_TILE}"
+settings=(--recompute "${RECOMPUTE:-all}" --offload "${OFFLOAD:-none}" ${OFFLOAD_LAYERS:+--offload-layers "$OFFLOAD_LAYERS"}
+          ${MLP_TILE:+--mlp-tile-tokens "$MLP_TILE"})
 "$stage/bin/spindle" plan --world "$gpus" ${MESH:-} --device cuda --model "$model" --seq "${SEQ:-512k}" --lora-rank 16 \
   --bench-step "${settings[@]}" --device-memory 139.8GiB > "$out/${tag}_plan.txt" 2>&1
 timeout ${TIMEOUT:-590} "$stage/bin/spindle" bench "${launch[@]}" ${MESH:-} --device cuda --model "$model" \

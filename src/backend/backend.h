@@ -57,6 +57,19 @@ struct MemoryStats {
   int64_t peak_host_allocated_bytes = 0;
 };
 
+// Activation offload's copies (Backend::offload_stats) since start or reset_offload_stats(): the
+// copy bandwidth (bytes / copy_seconds) and the time offload adds to a step (wait_seconds), as
+// spindle bench and the training progress line report them.
+struct OffloadStats {
+  int64_t copies = 0;        // copy_host_device calls
+  int64_t bytes = 0;         // bytes they moved, both directions
+  double copy_seconds = 0;   // Σ of each copy's duration (CUDA: events before and after it on its stream)
+  // How long compute waited for copies: CUDA, Σ over wait_for_copies of how much later the copies it
+  // waits for finished than the waiting stream reached the wait (0 when they were done first); CPU,
+  // the copies' own time, which they spend inside the step (copy_seconds).
+  double wait_seconds = 0;
+};
+
 // The two 4-bit codes of bitsandbytes' weight format (docs/qlora.md): NormalFloat4 and FP4.
 enum class Quant4Type : uint8_t { NF4, FP4 };
 
@@ -124,6 +137,12 @@ class Backend {
   // The queue for those copies: beside compute and beside comm_stream's collectives on CUDA (a
   // copy engine of its own); ordered with the others by stream_wait only.
   virtual Stream copy_stream() { return comm_stream(); }
+  // stream_wait(waiter, copy_stream()), also counting how long `waiter` stalls there
+  // (OffloadStats::wait_seconds).
+  virtual void wait_for_copies(Stream waiter) = 0;
+  // The copies and waits since start or reset_offload_stats(); call after synchronizing.
+  virtual OffloadStats offload_stats() = 0;
+  virtual void reset_offload_stats() = 0;
 
   // ---- elementwise and reductions ------------------------------------------------------------
   virtual void scale(Stream stream, Tensor& x, double alpha) = 0;                      // x *= alpha

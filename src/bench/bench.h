@@ -68,6 +68,7 @@ struct BenchResult {
   bool offload = false;
   int64_t offload_layers = -1;         // as run (DecoderOptions::offload_layers)
   int64_t mlp_tile_tokens = 0;         // as run: rows per SwiGLU MLP tile (0: untiled)
+  OffloadStats offload_copies;         // activation offload's copies over the timed steps (all of them)
   bool split_measured = false;
   // Per step, by OpCategory: attention, gemm, communication (on the compute stream), other ops,
   // overlapped communication (on another stream; not part of idle = step − the first four).

@@ -80,12 +80,16 @@ class TimedBackend final : public Backend {
   void fill_random_uniform(Stream s, Tensor& t, uint64_t seed, uint64_t sequence, double half_width) override;
   MemoryStats memory_stats() override { return inner_.memory_stats(); }
   void reset_peak_memory() override { inner_.reset_peak_memory(); }
-  // Activation offload's copies run on their own stream beside the ops; they are not timed as ops.
+  // Activation offload's copies run on their own stream beside the ops; they are not timed as ops:
+  // the inner backend times them and the waits for them (offload_stats).
   Tensor empty_host(Shape shape, DType dtype) override { return inner_.empty_host(shape, dtype); }
   void copy_host_device(Stream stream, const Tensor& src, Tensor& dst) override {
     inner_.copy_host_device(stream, src, dst);
   }
   Stream copy_stream() override { return inner_.copy_stream(); }
+  void wait_for_copies(Stream waiter) override { inner_.wait_for_copies(waiter); }
+  OffloadStats offload_stats() override { return inner_.offload_stats(); }
+  void reset_offload_stats() override { inner_.reset_offload_stats(); }
 
   void scale(Stream stream, Tensor& x, double alpha) override;
   void axpy(Stream stream, double alpha, const Tensor& x, Tensor& y) override;

@@ -160,9 +160,14 @@ class Mixer {
   // already in `a` and is not computed again.
   virtual void forward(const LayerContext& ctx, const Tensor& xn, MixerActivations& a, Tensor& out,
                        bool run_core) const = 0;
-  // dxn [T, H] = ∂L/∂xn (overwritten) from dout = ∂L/∂out; parameter gradients accumulate.
+  // dxn [T, H] = ∂L/∂xn (overwritten) from dout = ∂L/∂out; parameter gradients accumulate. When
+  // allocates_dxn(), dxn may come undefined and backward allocates it ([T, H], xn's dtype) just
+  // before it first writes it.
   virtual void backward(const LayerContext& ctx, const Tensor& xn, const MixerActivations& a, const Tensor& dout,
                         Tensor& dxn) const = 0;
+  // Whether backward can allocate dxn itself, after its core's backward (attention's scratch is a
+  // layer's peak: a [T, H] less there).
+  virtual bool allocates_dxn() const { return false; }
   // A recompute view uses a layer's kept core instead of the scratch set's.
   virtual void use_kept_core(MixerActivations& view, const MixerActivations& kept) const = 0;
   // Every parameter, in creation order (LoRA pairs included once attached).

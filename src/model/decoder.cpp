@@ -198,7 +198,7 @@ Tensor Decoder::forward(const MicroBatch& batch, bool keep, std::vector<LayerAct
   std::vector<Tensor> copying;
   auto copies_done = [&] {
     if (copying.empty()) return;
-    be.stream_wait(st, be.copy_stream());
+    be.wait_for_copies(st);
     copying.clear();
   };
   if (layers) allocate_layer(0);
@@ -340,7 +340,7 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
     before_backward(ParameterUnit::layer_unit(l));
     if (offloaded(l)) {
       if (!fetched[l]) fetch_layer(acts[l], fetching);
-      be.stream_wait(st, be.copy_stream());
+      be.wait_for_copies(st);
       fetching.clear();
     }
     if (l > 0 && offloaded(l - 1)) {

@@ -163,7 +163,8 @@ void DecoderLayer::backward(const LayerContext& ctx, LayerActivations& a, Tensor
   // feed-forward's record; stream-ordered, so the kernels above have read them first).
   d_xn2 = a.x_mid = a.xn2 = a.rstd2 = Tensor();
   a.feed_forward = FeedForwardActivations();
-  Tensor d_xn1 = be.empty(hidden, ctx.dtype);
+  Tensor d_xn1;  // [T, H], allocated here or by the mixer as late as it can (Mixer::allocates_dxn)
+  if (!mixer_->allocates_dxn()) d_xn1 = be.empty(hidden, ctx.dtype);
   mixer_->backward(ctx, a.xn1, a.mixer, d_res, d_xn1);
   if (need_input_grad || input_norm_->trainable)
     be.rmsnorm_backward(st, a.x_in, rmsnorm_multiplier(be, st, input_norm_->value, zero_centered_norm_), a.rstd1,

@@ -76,6 +76,9 @@ class DryBackend final : public Backend {
   // Activation offload: host tensors count apart from the device's (no phases: they are all offload).
   Tensor empty_host(Shape shape, DType dtype) override;
   void copy_host_device(Stream, const Tensor&, Tensor&) override {}
+  void wait_for_copies(Stream) override {}
+  OffloadStats offload_stats() override { return {}; }  // nothing runs, so nothing is timed
+  void reset_offload_stats() override {}
   int64_t host_live_bytes() const { return host_live_; }
   int64_t host_peak_bytes() const { return host_peak_; }
 

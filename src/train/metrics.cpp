@@ -99,7 +99,12 @@ std::vector<NamedMetric> named_metrics(const StepMetrics& m) {
       {"peak_memory", m.peak_memory_bytes},
       {"elapsed_s", m.elapsed_seconds},
   };
-  if (m.offload_host_bytes > 0) values.push_back({"offload_host_memory", m.offload_host_bytes});
+  if (m.offload_host_bytes > 0) {
+    values.push_back({"offload_host_memory", m.offload_host_bytes});
+    values.push_back({"offload_copy_bytes", m.offload_copy_bytes});
+    values.push_back({"offload_copy_s", m.offload_copy_seconds});
+    values.push_back({"offload_wait_s", m.offload_wait_seconds});
+  }
   if (m.aux_loss) values.push_back({"aux_loss", *m.aux_loss});
   if (m.eval_loss) values.push_back({"eval_loss", *m.eval_loss});
   if (m.eval_num_items) values.push_back({"eval_num_items", *m.eval_num_items});
@@ -146,6 +151,9 @@ StepMetrics metrics_from_json_line(std::string_view text) {
   m.peak_memory_bytes = integer(line, "peak_memory", false);
   m.elapsed_seconds = number_or_nan(line, "elapsed_s", false);
   if (line.contains("offload_host_memory")) m.offload_host_bytes = integer(line, "offload_host_memory", true);
+  if (line.contains("offload_copy_bytes")) m.offload_copy_bytes = integer(line, "offload_copy_bytes", true);
+  if (line.contains("offload_copy_s")) m.offload_copy_seconds = number_or_nan(line, "offload_copy_s", true);
+  if (line.contains("offload_wait_s")) m.offload_wait_seconds = number_or_nan(line, "offload_wait_s", true);
   if (line.contains("aux_loss")) m.aux_loss = number_or_nan(line, "aux_loss", true);
   if (line.contains("eval_loss")) m.eval_loss = number_or_nan(line, "eval_loss", true);
   if (line.contains("eval_num_items")) m.eval_num_items = integer(line, "eval_num_items", true);

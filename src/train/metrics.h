@@ -28,6 +28,12 @@ struct StepMetrics {
   double step_seconds = 0;          // wall time of the step: forward, backward, optimizer
   int64_t peak_memory_bytes = 0;    // memory high-water mark during the step
   int64_t offload_host_bytes = 0;   // host memory of activation offload at its peak (0: no offload)
+  // Activation offload's copies in the step (Backend::offload_stats): bytes both ways, the copies'
+  // summed duration (bytes / seconds: the bandwidth they achieved) and how long compute waited for
+  // them (the time offload added to the step). Written when offload_host_bytes > 0.
+  int64_t offload_copy_bytes = 0;
+  double offload_copy_seconds = 0;
+  double offload_wait_seconds = 0;
   double elapsed_seconds = 0;       // wall time since the run started, resumed sessions included
   std::optional<double> aux_loss;   // MoE router load-balancing loss of the step, when trained with one
                                     // (without its coefficient; `loss` is the cross-entropy alone)

@@ -76,6 +76,13 @@ std::string format_rate(double per_second) {
   return fmt::format("{:.2f}G", per_second / 1e9);
 }
 
+std::string format_offload_copies(const StepMetrics& step) {
+  const double rate = static_cast<double>(step.offload_copy_bytes) / step.offload_copy_seconds;
+  const double wait = step.offload_wait_seconds;
+  return fmt::format("{:.1f} GB/s, +{}", rate / 1e9,
+                     wait < 60 ? fmt::format("{:.2f} s", wait) : format_duration(wait));
+}
+
 std::string format_memory(int64_t bytes) {
   constexpr double kMiB = 1024.0 * 1024.0, kGiB = kMiB * 1024.0;
   if (bytes < static_cast<int64_t>(kGiB)) return fmt::format("{:.0f} MiB", bytes / kMiB);
@@ -122,7 +129,10 @@ std::string ProgressDisplay::terminal_line() const {
   rest += fmt::format("  loss {} (last {})", format_optional_loss(smoother_.value()), format_loss(step.loss));
   rest += fmt::format("  {} tok/s", format_rate(step.tokens_per_s));
   if (step.peak_memory_bytes > 0) rest += "  " + format_memory(step.peak_memory_bytes);
-  if (step.offload_host_bytes > 0) rest += " +" + format_memory(step.offload_host_bytes) + " host";
+  if (step.offload_host_bytes > 0) {
+    rest += " +" + format_memory(step.offload_host_bytes) + " host";
+    if (step.offload_copy_seconds > 0) rest += " (" + format_offload_copies(step) + ")";
+  }
   rest += "  " + format_duration(step.elapsed_seconds);
   if (auto per_step = seconds_per_step(); per_step && total > 0)
     rest += "<" + format_duration(*per_step * static_cast<double>(std::max<int64_t>(total - step.step, 0)));
@@ -157,7 +167,10 @@ std::string ProgressDisplay::plain_line() const {
   if (step.aux_loss) line += " | aux_loss " + format_loss(*step.aux_loss);
   line += fmt::format(" | {} tokens/s", format_rate(step.tokens_per_s));
   if (step.peak_memory_bytes > 0) line += " | peak " + format_memory(step.peak_memory_bytes);
-  if (step.offload_host_bytes > 0) line += " | offloaded " + format_memory(step.offload_host_bytes) + " to host";
+  if (step.offload_host_bytes > 0) {
+    line += " | offloaded " + format_memory(step.offload_host_bytes) + " to host";
+    if (step.offload_copy_seconds > 0) line += ", copies " + format_offload_copies(step);
+  }
   line += " | elapsed " + format_duration(step.elapsed_seconds);
   if (auto per_step = seconds_per_step(); per_step && total > 0 && step.step < total)
     line += " | eta " +

@@ -93,6 +93,9 @@ void write_run_summary(std::ostream& out, const RunSummary& summary, int64_t pla
 std::string format_duration(double seconds);       // 0:07, 12:34, 1:02:03, 27:46:40
 std::string format_rate(double per_second);        // 850, 12.3k, 4.56M
 std::string format_memory(int64_t bytes);          // 512 MiB, 3.21 GiB
+// Activation offload's copies of a step: their bandwidth and the time compute waited for them
+// ("24.1 GB/s, +0.12 s"); needs offload_copy_seconds > 0.
+std::string format_offload_copies(const StepMetrics& step);
 std::string format_count(int64_t count);           // 12,345,678
 
 }  // namespace spindle::train

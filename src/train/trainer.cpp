@@ -152,6 +152,7 @@ TrainSummary run_sft(const TrainConfig& config) {
     std::vector<PackedRow> rows;
     for (int64_t m = 0; m < rows_per_step; ++m) rows.push_back(loader.next());
     state.zero_grads();
+    backend->reset_offload_stats();  // this step's copies only
     const StepTotals totals = runner.run(rows, /*backward=*/true);
     const double lr = learning_rate(plan.lr, step);
     const double grad_norm = optimizer.step(lr);
@@ -170,6 +171,10 @@ TrainSummary run_sft(const TrainConfig& config) {
     const MemoryStats memory = backend->memory_stats();
     m.peak_memory_bytes = memory.peak_allocated_bytes;  // live tensors: the GPU pool on CUDA, tensor bytes on the CPU
     m.offload_host_bytes = memory.peak_host_allocated_bytes;  // --offload activations
+    const OffloadStats copies = backend->offload_stats();
+    m.offload_copy_bytes = copies.bytes;
+    m.offload_copy_seconds = copies.copy_seconds;
+    m.offload_wait_seconds = copies.wait_seconds;
     m.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     m.epoch = loader.epochs_done();
     if (config.eval_steps > 0 && (step % config.eval_steps == 0 || step == total_steps) && !eval_rows.empty())

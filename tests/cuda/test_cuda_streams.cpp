@@ -55,5 +55,54 @@ TEST_F(CudaStreams, RepeatedWaitsReuseOneEventSafely) {
   EXPECT_EQ(count_mismatches(to_host(*gpu, y), 300.0, "y"), 0);
 }
 
+TEST_F(CudaStreams, OffloadCopiesAreExactTimedAndTheirWaitsMeasured) {
+  // Activation offload's path (model/decoder.h): a device tensor to pinned host memory on the copy
+  // stream and back. Backend::offload_stats counts each copy with its duration and each
+  // wait_for_copies with how long the waiting stream stalled.
+  const Stream compute = gpu->default_stream(), copy = gpu->copy_stream();
+  const int64_t n = int64_t{64} << 20;  // 64M F32: 256 MiB, milliseconds over the host link
+  Tensor ones = gpu->empty(Shape{n}, DType::F32), x = gpu->empty(Shape{n}, DType::F32);
+  gpu->fill(compute, ones, 1.0);
+  gpu->fill(compute, x, 0.0);
+  for (int r = 0; r < 7; ++r) gpu->axpy(compute, 1.0, ones, x);  // x = 7
+  Tensor host = gpu->empty_host(Shape{n}, DType::F32);
+  gpu->synchronize(compute);
+  gpu->reset_offload_stats();
+
+  // Out, with compute waiting at once: it stalls for about the whole copy.
+  gpu->stream_wait(copy, compute);
+  gpu->copy_host_device(copy, x, host);
+  gpu->wait_for_copies(compute);
+  gpu->synchronize(compute);
+  const OffloadStats out = gpu->offload_stats();
+  EXPECT_EQ(out.copies, 1);
+  EXPECT_EQ(out.bytes, n * 4);
+  const double gb_per_s = static_cast<double>(out.bytes) / out.copy_seconds / 1e9;
+  EXPECT_GT(gb_per_s, 1.0) << out.copy_seconds << " s for 256 MiB";
+  EXPECT_LT(gb_per_s, 1000.0) << out.copy_seconds << " s for 256 MiB: faster than any host link";
+  EXPECT_GT(out.wait_seconds, 0.5 * out.copy_seconds) << "compute waited " << out.wait_seconds << " s for a copy of "
+                                                      << out.copy_seconds << " s enqueued just before";
+  EXPECT_LE(out.wait_seconds, out.copy_seconds * 1.5 + 1e-3);
+
+  // Back, under long compute that does not need it: the wait after that compute costs nothing.
+  Tensor back = gpu->empty(Shape{n}, DType::F32);
+  gpu->stream_wait(copy, compute);  // `back` was allocated in the compute stream's order
+  gpu->copy_host_device(copy, host, back);
+  for (int r = 0; r < 600; ++r) gpu->axpy(compute, 1.0, ones, x);  // tens of milliseconds
+  gpu->wait_for_copies(compute);
+  gpu->synchronize(compute);
+  const OffloadStats both = gpu->offload_stats();
+  EXPECT_EQ(both.copies, 2);
+  EXPECT_EQ(both.bytes, 2 * n * 4);
+  EXPECT_LT(both.wait_seconds - out.wait_seconds, 0.2 * (both.copy_seconds - out.copy_seconds))
+      << "compute waited for a copy that finished under its own work";
+  EXPECT_EQ(count_mismatches(to_host(*gpu, back), 7.0, "back"), 0) << "offload's copies must be exact";
+
+  gpu->reset_offload_stats();
+  const OffloadStats reset = gpu->offload_stats();
+  EXPECT_EQ(reset.copies, 0);
+  EXPECT_EQ(reset.wait_seconds, 0.0);
+}
+
 }  // namespace
 }  // namespace spindle::test

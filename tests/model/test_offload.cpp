@@ -4,7 +4,7 @@
 // properties that matter: losses and every gradient are bit-identical with and without offload
 // (recompute all, keep-attention, per-layer mixes, offload on the first layers only; dense attention
 // and gated DeltaNet layers; F32 and F64; LoRA and full), and the device's peak drops by the
-// offloaded bytes, which the host holds.
+// offloaded bytes, which the host holds. The backend's offload counters see every copy.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -49,6 +49,7 @@ struct Result {
   std::vector<double> loss;
   std::vector<std::vector<double>> grads;
   int64_t device_peak = 0, host_peak = 0, host_after = 0;
+  OffloadStats copies;
 };
 
 // Two micro-batches of different lengths accumulated into the same gradients.
@@ -58,6 +59,7 @@ Result run(Backend& be, ModelWeights& w, const DecoderOptions& options) {
   Result r;
   Tensor loss = be.zeros(Shape{1}, stat_dtype(w.dtype));
   be.reset_peak_memory();
+  be.reset_offload_stats();
   for (int64_t length : {40, 27}) {
     decoder.step(make_micro_batch(be, {row(length, 50 + length)}, w.dtype), 0.05, loss, true);
     r.loss.push_back(to_host(be, loss)[0]);
@@ -66,6 +68,7 @@ Result run(Backend& be, ModelWeights& w, const DecoderOptions& options) {
   r.device_peak = m.peak_allocated_bytes;
   r.host_peak = m.peak_host_allocated_bytes;
   r.host_after = m.host_allocated_bytes;
+  r.copies = be.offload_stats();
   for (Parameter& p : w.parameters())
     if (p.trainable) r.grads.push_back(to_host(be, p.grad));
   return r;
@@ -106,7 +109,7 @@ TEST_P(Offload, IsBitIdenticalAndMovesKeptTensorsOffTheDevice) {
     const std::string name = recompute_mode_name(mode);
     const DecoderOptions plain = recompute_options(mode, layers);
     const Result kept = run(*be, w, plain);
-
+    EXPECT_EQ(kept.copies.copies, 0) << name << " without offload copied";
     double grad_sum = 0;
     for (const auto& g : kept.grads)
       for (double x : g) grad_sum += std::fabs(x);
@@ -128,13 +131,26 @@ TEST_P(Offload, IsBitIdenticalAndMovesKeptTensorsOffTheDevice) {
     else
       EXPECT_LE(moved.device_peak, kept.device_peak) << name;
 
+    // Each offloaded tensor goes out and comes back once per micro-batch, timed (the CPU's copies
+    // run inside the step: their time is the time they add).
+    EXPECT_GT(moved.copies.copies, 0) << name;
+    EXPECT_EQ(moved.copies.copies % 2, 0) << name << ": every copy out has one back";
+    EXPECT_GE(moved.copies.bytes, 2 * (layers - 1) * (40 + 27) * w.config.hidden_size *
+                                      static_cast<int64_t>(dtype_size(c.dtype)))
+        << name;
+    EXPECT_GT(moved.copies.copy_seconds, 0.0) << name;
+    EXPECT_EQ(moved.copies.wait_seconds, moved.copies.copy_seconds) << name;
+
     // Per-layer: the first two layers recomputed (and offloaded), the rest kept whole.
     const Result first_two = run(*be, w, with_offload(recompute_options(mode, layers, 2)));
     expect_identical(first_two, kept, name + " on the first 2 layers with offload");
     EXPECT_GE(first_two.host_peak, 2 * x_in);
 
     // Partial offload (--offload-layers): every layer recomputed, only the first ones offloaded, the
-    // later ones keeping theirs on the device. The host holds those layers' tensors and no more.
+    // later ones keeping theirs on the device. The host holds those layers' tensors and no more: a
+    // layer offloads what a full offload moves for it, so where every layer keeps the same tensors
+    // (not keep-attention on the hybrid model) the copies are the full offload's times M / (L − 1).
+    const bool uniform_layers = c.type != "qwen3_5_text" || mode == RecomputeMode::All;
     for (int64_t offloaded : {int64_t{0}, int64_t{1}, layers / 2, layers - 1, layers}) {
       DecoderOptions partial = with_offload(plain);
       partial.offload_layers = offloaded;
@@ -142,6 +158,11 @@ TEST_P(Offload, IsBitIdenticalAndMovesKeptTensorsOffTheDevice) {
       const std::string what = name + " with the first " + std::to_string(offloaded) + " layers offloaded";
       expect_identical(some, kept, what);
       const int64_t moving = std::min(offloaded, layers - 1);  // the last layer never offloads
+      if (uniform_layers) {
+        EXPECT_EQ(some.copies.bytes * (layers - 1), moved.copies.bytes * moving) << what;
+        EXPECT_EQ(some.copies.copies * (layers - 1), moved.copies.copies * moving) << what;
+      }
+      EXPECT_EQ(some.copies.copies == 0, moving == 0) << what;
       EXPECT_EQ(some.host_after, 0) << what;
       if (moving == 0) {
         EXPECT_EQ(some.host_peak, 0) << what;

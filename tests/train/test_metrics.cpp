@@ -123,6 +123,28 @@ TEST(MetricsJson, LineHasExactlyTheDocumentedKeys) {
   EXPECT_EQ(line["eval_num_items"], 4096);
 }
 
+TEST(MetricsJson, OffloadKeysOnlyWithOffloadAndTheyRoundTrip) {
+  StepMetrics m = make_step(3, 1.0);
+  m.offload_host_bytes = int64_t{5} << 30;
+  m.offload_copy_bytes = int64_t{10} << 30;
+  m.offload_copy_seconds = 0.2;
+  m.offload_wait_seconds = 0.0125;
+  const auto line = nlohmann::json::parse(metrics_to_json_line(m));
+  EXPECT_EQ(line["offload_host_memory"], int64_t{5} << 30);
+  EXPECT_EQ(line["offload_copy_bytes"], int64_t{10} << 30);
+  EXPECT_DOUBLE_EQ(line["offload_copy_s"].get<double>(), 0.2);
+  EXPECT_DOUBLE_EQ(line["offload_wait_s"].get<double>(), 0.0125);
+  const StepMetrics back = metrics_from_json_line(metrics_to_json_line(m));
+  EXPECT_EQ(back.offload_host_bytes, m.offload_host_bytes);
+  EXPECT_EQ(back.offload_copy_bytes, m.offload_copy_bytes);
+  EXPECT_EQ(back.offload_copy_seconds, m.offload_copy_seconds);
+  EXPECT_EQ(back.offload_wait_seconds, m.offload_wait_seconds);
+  // Without offload none of them is written.
+  const auto plain = nlohmann::json::parse(metrics_to_json_line(make_step(3, 1.0)));
+  for (const char* key : {"offload_host_memory", "offload_copy_bytes", "offload_copy_s", "offload_wait_s"})
+    EXPECT_FALSE(plain.contains(key)) << key;
+}
+
 TEST(MetricsJson, RoundTripsEveryField) {
   StepMetrics m = make_step(12, 0.123456789012345);
   m.epoch = 1.0 / 3.0;
@@ -330,6 +352,28 @@ TEST(ProgressDisplay, PlainLinesOnFirstEveryNthAndLastStep) {
   EXPECT_NE(lines[1].find("lr 2.000e-05"), std::string::npos) << lines[1];
   EXPECT_NE(lines[1].find("elapsed 0:10"), std::string::npos) << lines[1];
   EXPECT_NE(lines[1].find("eta 0:15"), std::string::npos) << lines[1];
+}
+
+TEST(ProgressDisplay, OffloadShowsHostMemoryCopyBandwidthAndTheTimeItAdded) {
+  StepMetrics m = make_step(1, 2.0);
+  m.offload_host_bytes = int64_t{5} << 30;
+  m.offload_copy_bytes = 10'420'000'000;  // 10.42 GB in 0.2 s: 52.1 GB/s
+  m.offload_copy_seconds = 0.2;
+  m.offload_wait_seconds = 0.031;
+  for (bool terminal : {false, true}) {
+    std::ostringstream out;
+    ProgressOptions options;
+    options.total_steps = 1;
+    options.is_terminal = terminal;
+    options.terminal_columns = 200;
+    ProgressDisplay display(out, options);
+    display.update(m);
+    display.finish();
+    const std::string text = out.str();
+    EXPECT_NE(text.find("5.00 GiB"), std::string::npos) << text;
+    EXPECT_NE(text.find("52.1 GB/s, +0.03 s"), std::string::npos) << text;
+  }
+  EXPECT_EQ(format_offload_copies(m), "52.1 GB/s, +0.03 s");
 }
 
 TEST(ProgressDisplay, PlainModeShowsEvalStepsAndTheStepAStoppedRunEndedOn) {

@@ -179,7 +179,10 @@ class CpuBackend final : public Backend {
 
   // Activation offload: the host copy is a second allocation (backend/cpu/host_memory.h).
   Tensor empty_host(Shape shape, DType dtype) override { return cpu::empty_host_tensor(shape, dtype); }
-  void copy_host_device(Stream, const Tensor& src, Tensor& dst) override { cpu::copy_host_tensor(src, dst); }
+  void copy_host_device(Stream, const Tensor& src, Tensor& dst) override { offload_copies_.copy(src, dst); }
+  void wait_for_copies(Stream) override {}  // the copies ran inside their calls
+  OffloadStats offload_stats() override { return offload_copies_.stats(); }
+  void reset_offload_stats() override { offload_copies_.reset(); }
 
   void fill(Stream, Tensor& t, double value) override {
     require_cpu(t, "fill");
@@ -856,6 +859,9 @@ class CpuBackend final : public Backend {
       }
     });
   }
+
+ private:
+  cpu::OffloadCopies offload_copies_;  // activation offload's copy time (backend/cpu/host_memory.h)
 };
 
 }  // namespace

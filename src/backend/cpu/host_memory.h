@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "backend/backend.h"
 #include "core/tensor.h"
 
 namespace spindle::cpu {
@@ -17,5 +18,17 @@ void copy_host_tensor(const Tensor& src, Tensor& dst);
 int64_t host_tensor_bytes();
 int64_t peak_host_tensor_bytes();
 void reset_peak_host_tensor_bytes();
+
+// One backend's offload copies (Backend::offload_stats): they run in the caller, one after the
+// other, so each one's wall time is both its copy time and the time it adds to the step.
+class OffloadCopies {
+ public:
+  void copy(const Tensor& src, Tensor& dst);  // copy_host_tensor, timed
+  const OffloadStats& stats() const { return stats_; }
+  void reset() { stats_ = {}; }
+
+ private:
+  OffloadStats stats_;
+};
 
 }  // namespace spindle::cpu

@@ -168,9 +168,17 @@ class CudaBackend final : public Backend {
                   "copy_host_device {} -> {}: same dtype and size, one host and one device tensor", src.describe(),
                   dst.describe());
     ctx_->activate();
-    CUDA_CHECK(cudaMemcpyAsync(dst.data(), src.data(), src.bytes(), cudaMemcpyDefault, s(stream)));
+    host_memory()->copy(s(stream), dst.data(), src.data(), src.bytes());
   }
   Stream copy_stream() override { return Stream{host_memory()->copy_stream()}; }
+  void wait_for_copies(Stream waiter) override {
+    ctx_->activate();
+    host_memory()->wait_for_copies(s(waiter));
+  }
+  OffloadStats offload_stats() override { return host_ ? host_->stats() : OffloadStats{}; }
+  void reset_offload_stats() override {
+    if (host_) host_->reset_stats();
+  }
 
   void copy_from_host(Stream stream, const void* src, Tensor& dst) override {
     require_device(dst, "copy_from_host");

@@ -153,6 +153,8 @@ void SelfAttention::backward(const LayerContext& ctx, const Tensor& xn, const Mi
                          1.0 / std::sqrt(static_cast<double>(head_dim_)), dq, dk, dv);
   rotate(ctx, dq, -1);
   rotate(ctx, dk, -1);
+  // Allocated after the attention backward, whose scratch made the peak (allocates_dxn).
+  if (!dxn.defined()) dxn = be.empty(xn.shape(), dt);
   if (q_norm_) {
     Tensor dq_raw = be.empty(a.q.shape(), dt), dk_raw = be.empty(a.k.shape(), dt);
     const Shape qs{t * heads_, head_dim_}, ks{t * kv_heads_, head_dim_};

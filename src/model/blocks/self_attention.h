@@ -23,6 +23,7 @@ class SelfAttention final : public Mixer {
   void backward(const LayerContext& ctx, const Tensor& xn, const MixerActivations& a, const Tensor& dout,
                 Tensor& dxn) const override;
   void use_kept_core(MixerActivations& view, const MixerActivations& kept) const override;
+  bool allocates_dxn() const override { return true; }
   std::vector<Parameter*> parameters() const override;
   std::vector<Linear*> linears() override { return {&q_, &k_, &v_, &o_}; }
 
