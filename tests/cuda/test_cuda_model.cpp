@@ -38,12 +38,7 @@ void round_weights_to_bf16(Backend& be, ModelWeights& w) {
     if (!p.value.defined() || p.value.dtype() != DType::F32) continue;
     std::vector<float> host(static_cast<size_t>(p.value.numel()));
     be.copy_to_host(be.default_stream(), p.value, host.data());
-    for (float& x : host) {
-      uint32_t bits = 0;
-      std::memcpy(&bits, &x, sizeof bits);
-      bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-      std::memcpy(&x, &bits, sizeof bits);
-    }
+    for (float& x : host) x = bf16_to_f32(f32_to_bf16(x));
     be.copy_from_host(be.default_stream(), host.data(), p.value);
   }
   be.synchronize(be.default_stream());
