@@ -78,6 +78,9 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
   virtual Device device() const = 0;
+  // False for a backend that only counts (spindle plan's): host work that would only produce values
+  // for it, such as drawing LoRA's initial A matrices, can be skipped; its allocations cannot.
+  virtual bool computes() const { return true; }
   virtual Stream default_stream() = 0;
   virtual void synchronize(Stream stream) = 0;
 

@@ -23,17 +23,24 @@ std::string join(const std::vector<std::string>& names) {
   return out;
 }
 
-void fill_host(Backend& backend, Tensor& t, const std::vector<double>& values) {
-  // Host doubles -> t's dtype through an F64 staging tensor on the backend (LoRA's A matrices).
-  Tensor staging = make_cpu_backend(0)->empty(t.shape(), DType::F64);  // 0: keeps the process's thread count
-  std::copy(values.begin(), values.end(), staging.data_as<double>());
-  if (backend.device().kind == DeviceKind::CPU) {
-    backend.copy(backend.default_stream(), staging, t);
+// LoRA's A matrix as PEFT initialises it: Kaiming-uniform with a = sqrt(5), i.e. U(±1/sqrt(in)),
+// drawn on the host (doubles, in element order) and converted to a's dtype through an F64 staging
+// tensor on the backend. A backend that only counts gets the staging allocation and no values.
+void draw_lora_a(Backend& backend, Tensor& a, int64_t in_features, std::mt19937_64& rng) {
+  Tensor dev;
+  if (backend.device().kind != DeviceKind::CPU) dev = backend.empty(a.shape(), DType::F64);
+  if (!backend.computes()) return;
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+  std::uniform_real_distribution<double> uniform(-bound, bound);
+  Tensor staging = make_cpu_backend(0)->empty(a.shape(), DType::F64);  // 0: keeps the process's thread count
+  double* values = staging.data_as<double>();
+  for (int64_t i = 0; i < a.numel(); ++i) values[i] = uniform(rng);
+  if (!dev.defined()) {
+    backend.copy(backend.default_stream(), staging, a);
     return;
   }
-  Tensor dev = backend.empty(t.shape(), DType::F64);
   backend.copy_from_host(backend.default_stream(), staging.data(), dev);
-  backend.copy(backend.default_stream(), dev, t);
+  backend.copy(backend.default_stream(), dev, a);
 }
 
 // ModelWeights::random's values: uniform on ±0.02·√3 (standard deviation 0.02), or 1 for a norm,
@@ -322,12 +329,8 @@ void ModelWeights::add_lora(Backend& backend, const LoraConfig& lora_config, uin
       const std::string& base = lin->prefix;
       Parameter& a = add(backend, "base_model.model." + base + ".lora_A.weight", Shape{lora.rank, lin->in_features()});
       Parameter& b = add(backend, "base_model.model." + base + ".lora_B.weight", Shape{lin->out_features(), lora.rank});
-      // PEFT's default: A ~ Kaiming-uniform with a = sqrt(5), i.e. U(±1/sqrt(in)); B = 0 so training starts at the base model.
-      const double bound = 1.0 / std::sqrt(static_cast<double>(lin->in_features()));
-      std::uniform_real_distribution<double> uniform(-bound, bound);
-      std::vector<double> values(a.value.numel());
-      for (double& v : values) v = uniform(rng);
-      fill_host(backend, a.value, values);
+      // B = 0 so training starts at the base model (PEFT's default).
+      draw_lora_a(backend, a.value, lin->in_features(), rng);
       backend.fill(backend.default_stream(), b.value, 0.0);
       lin->lora_a = &a;
       lin->lora_b = &b;
@@ -356,12 +359,8 @@ void ModelWeights::add_expert_lora(Backend& backend, DecoderLayer& layer, std::m
     for (size_t outer = i + 1; outer < adapted.size(); ++outer) module += ".base_layer";
     Parameter& a = add(backend, module + ".lora_A.weight", Shape{slot.experts * lora.rank, slot.in});
     Parameter& b = add(backend, module + ".lora_B.weight", Shape{slot.experts, slot.out, lora.rank});
-    // As PEFT initialises the pair (A: nn.Linear(in, r·E), Kaiming-uniform: U(±1/sqrt(in)); B = 0).
-    const double bound = 1.0 / std::sqrt(static_cast<double>(slot.in));
-    std::uniform_real_distribution<double> uniform(-bound, bound);
-    std::vector<double> values(a.value.numel());
-    for (double& v : values) v = uniform(rng);
-    fill_host(backend, a.value, values);
+    // As PEFT initialises the pair (A: nn.Linear(in, r·E), Kaiming-uniform; B = 0).
+    draw_lora_a(backend, a.value, slot.in, rng);
     backend.fill(backend.default_stream(), b.value, 0.0);
     slot.a = &a;
     slot.b = &b;

@@ -60,6 +60,7 @@ class DryBackend final : public Backend {
 
   std::string name() const override { return "plan"; }
   Device device() const override { return device_; }
+  bool computes() const override { return false; }
   Stream default_stream() override { return Stream{}; }
   void synchronize(Stream) override {}
   Stream comm_stream() override { return Stream{}; }
