@@ -9,7 +9,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 #include <vector>
+
+#include "core/error.h"
 
 namespace spindle::cuda {
 
@@ -48,8 +52,21 @@ inline DeltaRuleScratch delta_rule_scratch(const DeltaRuleShape& sh) {
 // scratch is BF16, and the backward frees U before it allocates the state gradients: each list holds
 // what is live at the call's peak, in the launchers' order. About 6.5 × T·Hv·128·2 bytes backward
 // at Qwen3.6's shape (1.6 GiB at 32k), under a third of the F32 kernels' list above.
+//
+// SPINDLE_DELTA_RULE=fma sends BF16 tensors to the F32 kernels too (F32 arithmetic and scratch
+// throughout, slower, more scratch): to see how much the tensor cores' BF16 operands and scratch move
+// a result. Unset or "auto": the tensor cores where the shape allows. Read at each call.
+inline bool delta_rule_tensor_cores_allowed() {
+  const char* v = std::getenv("SPINDLE_DELTA_RULE");
+  const std::string_view value = v ? v : "";
+  if (value.empty() || value == "auto") return true;
+  if (value == "fma") return false;
+  fail("SPINDLE_DELTA_RULE must be auto or fma, got \"{}\" (the gated delta rule's kernels on CUDA: auto the "
+       "tensor cores for BF16, fma the F32 kernels for every dtype)", value);
+}
+
 inline bool delta_rule_tensor_core_shape(const DeltaRuleShape& sh) {
-  return sh.dk % 8 == 0 && sh.dv % 8 == 0 && sh.chunk % 8 == 0;
+  return sh.dk % 8 == 0 && sh.dv % 8 == 0 && sh.chunk % 8 == 0 && delta_rule_tensor_cores_allowed();
 }
 
 struct DeltaRuleMmaScratch {
