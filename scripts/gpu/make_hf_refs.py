@@ -8,6 +8,9 @@ no TF32 or kernel choice blurs the reference). For each tiny random model it wri
   data.jsonl                          pre-tokenized documents: input_ids, labels (-100 = prompt), loss_scale
   expected.safetensors                loss (F64[1]), num_items (I64[1]), logits (F32[tokens, vocab], the
                                       documents concatenated), grad.<parameter name> for every trainable tensor
+  bf16_noise.json                     with --bf16-noise, for cases already written (no other file changes):
+                                      how far BF16 moves each gradient tensor (bf16_noise below), the bound
+                                      of the GPU model test's BF16 steps
 The loss is docs/design.md §2.2: Σ loss_scale·CE over supervised targets / number of supervised targets, where
 document d's position i predicts labels[i+1] of the same document. Each document is run on its own, so
 the reference needs no packing support from transformers: packing must reproduce it exactly.
@@ -50,6 +53,8 @@ _parser = argparse.ArgumentParser()
 _parser.add_argument("out_dir", nargs="?", default=None)
 _parser.add_argument("--out", default=None)
 _parser.add_argument("--only", default=None, help="comma-separated case names (default: every case)")
+_parser.add_argument("--bf16-noise", action="store_true",
+                     help="write nothing new but <case>/bf16_noise.json for the cases already in OUT (see bf16_noise)")
 ARGS = _parser.parse_args()
 OUT = ARGS.out or ARGS.out_dir or "testdata/hf"
 ONLY = set(ARGS.only.split(",")) if ARGS.only else None
@@ -273,8 +278,80 @@ def fuse_experts(folder):
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def relative_error(got, ref):
+    """||got - ref|| / ||ref|| over the whole tensor, as spindle's tests measure it."""
+    ref = ref.double()
+    return float((got.double() - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def bf16_noise(name, config, model_class=None, draws=4):
+    """How far a BF16 step may land from the F32 step on these tiny, ill-conditioned models (rounding only
+    their weights to BF16 moves some LoRA gradients by 10-30 %): per gradient tensor, the larger of
+    transformers' own BF16 step's error and the largest error of `draws` F32 steps whose weights are
+    perturbed by up to half a BF16 ulp (relative ±2^-9, uniform), all against the F32 step on the
+    case's weights rounded to BF16. One BF16 run is one draw of that noise; the perturbed steps show its
+    spread. Reads the case already in OUT/<name> (model, adapter, data), writes OUT/<name>/bf16_noise.json,
+    which the GPU model test holds spindle's BF16 step to (tests/cuda/test_cuda_model.cpp)."""
+    folder = os.path.join(OUT, name)
+    docs = [json.loads(line) for line in open(os.path.join(folder, "data.jsonl"))]
+    cls = model_class or transformers.AutoModelForCausalLM
+    model = cls.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
+    for n, p in model.named_parameters():
+        p.requires_grad_(not n.startswith("model.visual."))
+    if os.path.exists(os.path.join(folder, "adapter")):
+        import peft
+        model = peft.PeftModel.from_pretrained(model, os.path.join(folder, "adapter"), is_trainable=True)
+    model.eval()
+    with torch.no_grad():  # the F32 reference holds exactly the weights a BF16 model holds
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    trainable = [(n.replace(".default", ""), p) for n, p in model.named_parameters() if p.requires_grad]
+    moe = getattr(config, "model_type", "") in ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
+    aux_on = moe and bool(getattr(text_config(config), "output_router_logits", False))
+    run = (lambda m: reference_moe(m, docs, trainable, config)) if aux_on else (lambda m: reference(m, docs, trainable))
+
+    def errors(out, ref):
+        per = {n: relative_error(out["grad." + n], ref["grad." + n]) for n, _ in trainable}
+        every = relative_error(torch.cat([out["grad." + n].flatten() for n, _ in trainable]),
+                               torch.cat([ref["grad." + n].flatten() for n, _ in trainable]))
+        return per, every
+
+    f32, loss32 = run(model)
+    rounded = [p.detach().clone() for p in model.parameters()]
+    perturbed = {n: 0.0 for n, _ in trainable}
+    for draw in range(draws):
+        gen = torch.Generator().manual_seed(draw)
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), rounded):
+                p.copy_(w * (1 + (torch.rand(w.shape, generator=gen) - 0.5) * 2.0 ** -8))
+        per, _ = errors(run(model)[0], f32)
+        perturbed = {n: max(perturbed[n], e) for n, e in per.items()}
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), rounded):
+            p.copy_(w)
+    model.to(torch.bfloat16)
+    bf16, loss16 = run(model)
+    hf, every = errors(bf16, f32)
+    band = {n: max(hf[n], perturbed[n]) for n in hf}
+    summary = {"what": "gradients' relative error ||g - g_f32|| / ||g_f32|| against transformers' F32 step on the "
+                       "case's weights rounded to BF16, on the CPU: relative_error_all and relative_error of "
+                       "transformers' BF16 step, perturbed_max of F32 steps on weights moved by up to half a "
+                       f"BF16 ulp ({draws} draws), band the larger of the two",
+               "transformers": transformers.__version__, "torch": torch.__version__,
+               "loss_f32": loss32, "loss_bf16": loss16, "relative_error_all": every,
+               "relative_error": hf, "perturbed_max": perturbed, "band": band}
+    json.dump(summary, open(os.path.join(folder, "bf16_noise.json"), "w"), indent=1)
+    worst = max(hf, key=hf.get)
+    print(f"{name}: BF16 loss {loss16:.6f} vs F32 {loss32:.6f}; all gradients {every:.4f}, per tensor median "
+          f"{sorted(hf.values())[len(hf) // 2]:.4f}, worst {hf[worst]:.4f} ({worst}); band median "
+          f"{sorted(band.values())[len(band) // 2]:.4f}")
+
+
 def write_case(name, config, legacy_rope=None, lora=None, model_class=None):
     if ONLY is not None and name not in ONLY:
+        return
+    if ARGS.bf16_noise:
+        bf16_noise(name, config, model_class)
         return
     seed = zlib.crc32(name.encode())
     rng = torch.Generator().manual_seed(seed)

@@ -1,13 +1,20 @@
 // The whole decoder on the CUDA backend against the CPU fp32 reference, on the transformers
-// reference models: BF16 (the product) within 1e-2 relative on loss and gradient norms and 5e-2 per
-// gradient tensor of an F32 reference that holds the same BF16-rounded weights, F32 within 1e-4 of
-// the F32 reference — the same model code, only the backend differs.
+// reference models — the same model code, only the backend differs. F32 within 1e-4 of the F32
+// reference. BF16 (the product) against an F32 reference that holds the same BF16-rounded weights:
+// the loss within 1e-2, and the gradients held to how far BF16 moves this model at all
+// (bf16_noise.json, scripts/gpu/make_hf_refs.py --bf16-noise): the whole gradient within twice the
+// error of transformers' own BF16 step, each tensor within 5e-2 or three times its noise band. These
+// tiny random models are ill-conditioned (moving their weights by half a BF16 ulp moves some LoRA
+// gradients by 10-30 %), so a fixed percentage either fails on rounding or says nothing.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "backend/cuda/attention_cudnn.h"
@@ -27,6 +34,9 @@ namespace {
 struct StepResult {
   double loss = 0;
   std::vector<std::pair<std::string, std::vector<double>>> grads;
+  // A parameter that is a slice of one tensor of the transformers model (an expert of a per-expert
+  // checkpoint, which transformers 5 holds fused): that tensor's name.
+  std::map<std::string, std::string> packed_in;
 };
 
 // Rounds every F32 weight to the nearest BF16 value (ties to even) in place, so that an F32 reference
@@ -62,6 +72,8 @@ StepResult run_step(Backend& be, DType dtype, const std::string& dir, bool bf16_
   out.loss = to_host(be, loss)[0];
   for (Parameter& p : w.parameters())
     if (p.trainable) out.grads.emplace_back(p.name, to_host(be, p.grad));
+  for (const PackedTensor& packed : w.packed_tensors())
+    for (const Parameter* part : packed.parts) out.packed_in[part->name] = packed.name;
   return out;
 }
 
@@ -71,6 +83,34 @@ class CudaModel : public ::testing::TestWithParam<std::string> {
     if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   }
 };
+
+// How far BF16 moves this model's gradients (make_hf_refs.py --bf16-noise), against transformers' F32
+// step on the BF16-rounded weights: `all`, the relative error of transformers' own BF16 step over the
+// whole gradient; per tensor the band, the larger of that step's error on the tensor and the largest of
+// F32 steps on weights moved by up to half a BF16 ulp. present: false without the file.
+struct Bf16Noise {
+  bool present = false;
+  double all = 0;
+  std::map<std::string, double> per_tensor;
+};
+
+Bf16Noise read_bf16_noise(const std::string& dir) {
+  Bf16Noise n;
+  std::ifstream f(dir + "/bf16_noise.json");
+  if (!f) return n;
+  const nlohmann::json j = nlohmann::json::parse(f);
+  n.present = true;
+  n.all = j.at("relative_error_all").get<double>();
+  for (const auto& [name, e] : j.at("band").items()) n.per_tensor[name] = e.get<double>();
+  return n;
+}
+
+// Measured on the H200: every tensor within 2.5 bands. The largest, 2.53, are the A_log and dt_bias
+// gradients of qwen3_5_moe's first DeltaNet layer, which sum the delta rule's gate gradient over every
+// token: the tensor-core delta rule keeps its operands and scratch in BF16 (as flash-linear-attention's
+// does), while transformers' reference path runs the delta rule in F32; with SPINDLE_DELTA_RULE=fma
+// (F32 kernels) the same tensors are at 1.69. The whole gradient is within 1.65x transformers' error.
+constexpr double kBandFactor = 3;
 
 double norm(const std::vector<double>& v) {
   double s = 0;
@@ -102,26 +142,47 @@ TEST_P(CudaModel, StepMatchesCpuReference) {
   const StepResult ref_bf16_weights = run_step(*cpu, DType::F32, dir, true);
   std::printf("%s: CPU F32 loss %.6f, %.6f on BF16-rounded weights\n", GetParam().c_str(), ref_f32.loss,
               ref_bf16_weights.loss);
+  const Bf16Noise noise = read_bf16_noise(dir);
   for (DType dtype : {DType::F32, DType::BF16}) {
     const StepResult& ref = dtype == DType::BF16 ? ref_bf16_weights : ref_f32;
-    if (dtype == DType::BF16 && sensitivity > 1e-6) {
-      StepResult got = run_step(*gpu, dtype, dir);
-      EXPECT_NEAR(got.loss, ref.loss, 1e-2 * ref.loss);
-      std::printf("%s BF16: loss %.6f vs cpu %.6f; gradients not compared (F32/F64 sensitivity %.1e)\n",
-                  GetParam().c_str(), got.loss, ref.loss, sensitivity);
+    const bool bf16 = dtype == DType::BF16;
+    StepResult got = run_step(*gpu, dtype, dir);
+    const double tol = bf16 ? 1e-2 : 1e-4;
+    EXPECT_NEAR(got.loss, ref.loss, tol * ref.loss) << dtype_name(dtype);
+    if (bf16 && !noise.present && sensitivity > 1e-6) {
+      std::printf("%s BF16: loss %.6f vs cpu %.6f; gradients not compared (no bf16_noise.json, F32/F64 sensitivity "
+                  "%.1e)\n", GetParam().c_str(), got.loss, ref.loss, sensitivity);
       continue;
     }
-    const double tol = dtype == DType::F32 ? 1e-4 : 1e-2;
-    StepResult got = run_step(*gpu, dtype, dir);
-    EXPECT_NEAR(got.loss, ref.loss, tol * ref.loss) << dtype_name(dtype);
-    double total_ref = 0, total_got = 0;
     ASSERT_EQ(got.grads.size(), ref.grads.size());
+    double total_ref = 0, total_got = 0, total_diff = 0, worst_ratio = 0;
+    std::string worst;
     for (size_t i = 0; i < ref.grads.size(); ++i) {
-      total_ref += std::pow(norm(ref.grads[i].second), 2);
-      total_got += std::pow(norm(got.grads[i].second), 2);
-      // Per tensor: F32 tightly; BF16 rounds every stored activation, so allow a few percent.
-      EXPECT_LE(relative_error(got.grads[i].second, ref.grads[i].second), dtype == DType::F32 ? 1e-3 : 5e-2)
-          << ref.grads[i].first << " " << dtype_name(dtype);
+      const std::string& name = ref.grads[i].first;
+      const std::vector<double>& g = got.grads[i].second;
+      const std::vector<double>& r = ref.grads[i].second;
+      total_ref += std::pow(norm(r), 2);
+      total_got += std::pow(norm(g), 2);
+      for (size_t k = 0; k < r.size(); ++k) total_diff += (g[k] - r[k]) * (g[k] - r[k]);
+      const double err = relative_error(g, r);
+      double bound = bf16 ? 5e-2 : 1e-3;
+      if (bf16 && noise.present) {
+        auto it = noise.per_tensor.find(name);
+        if (it == noise.per_tensor.end() && ref.packed_in.count(name))
+          it = noise.per_tensor.find(ref.packed_in.at(name));  // the whole fused tensor's error
+        ASSERT_NE(it, noise.per_tensor.end()) << name << " is not in " << dir << "/bf16_noise.json";
+        bound = std::max(bound, kBandFactor * it->second);
+        if (err / it->second > worst_ratio) worst_ratio = err / it->second, worst = name;
+      }
+      EXPECT_LE(err, bound) << name << " " << dtype_name(dtype);
+    }
+    const double all = std::sqrt(total_diff / total_ref);
+    if (bf16 && noise.present) {
+      EXPECT_LE(all, std::max(1e-2, 2 * noise.all)) << "the whole gradient, BF16";
+      std::printf("%s BF16: loss %.6f vs cpu %.6f; whole gradient %.4f off (transformers' BF16 %.4f); worst tensor "
+                  "%.2fx its band (%s)\n", GetParam().c_str(), got.loss, ref.loss, all, noise.all,
+                  worst_ratio, worst.c_str());
+      continue;
     }
     EXPECT_NEAR(std::sqrt(total_got), std::sqrt(total_ref), tol * std::sqrt(total_ref)) << dtype_name(dtype);
     std::printf("%s %s: loss %.6f vs cpu %.6f, grad norm %.6f vs %.6f\n", GetParam().c_str(),
