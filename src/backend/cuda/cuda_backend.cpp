@@ -103,9 +103,22 @@ class CudaBackend final : public Backend {
     auto storage = std::make_shared<Storage>();
     const size_t bytes = static_cast<size_t>(shape.numel()) * dtype_size(dtype);
     void* p = nullptr;
-    const cudaError_t e = cudaMallocAsync(&p, bytes ? bytes : 1, ctx_->stream());
+    cudaError_t e = cudaMallocAsync(&p, bytes ? bytes : 1, ctx_->stream());
     if (e == cudaErrorMemoryAllocation) {
       cudaGetLastError();  // clear the sticky-free error state
+      // The pool keeps freed blocks mapped (context.cpp: release threshold "all"). A request larger
+      // than every free block makes it map more, which fails on a full device although enough is
+      // free in pieces — at hundreds of thousands of tokens single tensors are 10+ GB and such
+      // pieces many GiB. Once every pending free has landed, hand the unused blocks back to the
+      // driver and ask once more.
+      CUDA_CHECK(cudaDeviceSynchronize());
+      cudaMemPool_t pool;
+      CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, ctx_->device()));
+      CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
+      e = cudaMallocAsync(&p, bytes ? bytes : 1, ctx_->stream());
+    }
+    if (e == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
       size_t free_b = 0, total_b = 0;
       cudaMemGetInfo(&free_b, &total_b);
       fail("out of GPU memory allocating {} bytes for {} {} on cuda:{} ({} of {} bytes free)", bytes,
