@@ -12,6 +12,8 @@
 set -uo pipefail
 root=$PWD
 stage=${BUNDLE_DIR:-$root/build-bundle}
+# test_cuda_model reads the reference models under testdata/ of this checkout, not of the build's.
+export SPINDLE_SOURCE_DIR=$root
 for f in "$stage"/lib/*; do n=$(basename "$f"); ldconfig -p | grep -q "^[[:space:]]*$n " && rm -f "$f"; done
 export LD_LIBRARY_PATH="$stage/lib:/usr/lib/x86_64-linux-gnu/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 if ! ldconfig -p | grep -q libnccl.so.2; then

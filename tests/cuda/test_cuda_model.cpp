@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -121,11 +122,14 @@ double norm(const std::vector<double>& v) {
 }  // namespace
 
 TEST_P(CudaModel, StepMatchesCpuReference) {
-  const std::string dir = std::string(SPINDLE_SOURCE_DIR) + "/testdata/hf/" + GetParam();
-  // The qwen3_5_moe references come from scripts/gpu/make_hf_refs.py on the GPU host, as the CPU
-  // parity tests say; without them there is nothing to load.
-  if (!std::filesystem::exists(dir + "/config.json"))
-    GTEST_SKIP() << dir << " is absent (scripts/gpu/make_hf_refs.py makes it)";
+  // The references are part of the repository: a missing one means the binary looks in the wrong
+  // tree (a bundle copied to a GPU host), which must fail rather than skip the comparison.
+  const char* root_env = std::getenv("SPINDLE_SOURCE_DIR");
+  const std::string root = root_env && *root_env ? root_env : SPINDLE_SOURCE_DIR;
+  const std::string dir = root + "/testdata/hf/" + GetParam();
+  ASSERT_TRUE(std::filesystem::exists(dir + "/config.json"))
+      << dir << " is absent: run from a checkout and set SPINDLE_SOURCE_DIR to its root (built for " << SPINDLE_SOURCE_DIR
+      << ")";
   auto cpu = make_cpu_backend();
   auto gpu = make_cuda_backend(0);
   StepResult ref_f32 = run_step(*cpu, DType::F32, dir), exact = run_step(*cpu, DType::F64, dir);
