@@ -2,10 +2,12 @@
 # Runs on the GPU host, from the repository root, with the bundle of scripts/gpu/stage.sh
 # (BUNDLE_DIR, default build-bundle): what `--recompute auto` chooses on one H200 and what it
 # measures, beside the plan (docs/memory.md). Each line is one `spindle bench` run (under 10 minutes):
-#   PART=auto   1.5B and 7B at 32k and 64k, the whole GPU as budget, then the 1.5B at the peer's memory
-#               (HF + Liger + gradient checkpointing: 11.0 GiB at 32k, 18.8 GiB at 64k; --device-memory is
+#   PART=auto   1.5B and 7B at 32k and 64k, the whole GPU as budget, then both at the peer's memory
+#               (HF + Liger + gradient checkpointing: 1.5B 11.0 / 18.8 GiB, 7B 32.3 / 49.8 GiB at 32k / 64k; --device-memory is
 #               that plus auto's CUDA margin, 2 GiB + 3 %, so the planned peak stays under it)
 #   PART=offload the 1.5B at 512k with activation offload (plan: 75.6 GiB on the GPU, 40.5 GiB pinned)
+#   PART=moe_longest Qwen3.6-35B-A3B at 360k (the plan's longest with auto is 373,639: all, 37 of 40 layers
+#               offloaded, 132.68 GiB planned), one step (~3 minutes)
 #   PART=exact  the 1.5B at 32k, keep-attention and all, with and without offload: the losses must be
 #               equal bit for bit (the copies are exact; the CUDA side of offload has not run before)
 # Writes ${OUT:-out}/recompute_auto_<part>_<model>_<seq>.{json,txt}; the JSON has the setting chosen
@@ -18,7 +20,9 @@ export LD_LIBRARY_PATH="$stage/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 S="$stage/bin/spindle"
 one() {  # tag model seq extra...
   local tag=$1 model=$2 seq=$3; shift 3
-  timeout ${TIMEOUT:-590} "$S" bench --device cuda --model "$root/configs/qwen2.5-$model.json" --seq "$seq" \
+  local config="$root/configs/qwen2.5-$model.json"
+  [[ -f "$config" ]] || config="$root/configs/$model.json"
+  timeout ${TIMEOUT:-590} "$S" bench --device cuda --model "$config" --seq "$seq" \
     --lora-rank 16 --warmup "${WARMUP:-1}" --steps "${STEPS:-2}" --profile-steps 0 --json-file "$out/recompute_auto_${tag}_${model}_${seq}.json" \
     "$@" 2>&1 | tee "$out/recompute_auto_${tag}_${model}_${seq}.txt" | tail -4
 }
@@ -26,9 +30,13 @@ case ${PART:-auto} in
   auto)
     for m in 1.5b 7b; do for s in 32k 64k; do one auto "$m" "$s" --recompute auto; done; done
     one peer 1.5b 32k --recompute auto --device-memory 13.4GiB   # 11.0 GiB + the margin
-    one peer 1.5b 64k --recompute auto --device-memory 21.5GiB ;; # 18.8 GiB + the margin
+    one peer 1.5b 64k --recompute auto --device-memory 21.5GiB    # 18.8 GiB + the margin
+    one peer 7b 32k --recompute auto --device-memory 35.4GiB      # 32.3 GiB + the margin
+    one peer 7b 64k --recompute auto --device-memory 53.4GiB ;;   # 49.8 GiB + the margin
   offload)
     WARMUP=0 STEPS=1 one offload 1.5b 512k --recompute all --offload activations ;;
+  moe_longest)
+    WARMUP=0 STEPS=1 one longest qwen3.6-35b-a3b 360k --recompute auto ;;
   exact)
     for r in keep-attention all; do
       one "exact_${r}_none" 1.5b 32k --recompute "$r"
