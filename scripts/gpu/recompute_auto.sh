@@ -5,7 +5,8 @@
 #   PART=auto   1.5B and 7B at 32k and 64k, the whole GPU as budget, then both at the peer's memory
 #               (HF + Liger + gradient checkpointing: 1.5B 11.0 / 18.8 GiB, 7B 32.3 / 49.8 GiB at 32k / 64k; --device-memory is
 #               that plus auto's CUDA margin, 2 GiB + 3 %, so the planned peak stays under it)
-#   PART=offload the 1.5B at 512k with activation offload (plan: 75.6 GiB on the GPU, 40.5 GiB pinned)
+#   PART=offload the 1.5B at 512k with activation offload (plan 69.61 GiB on the GPU, 40.50 GiB pinned;
+#               measured 70.16 and 40.50 at 522fdb1)
 #   PART=moe_longest Qwen3.6-35B-A3B at 360k (the plan's longest with auto is 373,639: all, 37 of 40 layers
 #               offloaded, 132.68 GiB planned), one step (~3 minutes)
 #   PART=exact  the 1.5B at 32k, keep-attention and all, with and without offload: the losses must be
