@@ -186,10 +186,15 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
 
 // --recompute auto: the fastest setting whose plan (rows of --max-length tokens, this job's mesh,
 // the AdamW state) fits the device, written into the config before anything is allocated.
-void resolve_auto_recompute(TrainConfig& config) {
+// `asked`: --recompute auto was given (on the command line or in --config), not taken as sft's default.
+void resolve_auto_recompute(TrainConfig& config, bool asked) {
   config.validate();
-  if (config.no_fsdp && process_group_from_environment().world_size > 1)
-    fail("--recompute auto plans sharded (FSDP) runs; with --no-fsdp choose --recompute none, all or keep-attention");
+  if (config.no_fsdp && process_group_from_environment().world_size > 1) {
+    if (asked)
+      fail("--recompute auto plans sharded (FSDP) runs; with --no-fsdp choose --recompute none, all or keep-attention");
+    config.recompute = "none";  // the default cannot plan this job: keep every activation, as before auto existed
+    return;
+  }
   const ProcessGroupInfo process = process_group_from_environment();
   const ComputeDevice device = choose_device(config, process);
   plan::PlanOptions p;
@@ -232,18 +237,22 @@ void resolve_auto_recompute(TrainConfig& config) {
 
 void add_sft_command(CLI::App& app, CommandList& commands) {
   auto config = std::make_shared<TrainConfig>();
+  // sft plans its memory by default: the fastest recompute/offload setting that fits (measured within
+  // 0.4 % of the fastest hand-chosen one on the H200, docs/perf.md); dpo and check keep `none`.
+  config->recompute = "auto";
   auto config_file = std::make_shared<std::string>();
   CLI::App* cmd = app.add_subcommand("sft", "Supervised fine-tuning (LoRA or full) of a Hugging Face model");
   cmd->add_option("--config", *config_file, "YAML file with the same options (flags override it)");
   add_train_options(cmd, *config);
+  const CLI::Option* recompute_option = cmd->get_option("--recompute");
   cmd->add_flag("--random-weights", config->random_weights,
                 "train LoRA on the architecture of --model (a folder or a config.json) with random base weights "
                 "instead of reading its checkpoint (for measuring and smoke tests; data must be pre-tokenized "
                 "JSONL or a prepared dataset unless the folder has a tokenizer)");
   commands.push_back({cmd,
-                      [config] {
+                      [config, recompute_option] {
                         TrainConfig resolved = *config;
-                        if (resolved.recompute == "auto") resolve_auto_recompute(resolved);
+                        if (resolved.recompute == "auto") resolve_auto_recompute(resolved, recompute_option->count() > 0);
                         const TrainSummary summary = run_sft(resolved);
                         return summary.steps > 0 ? 0 : 1;
                       },

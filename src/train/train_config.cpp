@@ -58,6 +58,9 @@ void TrainConfig::validate() const {
   } else if (offload_layers != -1) {
     fail("--offload-layers is chosen by --recompute auto (the fewest layers whose offload makes the step fit); "
          "to set it, choose --recompute all or keep-attention with --offload activations");
+  } else if (recompute_layers != -1) {
+    fail("--recompute-layers is chosen by --recompute auto (sft's default); to set it, choose --recompute all or "
+         "keep-attention");
   }
   parse_mlp_tile_tokens(mlp_tile_tokens);
   if (device != "auto" && device != "cpu" && device != "cuda")
