@@ -5,7 +5,8 @@ keep-attention or all on the fewest first layers, the others keeping everything;
 nothing fits without it, and then on the fewest first layers that make it fit; the MLP in token
 tiles only when nothing untiled fits), the run's measured peak stays within the budget, and a budget
 nothing fits is refused before the step with the longest sequence that would fit. sft plans the LoRA
-targets it will train. `plan --max-seq --recompute auto` offloads as many layers as the host holds."""
+targets it will train, and auto is its default. `plan --max-seq --recompute auto` offloads as many layers as the
+host holds."""
 import json
 import os
 import subprocess
@@ -226,6 +227,20 @@ with tempfile.TemporaryDirectory() as tmp:
           and max(peaks) <= q_only,
           f"sft --lora-targets q_proj --recompute auto at {q_only} bytes (every projection: {every}): peaks {peaks} "
           f"({p.stderr.strip().splitlines()[:2]})")
+
+# auto is sft's default: without --recompute the same budget gets a recomputing choice too; with
+# --recompute-layers but no mode the run is refused before training, naming the modes to choose.
+with tempfile.TemporaryDirectory() as tmp:
+    base = [spindle, "sft", "--model", qwen2, "--data", os.path.join(qwen2, "data.jsonl"), "--max-steps", "1",
+            "--lr", "0.01", "--lora-rank", "4", "--max-length", "32", "--threads", "1", "--device", "cpu"]
+    p = run(base + ["--output", os.path.join(tmp, "default"), "--device-memory", str(budget)], ok=False)
+    check(p.returncode == 0 and "--recompute auto: " in p.stderr
+          and "none" not in p.stderr.split("--recompute auto: ")[1][:5],
+          f"sft without --recompute at {budget} bytes plans as auto ({p.stderr.strip().splitlines()[:1]})")
+    p = run(base + ["--output", os.path.join(tmp, "layers"), "--recompute-layers", "2"], ok=False)
+    check(p.returncode != 0 and "--recompute-layers is chosen by --recompute auto" in p.stderr
+          and not os.path.exists(os.path.join(tmp, "layers", "metrics.jsonl")),
+          f"sft --recompute-layers without a mode is refused ({p.stderr.strip().splitlines()[-1:]})")
 
 # sft with --offload activations: the same losses as without, the host memory in metrics.jsonl.
 with tempfile.TemporaryDirectory() as tmp:
