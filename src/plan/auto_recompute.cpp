@@ -154,6 +154,19 @@ int64_t machine_device_memory(const std::string& device, int index) {
 #endif
 }
 
+int machine_multiprocessors(int index) {
+#ifdef SPINDLE_WITH_CUDA
+  int count = 0, sms = 0;
+  if (cudaGetDeviceCount(&count) == cudaSuccess && index >= 0 && index < count &&
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, index) == cudaSuccess && sms > 0)
+    return sms;
+  cudaGetLastError();
+#else
+  (void)index;
+#endif
+  return kDefaultMultiprocessors;
+}
+
 RecomputeSetting most_frugal_setting(const PlanOptions& base) {
   return {"all", -1, true, kFewestOffloadLayers, candidate_tiles(base, ModelConfig::from_file(base.model)).back()};
 }

@@ -26,6 +26,11 @@ int64_t usable_memory(int64_t device_bytes, const std::string& device);
 // (0 otherwise: the caller asks for --device-memory).
 int64_t machine_device_memory(const std::string& device, int index);
 
+// The SM count of CUDA device `index` (some kernels size their scratch by it), or that of an H100/H200
+// (132) when spindle was built without CUDA or sees no GPU.
+constexpr int kDefaultMultiprocessors = 132;
+int machine_multiprocessors(int index);
+
 // RecomputeSetting::offload_layers of a search: the fewest first layers whose offload makes the
 // device peak fit, found per length (plan_fits).
 constexpr int64_t kFewestOffloadLayers = -2;

@@ -8,6 +8,7 @@
 #include "backend/cuda/attention_scratch.h"
 #include "backend/cuda/deltanet_conv_shape.h"
 #include "backend/cuda/gated_delta_scratch.h"
+#include "backend/cuda/lora_scratch.h"
 
 namespace spindle::plan {
 
@@ -19,8 +20,11 @@ struct DryBackend::Allocation {
   std::vector<char> contents;  // once a dry op wrote the tensor: its bytes (see host_memory)
 };
 
-DryBackend::DryBackend(Device modelled, int64_t alignment)
-    : device_(modelled), alignment_(alignment > 0 ? alignment : 1), self_(std::make_shared<DryBackend*>(this)) {}
+DryBackend::DryBackend(Device modelled, int64_t alignment, int multiprocessors)
+    : device_(modelled),
+      alignment_(alignment > 0 ? alignment : 1),
+      multiprocessors_(multiprocessors > 0 ? multiprocessors : 1),
+      self_(std::make_shared<DryBackend*>(this)) {}
 
 DryBackend::~DryBackend() { *self_ = nullptr; }
 
@@ -146,6 +150,16 @@ void DryBackend::attention_backward(Stream, const Tensor& q, const Tensor& k, co
   if (q.rank() != 3 || k.rank() != 3) return;  // q [Tq, Hq, D], k [Tk, Hkv, D]
   scratch({cuda::attention_backward_scratch_bound(q.dim(0), k.dim(0), q.dim(1), k.dim(1), q.dim(2),
                                                   q.dtype() == DType::BF16, accumulate)});
+}
+
+void DryBackend::lora_b_backward(Stream, const Tensor& dy, const Tensor& b, const Tensor&, double, Tensor&,
+                                 Tensor* db) {
+  // The CUDA backend's fused kernel (BF16, out features a multiple of 128, rank 16/32/64) keeps dB's
+  // F32 partial sums per strip of rows for the call; the two-GEMM path it falls back to keeps nothing.
+  if (dy.rank() != 2 || b.rank() != 2 || dy.dtype() != DType::BF16 ||
+      !cuda::lora_b_backward_shape_supported(dy.dim(1), b.dim(1)))
+    return;
+  scratch({cuda::lora_b_backward_scratch_bytes(dy.dim(0), dy.dim(1), b.dim(1), multiprocessors_, db != nullptr)});
 }
 
 void DryBackend::gated_delta_rule_forward(Stream, const Tensor& q, const Tensor&, const Tensor& v, const Tensor&,

@@ -45,7 +45,8 @@ class DryBackend final : public Backend {
 
   // `modelled`: the device the plan is for (its kind decides the dtypes callers choose).
   // `alignment`: allocations round up to this many bytes, as the modelled allocator does.
-  DryBackend(Device modelled, int64_t alignment);
+  // `multiprocessors`: the modelled GPU's SM count (the LoRA B backward's scratch grows with it).
+  DryBackend(Device modelled, int64_t alignment, int multiprocessors = 132);
   ~DryBackend() override;
 
   // Allocations from now on count under `phase` (what they are: "weights", "step", ...).
@@ -88,7 +89,7 @@ class DryBackend final : public Backend {
   void sum_squares(Stream, const Tensor&, Tensor&) override {}
   void gemm(Stream, const Tensor&, bool, const Tensor&, bool, Tensor&, double, double) override {}
   void gemm_bias(Stream, const Tensor&, bool, const Tensor&, bool, Tensor&, double, double, const Tensor&) override {}
-  void lora_b_backward(Stream, const Tensor&, const Tensor&, const Tensor&, double, Tensor&, Tensor*) override {}
+  void lora_b_backward(Stream, const Tensor& dy, const Tensor& b, const Tensor&, double, Tensor&, Tensor* db) override;
   void add_bias(Stream, Tensor&, const Tensor&) override {}
   void bias_backward(Stream, const Tensor&, Tensor&) override {}
   void embedding_forward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
@@ -183,6 +184,7 @@ class DryBackend final : public Backend {
 
   Device device_;
   int64_t alignment_;
+  int multiprocessors_;
   std::string phase_ = "setup";
   int64_t live_ = 0, peak_ = 0;
   std::map<std::string, int64_t> live_by_phase_, peak_by_phase_;

@@ -20,6 +20,7 @@
 #include "parallel/mesh.h"
 #include "parallel/sequence_shard.h"
 #include "parallel/sp_attention.h"
+#include "plan/auto_recompute.h"
 #include "plan/dry_backend.h"
 #include "plan/dry_communicator.h"
 #include "train/optimizer.h"
@@ -121,7 +122,8 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
                    DType dtype, double aux_coefficient, int rank, int64_t seq, std::shared_ptr<Exchange> exchange) {
   // The CUDA pool hands out 512-byte multiples; the CPU backend pads to 64 bytes.
   const bool cuda = o.device == "cuda";
-  DryBackend backend(Device{cuda ? DeviceKind::CUDA : DeviceKind::CPU, 0}, cuda ? 512 : 64);
+  DryBackend backend(Device{cuda ? DeviceKind::CUDA : DeviceKind::CPU, 0}, cuda ? 512 : 64,
+                     cuda ? machine_multiprocessors(0) : 1);
   std::unique_ptr<DryCommunicator> world;
   std::unique_ptr<parallel::Mesh> mesh;
   if (mesh_config.world_size() > 1) {

@@ -23,12 +23,13 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/device_util.cuh"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/lora_scratch.h"
 #include "backend/cuda/mma_util.cuh"
 
 namespace spindle::cuda {
 namespace {
 
-constexpr int kTile = 128;            // a tile of dy: 128 rows × 128 columns (256 contiguous bytes a row)
+constexpr int kTile = kLoraTile;      // a tile of dy: 128 rows × 128 columns (256 contiguous bytes a row)
 constexpr int kWarps = 8;             // 256 threads
 constexpr int kDyPitch = kTile + 8;   // bf16 per shared row: the 16-byte pad makes ldmatrix conflict-free
 
@@ -173,7 +174,7 @@ template <int R, int SUB, int STAGES>
 void launch(cudaStream_t s, const bf16* dy, const bf16* b, const bf16* xa, int64_t t, int n, float scaling, bf16* dxa,
             bf16* db) {
   using Smem = LoraSmem<R, SUB, STAGES>;
-  const int64_t strips = (t + Smem::kRows - 1) / Smem::kRows;
+  const int64_t strips = lora_b_strips(t, SUB);  // as lora_scratch.h counts them for spindle plan
   const size_t smem = sizeof(Smem);
   auto kernel = lora_b_backward_kernel<R, SUB, STAGES>;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -188,8 +189,8 @@ void launch(cudaStream_t s, const bf16* dy, const bf16* b, const bf16* xa, int64
   CUDA_CHECK(cudaGetLastError());
 }
 
-// Row tiles per strip: as many as keep the grid at ≈ one block per SM or more (fewer, longer strips
-// mean fewer partials), within shared memory (r 64: at most 2).
+// Row tiles per strip on this GPU (lora_scratch.h: as many as keep ≈ one block per SM or more, within
+// shared memory).
 int tiles_per_strip(int64_t t, int r) {
   static const int sms = [] {
     int device = 0, count = 0;
@@ -197,16 +198,12 @@ int tiles_per_strip(int64_t t, int r) {
     CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
     return count;
   }();
-  for (int sub = r == 64 ? 2 : 4; sub > 1; sub /= 2)
-    if ((t + sub * kTile - 1) / (sub * kTile) * 10 >= static_cast<int64_t>(sms) * 9) return sub;
-  return 1;
+  return lora_b_tiles_per_strip(t, r, sms);
 }
 
 }  // namespace
 
-bool lora_b_backward_supported(int64_t n, int64_t r) {
-  return n > 0 && n % kTile == 0 && (r == 16 || r == 32 || r == 64);
-}
+bool lora_b_backward_supported(int64_t n, int64_t r) { return lora_b_backward_shape_supported(n, r); }
 
 void lora_b_backward(cudaStream_t s, const void* dy, const void* b, const void* xa, int64_t t, int64_t n, int64_t r,
                      float scaling, void* dxa, void* db) {
