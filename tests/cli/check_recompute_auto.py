@@ -242,6 +242,14 @@ with tempfile.TemporaryDirectory() as tmp:
           and not os.path.exists(os.path.join(tmp, "layers", "metrics.jsonl")),
           f"sft --recompute-layers without a mode is refused ({p.stderr.strip().splitlines()[-1:]})")
 
+# dpo's step is not planned: --recompute auto there is refused before anything runs, naming the modes.
+with tempfile.TemporaryDirectory() as tmp:
+    dpo = os.path.join(root, "testdata", "dpo")
+    p = run([spindle, "dpo", "--model", dpo, "--data", os.path.join(dpo, "pairs.jsonl"), "--output",
+             os.path.join(tmp, "dpo"), "--device", "cpu", "--threads", "1", "--recompute", "auto"], ok=False)
+    check(p.returncode != 0 and "dpo's (policy and reference" in p.stderr and "choose --recompute none" in p.stderr,
+          f"dpo --recompute auto is refused ({p.stderr.strip().splitlines()[-1:]})")
+
 # sft with --offload activations: the same losses as without, the host memory in metrics.jsonl.
 with tempfile.TemporaryDirectory() as tmp:
     def sft(name, extra):
