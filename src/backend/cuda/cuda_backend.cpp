@@ -573,6 +573,16 @@ class CudaBackend final : public Backend {
     cuda::l2norm_backward(s(stream), y.data(), rstd.data_as<float>(), dy.data(), dx.data(), y.dtype(), rows, c);
   }
 
+  // The shapes the conv + split forward and backward share: qkv [T, 2·Hk·dk + Hv·dv] split into q, k
+  // [T, Hk, dk] and v (or dv) [T, Hv, dv]; w's first dim the channels, its taps a whole number per
+  // channel; one document id per token.
+  static bool conv_split_shapes_match(const Tensor& qkv, const Tensor& w, const Tensor& doc_ids, const Tensor& q,
+                                      const Tensor& k, const Tensor& v) {
+    return qkv.rank() == 2 && q.rank() == 3 && k.shape() == q.shape() && v.rank() == 3 && q.dim(0) == qkv.dim(0) &&
+           v.dim(0) == qkv.dim(0) && 2 * q.dim(1) * q.dim(2) + v.dim(1) * v.dim(2) == qkv.dim(1) && w.rank() >= 1 &&
+           w.dim(0) == qkv.dim(1) && qkv.dim(1) > 0 && w.numel() % qkv.dim(1) == 0 && doc_ids.numel() == qkv.dim(0);
+  }
+
   void deltanet_conv_split_forward(Stream stream, const Tensor& qkv, const Tensor& w, const Tensor& doc_ids,
                                    double eps, Tensor& q, Tensor& k, Tensor& v, Tensor& q_rstd,
                                    Tensor& k_rstd) override {
@@ -581,11 +591,7 @@ class CudaBackend final : public Backend {
     for (const Tensor* t : {&q, &k, &v}) require_same(qkv, *t, op);
     require_compute(w, "deltanet_conv_split_forward weight");
     require_i32(doc_ids, op);
-    SPINDLE_CHECK(qkv.rank() == 2 && q.rank() == 3 && k.shape() == q.shape() && v.rank() == 3 &&
-                      q.dim(0) == qkv.dim(0) && v.dim(0) == qkv.dim(0) &&
-                      2 * q.dim(1) * q.dim(2) + v.dim(1) * v.dim(2) == qkv.dim(1) && w.rank() >= 1 &&
-                      w.dim(0) == qkv.dim(1) && qkv.dim(1) > 0 && w.numel() % qkv.dim(1) == 0 &&
-                      doc_ids.numel() == qkv.dim(0),
+    SPINDLE_CHECK(conv_split_shapes_match(qkv, w, doc_ids, q, k, v),
                   "{}: qkv {} w {} doc_ids {} into q {} k {} v {}", op, qkv.describe(), w.describe(),
                   doc_ids.describe(), q.describe(), k.describe(), v.describe());
     const int64_t t = qkv.dim(0), key = q.dim(1) * q.dim(2), value = v.dim(1) * v.dim(2);
@@ -608,12 +614,8 @@ class CudaBackend final : public Backend {
     require_compute(w, "deltanet_conv_split_backward weight");
     if (dw) require_same(w, *dw, "deltanet_conv_split_backward dw");
     require_i32(doc_ids, op);
-    SPINDLE_CHECK(qkv.rank() == 2 && d_qkv.shape() == qkv.shape() && q.rank() == 3 && k.shape() == q.shape() &&
-                      dq.shape() == q.shape() && dk.shape() == q.shape() && dv.rank() == 3 &&
-                      q.dim(0) == qkv.dim(0) && dv.dim(0) == qkv.dim(0) &&
-                      2 * q.dim(1) * q.dim(2) + dv.dim(1) * dv.dim(2) == qkv.dim(1) && w.rank() >= 1 &&
-                      w.dim(0) == qkv.dim(1) && qkv.dim(1) > 0 && w.numel() % qkv.dim(1) == 0 &&
-                      doc_ids.numel() == qkv.dim(0) && (!dw || dw->shape() == w.shape()),
+    SPINDLE_CHECK(conv_split_shapes_match(qkv, w, doc_ids, q, k, dv) && d_qkv.shape() == qkv.shape() &&
+                      dq.shape() == q.shape() && dk.shape() == q.shape() && (!dw || dw->shape() == w.shape()),
                   "{}: qkv {} w {} doc_ids {} q {} dv {} d_qkv {}", op, qkv.describe(), w.describe(),
                   doc_ids.describe(), q.describe(), dv.describe(), d_qkv.describe());
     const int64_t t = qkv.dim(0), key = q.dim(1) * q.dim(2), value = dv.dim(1) * dv.dim(2);
