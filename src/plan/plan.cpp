@@ -122,8 +122,12 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
                    DType dtype, double aux_coefficient, int rank, int64_t seq, std::shared_ptr<Exchange> exchange) {
   // The CUDA pool hands out 512-byte multiples; the CPU backend pads to 64 bytes.
   const bool cuda = o.device == "cuda";
-  DryBackend backend(Device{cuda ? DeviceKind::CUDA : DeviceKind::CPU, 0}, cuda ? 512 : 64,
-                     cuda ? machine_multiprocessors(0) : 1);
+  int multiprocessors = 1;
+  if (cuda) {
+    static const int gpu_multiprocessors = machine_multiprocessors(0);  // asked once: a search plans many steps
+    multiprocessors = gpu_multiprocessors;
+  }
+  DryBackend backend(Device{cuda ? DeviceKind::CUDA : DeviceKind::CPU, 0}, cuda ? 512 : 64, multiprocessors);
   std::unique_ptr<DryCommunicator> world;
   std::unique_ptr<parallel::Mesh> mesh;
   if (mesh_config.world_size() > 1) {
