@@ -54,9 +54,13 @@ void validate(const BenchOptions& o) {
     if (o.offload_layers != -1)
       fail("--offload-layers is chosen by --recompute auto (the fewest layers whose offload makes the step fit); "
            "to set it, choose --recompute all or keep-attention with --offload activations");
+    if (o.checkpoint_stride != 1)
+      fail("--checkpoint-stride is chosen by --recompute auto (2 to 4 only when nothing else fits); to set it, "
+           "choose --recompute all");
   } else {
     check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
     check_offload_layers(parse_offload(o.offload, parse_recompute_mode(o.recompute)), o.offload_layers);
+    check_checkpoint_stride(parse_recompute_mode(o.recompute), o.checkpoint_stride);
   }
   parse_mlp_tile_tokens(o.mlp_tile_tokens);
   if (o.sp < 0 || o.ulysses < 0 || o.ring < 0) fail("--sp, --ulysses and --ring must be positive");
@@ -142,11 +146,13 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   decoder_options.offload = parse_offload(o.offload, recompute);
   decoder_options.offload_layers = o.offload_layers;
   decoder_options.mlp_tile_tokens = mlp_tile_tokens_to_run(parse_mlp_tile_tokens(o.mlp_tile_tokens));
+  decoder_options.checkpoint_stride = o.checkpoint_stride;
   r.recompute = o.recompute;
   r.recompute_layers = o.recompute_layers;
   r.offload = decoder_options.offload;
   r.offload_layers = decoder_options.offload_layers;
   r.mlp_tile_tokens = decoder_options.mlp_tile_tokens;
+  r.checkpoint_stride = decoder_options.checkpoint_stride;
   Stream stream = backend.default_stream();
   Tensor loss = backend.zeros(Shape{1}, stat_dtype(dtype));
 
@@ -200,6 +206,7 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   setup.recompute = recompute;
   setup.recomputed_layers = o.recompute_layers;
   setup.mlp_tiled = decoder_options.mlp_tile_tokens > 0;
+  setup.checkpoint_stride = decoder_options.checkpoint_stride;
   const StepFlops flops = step_flops(config, setup);
   const double step_s = total_ms / 1000.0 / o.steps;
   r.model_flops = flops.model();
@@ -418,11 +425,13 @@ std::string format_report(const BenchReport& rep) {
                      r.tokens_per_s, mean, r.model_tflops, mfu, r.executed_tflops,
                      gib(r.memory.peak_allocated_bytes), gib(r.memory.peak_reserved_bytes),
                      gib(r.memory.device_used_bytes), r.loss);
-    if (r.offload || r.mlp_tile_tokens > 0 || o.recompute == "auto")
-      s += fmt::format("{:>8}  recompute {}{}{}{}\n", "", r.recompute,
+    if (r.offload || r.mlp_tile_tokens > 0 || r.checkpoint_stride > 1 || o.recompute == "auto")
+      s += fmt::format("{:>8}  recompute {}{}{}{}{}\n", "", r.recompute,
                        r.recompute_layers >= 0 ? fmt::format(" on the first {} layers", r.recompute_layers) : "",
                        r.offload ? offload_summary(r) : "",
-                       r.mlp_tile_tokens > 0 ? fmt::format(", MLP in {}-token tiles", r.mlp_tile_tokens) : "");
+                       r.mlp_tile_tokens > 0 ? fmt::format(", MLP in {}-token tiles", r.mlp_tile_tokens) : "",
+                       r.checkpoint_stride > 1 ? fmt::format(", one layer input kept in {}", r.checkpoint_stride)
+                                               : "");
   }
   bool any_split = false;
   for (const BenchResult& r : rep.results) any_split |= r.split_measured;
@@ -515,6 +524,7 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
     x["offload"] = r.offload ? "activations" : "none";
     x["offload_layers"] = r.offload_layers;
     x["mlp_tile_tokens"] = r.mlp_tile_tokens;
+    x["checkpoint_stride"] = r.checkpoint_stride;
     x["offload_host_bytes"] = r.memory.peak_host_allocated_bytes;  // host memory of offload at its peak
     {
       // Per timed step: what the copies moved, how long they ran (their bandwidth) and how long the

@@ -34,8 +34,9 @@ struct BenchOptions {
   int64_t offload_layers = -1;         // with offload: the first N layers offload (-1: every recomputed one but the last)
   double router_aux_loss_coef = -1;    // MoE: the router load-balancing loss, as sft's flag (-1: the config's rule)
   std::string mlp_tile_tokens = "auto";  // SwiGLU MLP tiles: N tokens, 0 untiled, auto (model/recompute.h)
+  int64_t checkpoint_stride = 1;       // every Nth recomputed layer keeps its input (recompute all; decoder.h)
   // --recompute auto: called before each length runs with the options to fill in (recompute,
-  // recompute_layers, offload, mlp_tile_tokens), from `spindle plan`'s choice (plan/auto_recompute.h).
+  // recompute_layers, offload, mlp_tile_tokens, checkpoint_stride), from `spindle plan`'s choice (plan/auto_recompute.h).
   std::function<void(int64_t seq, BenchOptions& chosen)> choose_recompute;
   // Called once the model is on the device (BenchReport::model_build_s set), before any length runs.
   std::function<void(double model_build_s)> on_model_built;
@@ -68,6 +69,7 @@ struct BenchResult {
   bool offload = false;
   int64_t offload_layers = -1;         // as run (DecoderOptions::offload_layers)
   int64_t mlp_tile_tokens = 0;         // as run: rows per SwiGLU MLP tile (0: untiled)
+  int64_t checkpoint_stride = 1;       // as run (DecoderOptions::checkpoint_stride)
   OffloadStats offload_copies;         // activation offload's copies over the timed steps (all of them)
   bool split_measured = false;
   // Per step, by OpCategory: attention, gemm, communication (on the compute stream), other ops,

@@ -55,6 +55,14 @@ StepFlops step_flops(const ModelConfig& c, const FlopSetup& s) {
     f.dense_executed += 2 * T * ((1 - share) * gate_up - share * down);
   }
   f.attention_executed = (3.5 + (s.recompute == RecomputeMode::All ? share : 0.0)) * attention_forward;
+  if (s.recompute == RecomputeMode::All && s.checkpoint_stride > 1) {
+    // Layers 0 … n−1 recompute; those off the stride keep no input and run forward again (decoder.h).
+    const int64_t n_recomputed = s.recomputed_layers < 0 ? c.num_layers : std::min(s.recomputed_layers, c.num_layers);
+    const int64_t regenerated = n_recomputed - (n_recomputed + s.checkpoint_stride - 1) / s.checkpoint_stride;
+    const double extra = static_cast<double>(regenerated) / static_cast<double>(c.num_layers);
+    f.dense_executed += extra * 2 * (layer_base + lora) * T;
+    f.attention_executed += extra * attention_forward;
+  }
   return f;
 }
 

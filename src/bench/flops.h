@@ -21,7 +21,9 @@
 //   (--recompute-layers). With the SwiGLU MLP in token tiles (--mlp-tile-tokens) the backward
 //   runs each MLP's gate and up projections again (2·N_gate,up more per token) and a recomputed
 //   layer's recompute stops at the MLP's input (2·N_gate,up,down less): a kept layer pays two
-//   projections more, a recomputed one saves the down projection's second forward.
+//   projections more, a recomputed one saves the down projection's second forward. With sparse
+//   checkpoints (--checkpoint-stride N) each recomputed layer that keeps no input runs its whole
+//   forward once more (dense 2·N, attention 1 × forward), to regenerate the input above it.
 #pragma once
 
 #include <cstdint>
@@ -48,6 +50,7 @@ struct FlopSetup {
   RecomputeMode recompute = RecomputeMode::None;
   int64_t recomputed_layers = -1;  // how many layers `recompute` applies to (-1: all)
   bool mlp_tiled = false;          // --mlp-tile-tokens > 0
+  int64_t checkpoint_stride = 1;   // --checkpoint-stride: layers between checkpoints run forward once more
 };
 
 // Parameters in matrix products per token (N_matmul above), base weights and LoRA separately.

@@ -78,6 +78,7 @@ int run_bench_command(BenchArgs& args) {
       chosen.offload = choice.setting.offload ? "activations" : "none";
       chosen.offload_layers = choice.setting.offload_layers;
       chosen.mlp_tile_tokens = std::to_string(choice.setting.mlp_tile_tokens);
+      chosen.checkpoint_stride = choice.setting.checkpoint_stride;
       if (main_rank)
         std::fprintf(stderr, "bench: seq %lld: %s\n", static_cast<long long>(seq), choice.summary(0).c_str());
     };
@@ -162,6 +163,7 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
       ->capture_default_str();
   cmd->add_option("--offload-layers", o.offload_layers, kOffloadLayersHelp)->capture_default_str();
   cmd->add_option("--mlp-tile-tokens", o.mlp_tile_tokens, kMlpTileTokensHelp)->capture_default_str();
+  cmd->add_option("--checkpoint-stride", o.checkpoint_stride, kCheckpointStrideHelp)->capture_default_str();
   cmd->add_option("--device-memory", args->device_memory,
                   "with --recompute auto: the memory per device to fit (bytes, or 80GiB; default: the GPU's, or "
                   "the machine's RAM with --device cpu)");

@@ -36,6 +36,9 @@ int run_plan_command(PlanArgs& args) {
   if (args.options.recompute == "auto" && args.options.offload_layers != -1)
     fail("--offload-layers is chosen by --recompute auto (the fewest layers whose offload makes the step fit); "
          "to set it, choose --recompute all or keep-attention with --offload activations");
+  if (args.options.recompute == "auto" && args.options.checkpoint_stride != 1)
+    fail("--checkpoint-stride is chosen by --recompute auto (2 to 4 only when nothing else fits); to set it, choose "
+         "--recompute all");
   int64_t device_bytes = 0;
   if (!args.device_memory.empty()) {
     device_bytes = plan::parse_memory_size(args.device_memory);
@@ -51,12 +54,29 @@ int run_plan_command(PlanArgs& args) {
         automatic ? plan::most_frugal_setting(args.options)
                   : plan::RecomputeSetting{args.options.recompute, args.options.recompute_layers, args.options.offload,
                                            args.options.offload_layers,
-                                           mlp_tile_tokens_to_run(args.options.mlp_tile_tokens)};
+                                           mlp_tile_tokens_to_run(args.options.mlp_tile_tokens),
+                                           args.options.checkpoint_stride};
     const int64_t usable = plan::usable_memory(device_bytes, args.options.device);
     int64_t peak = 0, host = 0;
     plan::RecomputeSetting chosen = setting;
-    const int64_t longest =
+    int64_t longest =
         plan::longest_fitting_seq(args.options, setting, usable, int64_t{1} << 26, &peak, &host, &chosen);
+    // With auto also sparse checkpoints (what --recompute auto tries last): the longest of them all.
+    int64_t every_input = longest;
+    if (automatic)
+      for (int64_t stride : plan::kAutoCheckpointStrides) {
+        plan::RecomputeSetting sparse = setting, sparse_chosen;
+        sparse.checkpoint_stride = stride;
+        int64_t sparse_peak = 0, sparse_host = 0;
+        const int64_t n = plan::longest_fitting_seq(args.options, sparse, usable, int64_t{1} << 26, &sparse_peak,
+                                                    &sparse_host, &sparse_chosen);
+        if (n > longest) {
+          longest = n;
+          peak = sparse_peak;
+          host = sparse_host;
+          chosen = sparse_chosen;
+        }
+      }
     if (args.json) {
       nlohmann::ordered_json j;
       j["model"] = args.options.model;
@@ -67,7 +87,9 @@ int run_plan_command(PlanArgs& args) {
       j["offload"] = chosen.offload ? "activations" : "none";
       j["offload_layers"] = chosen.offload_layers;
       j["mlp_tile_tokens"] = chosen.mlp_tile_tokens;
+      j["checkpoint_stride"] = chosen.checkpoint_stride;
       j["max_seq"] = longest;
+      if (automatic) j["max_seq_every_input_kept"] = every_input;
       j["peak_allocated_bytes"] = peak;
       j["offload_host_bytes"] = host;
       std::printf("%s\n", j.dump(2).c_str());
@@ -76,6 +98,9 @@ int run_plan_command(PlanArgs& args) {
                   plan::format_bytes(device_bytes).c_str(), plan::format_bytes(usable).c_str(),
                   chosen.describe().c_str(), static_cast<long long>(longest), plan::format_bytes(peak).c_str(),
                   chosen.offload ? (", " + plan::format_bytes(host) + " of host memory").c_str() : "");
+      if (automatic && chosen.checkpoint_stride > 1)
+        std::printf("keeping every layer's input (--checkpoint-stride 1): %lld tokens\n",
+                    static_cast<long long>(every_input));
     }
     return 0;
   }
@@ -97,6 +122,7 @@ int run_plan_command(PlanArgs& args) {
     chosen.offload = choice.setting.offload;
     chosen.offload_layers = choice.setting.offload_layers;
     chosen.mlp_tile_tokens = choice.setting.mlp_tile_tokens;
+    chosen.checkpoint_stride = choice.setting.checkpoint_stride;
     const plan::PlanReport report = plan::run_plan(chosen);
     if (args.json) {
       nlohmann::ordered_json j = plan::plan_json(report);
@@ -113,6 +139,7 @@ int run_plan_command(PlanArgs& args) {
       r["offload_chosen"] = choice.setting.offload ? "activations" : "none";
       r["offload_layers_chosen"] = choice.setting.offload_layers;
       r["mlp_tile_tokens_chosen"] = choice.setting.mlp_tile_tokens;
+      r["checkpoint_stride_chosen"] = choice.setting.checkpoint_stride;
       doc["results"].push_back(r);
     } else {
       std::printf("seq %lld: %s\n", static_cast<long long>(seq), choice.summary(report.config.num_layers).c_str());
@@ -148,6 +175,7 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
       ->capture_default_str();
   cmd->add_option("--offload-layers", o.offload_layers, kOffloadLayersHelp)->capture_default_str();
   cmd->add_option("--mlp-tile-tokens", args->mlp_tile_tokens, kMlpTileTokensHelp)->capture_default_str();
+  cmd->add_option("--checkpoint-stride", o.checkpoint_stride, kCheckpointStrideHelp)->capture_default_str();
   cmd->add_option("--router-aux-loss-coef", o.router_aux_loss_coef,
                   "MoE models: plan the router load-balancing loss as sft runs it with this coefficient (0: off; "
                   "default: the config's router_aux_loss_coef when its output_router_logits is true, else off)");
@@ -169,8 +197,9 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
                   "three quarters of it");
   cmd->add_flag("--max-seq", args->max_seq,
                 "print the longest row that fits --device-memory (up to 64M tokens) with the --recompute / --offload "
-                "/ --mlp-tile-tokens given; with auto, recompute all with offload and (--mlp-tile-tokens auto) the MLP "
-                "in 16k-token tiles, the setting that needs least");
+                "/ --mlp-tile-tokens / --checkpoint-stride given; with auto, recompute all with offload and "
+                "(--mlp-tile-tokens auto) the MLP in 16k-token tiles, keeping every layer's input or every 2nd to 4th "
+                "(--checkpoint-stride): the longest of these");
   cmd->add_flag("--json", args->json, "print one JSON document instead of the table");
   commands.push_back({cmd, [args] { return run_plan_command(*args); }});
 }

@@ -158,6 +158,7 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
       ->capture_default_str();
   cmd->add_option("--offload-layers", c.offload_layers, kOffloadLayersHelp)->capture_default_str();
   cmd->add_option("--mlp-tile-tokens", c.mlp_tile_tokens, kMlpTileTokensHelp)->capture_default_str();
+  cmd->add_option("--checkpoint-stride", c.checkpoint_stride, kCheckpointStrideHelp)->capture_default_str();
   cmd->add_option("--device-memory", c.device_memory,
                   "with --recompute auto: the memory per device to fit (bytes, or 80GiB; default: the GPU's, or the "
                   "machine's RAM on the CPU)");
@@ -232,6 +233,7 @@ void resolve_auto_recompute(TrainConfig& config, bool asked) {
   config.offload = choice.setting.offload ? "activations" : "none";
   config.offload_layers = choice.setting.offload_layers;
   config.mlp_tile_tokens = std::to_string(choice.setting.mlp_tile_tokens);
+  config.checkpoint_stride = choice.setting.checkpoint_stride;
   if (process.rank == 0) std::fprintf(stderr, "%s\n", choice.summary(0).c_str());
 }
 

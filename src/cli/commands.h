@@ -37,6 +37,12 @@ inline constexpr const char* kMlpTileTokensHelp =
     "live, for recomputing gate and up in backward; 0: untiled; auto: untiled unless --recompute auto finds that "
     "only tiled settings fit (docs/memory.md)";
 
+// --checkpoint-stride's help (sft, check, bench, plan; DecoderOptions::checkpoint_stride).
+inline constexpr const char* kCheckpointStrideHelp =
+    "with --recompute all: keep only every Nth layer's input (layers 0, N, 2N, ...); backward regenerates the "
+    "others by running the layers between forward again (one more layer forward each), for the longest rows; "
+    "1: every layer's; --recompute auto tries 2 to 4 when nothing else fits (docs/memory.md)";
+
 // --offload-layers's help (sft, dpo, check, bench, plan; DecoderOptions::offload_layers).
 inline constexpr const char* kOffloadLayersHelp =
     "with --offload activations: offload only the first N layers' kept tensors and keep the later layers' on the GPU, "

@@ -75,6 +75,15 @@ void check_offload_layers(bool offload, int64_t offload_layers) {
          offload_layers);
 }
 
+void check_checkpoint_stride(RecomputeMode mode, int64_t stride) {
+  if (stride < 1)
+    fail("--checkpoint-stride must be 1 (every recomputed layer keeps its input) or more, got {}", stride);
+  if (stride > 1 && mode != RecomputeMode::All)
+    fail("--checkpoint-stride {} keeps one layer input in {} and re-runs the layers between from it: it needs "
+         "--recompute all (or auto), not {}",
+         stride, stride, recompute_mode_name(mode));
+}
+
 int64_t parse_mlp_tile_tokens(const std::string& value) {
   if (value == "auto") return kMlpTileAuto;
   std::string digits = value;
@@ -116,14 +125,27 @@ Decoder::Decoder(Backend& backend, ModelWeights& weights, DecoderOptions options
   check_offload_layers(options_.offload, options_.offload_layers);
   if (options_.mlp_tile_tokens < 0)
     fail("--mlp-tile-tokens must be 0 (untiled) or a positive number of tokens, got {}", options_.mlp_tile_tokens);
+  if (options_.checkpoint_stride < 1)
+    fail("--checkpoint-stride must be 1 or more, got {}", options_.checkpoint_stride);
+  if (options_.checkpoint_stride > 1 && options_.keep_attention)
+    fail("--checkpoint-stride {} needs --recompute all, not keep-attention", options_.checkpoint_stride);
   std::vector<float> inv = rope_inverse_frequencies(c);
   inv_freq_ = backend_.empty(Shape{static_cast<int64_t>(inv.size())}, DType::F32);
   backend_.copy_from_host(stream_, inv.data(), inv_freq_);
 }
 
 bool Decoder::offloads(int64_t l, bool recomputed) const {
-  return options_.offload && recomputed && l + 1 < weights_.config.num_layers &&
+  return options_.offload && recomputed && l + 1 < weights_.config.num_layers && !regenerates(l) &&
          (options_.offload_layers < 0 || l < options_.offload_layers);
+}
+
+bool Decoder::regenerates(int64_t l) const {
+  const int64_t stride = options_.checkpoint_stride;
+  if (stride <= 1 || l < 0 || l >= weights_.config.num_layers || l % stride == 0) return false;
+  // The group's layers from its checkpoint up to l all recompute (kept layers keep their own input).
+  for (int64_t k = checkpoint_of(l); k <= l; ++k)
+    if (options_.recompute.empty() || !options_.recompute[static_cast<size_t>(k)]) return false;
+  return true;
 }
 
 std::vector<Tensor*> Decoder::offloaded_tensors(LayerActivations& a) {
@@ -217,7 +239,8 @@ Tensor Decoder::forward(const MicroBatch& batch, bool keep, std::vector<LayerAct
     before_forward(ParameterUnit::layer_unit(l));
     weights_.layers[l].forward(ctx, *a, out, /*run_core=*/true);
     after_forward(ParameterUnit::layer_unit(l));
-    if (!keep) acts[l].x_in = Tensor();  // evaluation keeps nothing behind it
+    // Evaluation keeps nothing behind it; a layer of a sparse checkpoint's group keeps no input.
+    if (!keep || regenerates(l)) acts[l].x_in = Tensor();
     copies_done();  // the previous layer's, enqueued before this layer's forward
     if (to_host(l)) offload_layer(acts[l], copying);
   }
@@ -258,6 +281,11 @@ void Decoder::hooks_without_tokens(bool backward) {
   after_backward(ParameterUnit::head());
   if (router_aux_) router_aux_->finish_statistics();
   for (int64_t l = layers - 1; l >= 0; --l) {
+    if (regenerates_group(l))
+      for (int64_t k = checkpoint_of(l); k < l; ++k) {
+        before_forward(ParameterUnit::layer_unit(k));
+        after_forward(ParameterUnit::layer_unit(k));
+      }
     before_backward(ParameterUnit::layer_unit(l));
     after_backward(ParameterUnit::layer_unit(l));
   }
@@ -336,16 +364,41 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   auto offloaded = [&](int64_t l) { return offloads(l, recompute(l)); };
   std::vector<bool> fetched(static_cast<size_t>(layers), false);
   std::vector<Tensor> fetching;
+  // Offloaded tensors layer l's backward must have on the device first: its own, once fetched.
+  auto bring_back = [&](int64_t l) {
+    if (!offloaded(l)) return;
+    if (!fetched[l]) fetch_layer(acts[l], fetching);
+    fetched[l] = true;
+    be.wait_for_copies(st);
+    fetching.clear();
+  };
+  // The layer whose kept input layer k's backward starts from: its own, or for a layer of a sparse
+  // checkpoint's group not regenerated yet, the checkpoint's; -1 when already regenerated.
+  auto source = [&](int64_t k) -> int64_t {
+    if (!regenerates(k)) return k;
+    return acts[k].x_in.defined() ? -1 : checkpoint_of(k);
+  };
   for (int64_t l = layers - 1; l >= 0; --l) {
-    before_backward(ParameterUnit::layer_unit(l));
-    if (offloaded(l)) {
-      if (!fetched[l]) fetch_layer(acts[l], fetching);
-      be.wait_for_copies(st);
-      fetching.clear();
+    if (regenerates_group(l)) {
+      // The top of a sparse checkpoint's group: its layers' inputs again, forward from the checkpoint
+      // (each layer in its own forward window and scratch set, as in the step's forward).
+      const int64_t first = checkpoint_of(l);
+      bring_back(first);
+      for (int64_t k = first; k < l; ++k) {
+        LayerActivations scratch;
+        LayerActivations view = scratch_view(scratch, acts[k], k, t, false);
+        acts[k + 1].x_in = be.empty(Shape{t, c.hidden_size}, dt);
+        before_forward(ParameterUnit::layer_unit(k));
+        weights_.layers[k].forward(ctx, view, acts[k + 1].x_in, /*run_core=*/true);
+        after_forward(ParameterUnit::layer_unit(k));
+      }
     }
-    if (l > 0 && offloaded(l - 1)) {
-      fetch_layer(acts[l - 1], fetching);
-      fetched[l - 1] = true;
+    before_backward(ParameterUnit::layer_unit(l));
+    bring_back(l);
+    // The next layer's kept tensors come back while this layer computes.
+    if (const int64_t next = l > 0 ? source(l - 1) : -1; next >= 0 && offloaded(next) && !fetched[next]) {
+      fetch_layer(acts[next], fetching);
+      fetched[next] = true;
     }
     LayerActivations view;
     LayerActivations* a = &acts[l];

@@ -41,7 +41,9 @@ struct ParameterUnit {
 //  - step(backward = true): forward windows for the embedding and each layer in order; then one
 //    backward window for the head (its forward and backward are fused: the loss computes the
 //    lm_head gradient chunk by chunk); then backward windows for layers L-1 … 0 (a recomputed
-//    layer re-runs its forward inside its backward window); then, only when embed is trainable, a
+//    layer re-runs its forward inside its backward window; with sparse checkpoints, just before the
+//    backward window of a group's top layer come forward windows of the group's lower layers, which
+//    regenerate their inputs); then, only when embed is trainable, a
 //    backward window for the embedding, which reads no value (a scatter-add of dout into rows).
 //  - step(backward = false) and logits(): forward windows only, the head's last.
 //  - Every rank makes the same sequence of calls whatever its data, even with no token at all, so
@@ -87,6 +89,14 @@ struct DecoderOptions {
   // then stops at the MLP's input (its backward recomputes gate and up per tile); a kept layer's MLP
   // backward recomputes them too (two more projections per token).
   int64_t mlp_tile_tokens = 0;
+  // Sparse checkpoints (--checkpoint-stride N; recompute all only): of the recomputed layers only
+  // layers 0, N, 2N, … keep their input; the N − 1 layers above each such checkpoint keep nothing.
+  // When backward reaches the top of a group it runs the group's lower layers forward again from
+  // the checkpoint to regenerate their inputs, each held until its own layer's backward. Holds
+  // (N − 1)/N fewer layer inputs at the cost of one more layer forward per non-checkpoint layer;
+  // losses and gradients are bit-identical (same kernels on the same inputs). 1: every recomputed
+  // layer keeps its input.
+  int64_t checkpoint_stride = 1;
   // Upper bound of the logits chunk of the fused LM-head loss. 256 MiB is 883 rows of Qwen2.5's
   // 151936-word vocabulary in bf16: the chunk's two GEMMs ran at 620 TFLOP/s with 64 MiB (220
   // rows) on an H200, against ~780 for large ones.
@@ -133,6 +143,14 @@ class Decoder {
   // Whether layer l's kept tensors go to host memory in a training step (DecoderOptions::offload,
   // offload_layers), given whether it is recomputed.
   bool offloads(int64_t l, bool recomputed) const;
+  // Sparse checkpoints (DecoderOptions::checkpoint_stride): whether a training step keeps no input
+  // for layer l (backward regenerates it), the checkpoint layer its group starts at, and whether l is
+  // its group's top (backward regenerates the whole group there).
+  bool regenerates(int64_t l) const;
+  int64_t checkpoint_of(int64_t l) const { return l - l % options_.checkpoint_stride; }
+  bool regenerates_group(int64_t l) const {
+    return regenerates(l) && !(regenerates(l + 1) && checkpoint_of(l + 1) == checkpoint_of(l));
+  }
   // Offload (DecoderOptions::offload): the device tensors a recomputed layer keeps, in a fixed
   // order (x_in, then its mixer's kept core), that are defined.
   static std::vector<Tensor*> offloaded_tensors(LayerActivations& a);

@@ -27,6 +27,11 @@ bool parse_offload(const std::string& value, RecomputeMode mode);
 // anything else throws an Error naming the option.
 void check_offload_layers(bool offload, int64_t offload_layers);
 
+// --checkpoint-stride: N >= 1 (DecoderOptions::checkpoint_stride); N > 1 only with --recompute all
+// (keep-attention keeps every recomputed layer's attention output, which the regenerating forward
+// would have to bring back too). Throws an Error naming the option otherwise.
+void check_checkpoint_stride(RecomputeMode mode, int64_t stride);
+
 // --mlp-tile-tokens: N >= 0 tokens per tile of the SwiGLU MLPs (DecoderOptions::mlp_tile_tokens; 0:
 // untiled; "16k" = 16384), or "auto" (kMlpTileAuto): untiled unless --recompute auto finds that only
 // a tiled setting fits (then kAutoMlpTileTokens). Anything else throws an Error naming the option.

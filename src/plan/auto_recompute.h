@@ -41,6 +41,7 @@ struct RecomputeSetting {
   bool offload = false;            // --offload activations
   int64_t offload_layers = -1;     // --offload-layers: the first N layers offload (-1: all; kFewestOffloadLayers)
   int64_t mlp_tile_tokens = 0;     // --mlp-tile-tokens (0: untiled)
+  int64_t checkpoint_stride = 1;   // --checkpoint-stride (recompute all only)
   std::string describe() const;    // "all, activations of the first 13 layers offloaded to host memory"
 };
 
@@ -50,6 +51,10 @@ struct RecomputeSetting {
 // more layers moves bytes from the device to the host, so the longest row that fits is where both
 // are full.
 RecomputeSetting most_frugal_setting(const PlanOptions& base);
+// The checkpoint strides --recompute auto and `plan --max-seq --recompute auto` try beyond 1 (every
+// layer's input kept), in this order: each holds fewer layer inputs and runs more layers forward
+// again (bench/flops.h); past 4 the regenerated inputs a group holds at its top outgrow the saving.
+constexpr int64_t kAutoCheckpointStrides[] = {2, 3, 4};
 
 // The plan of `setting` at `seq` (peak of the largest rank and its host memory of offload), and
 // whether it fits `usable_bytes` on the device and three quarters of the host's memory. With
@@ -82,7 +87,9 @@ struct AutoChoice {
 // --offload activations, so only recomputing settings with offload are candidates. The SwiGLU MLP
 // tiling is base.mlp_tile_tokens when given; when auto, every untiled candidate comes first and the
 // same candidates with kAutoMlpTileTokens-token tiles after them (tiling costs two projections more
-// per token where a layer is kept, and is only needed where nothing untiled fits). Throws an Error
+// per token where a layer is kept, and is only needed where nothing untiled fits). Recompute all on
+// every layer with sparse checkpoints (kAutoCheckpointStrides) comes last, after every setting that
+// keeps each layer's input: it runs layers forward a third time. Throws an Error
 // when nothing fits, with the smallest --sp (more processes) and the longest --seq that would.
 AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device_bytes, bool offload_only = false);
 

@@ -52,12 +52,14 @@ class PhaseHooks final : public ParameterHooks {
   void before_forward(const ParameterUnit& u) override {
     backend_.set_phase(kGathers);
     if (inner_) inner_->before_forward(u);
-    backend_.set_phase(kForward);
+    // A forward window after the head's is a sparse checkpoint's regenerating forward (decoder.h).
+    backend_.set_phase(in_backward_ ? kBackward : kForward);
   }
   void after_forward(const ParameterUnit& u) override {
     if (inner_) inner_->after_forward(u);
   }
   void before_backward(const ParameterUnit& u) override {
+    in_backward_ = true;
     backend_.set_phase(kGathers);
     if (inner_) inner_->before_backward(u);
     backend_.set_phase(u.kind == ParameterUnit::Kind::Head ? kHead : kBackward);
@@ -71,6 +73,7 @@ class PhaseHooks final : public ParameterHooks {
  private:
   DryBackend& backend_;
   ParameterHooks* inner_;
+  bool in_backward_ = false;
 };
 
 // The parameters ModelWeights::quantize_projections leaves in place of each quantisable projection's
@@ -199,6 +202,7 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
   decoder_options.offload = o.offload;
   decoder_options.offload_layers = o.offload_layers;
   decoder_options.mlp_tile_tokens = mlp_tile_tokens_to_run(o.mlp_tile_tokens);
+  decoder_options.checkpoint_stride = o.checkpoint_stride;
   Decoder decoder(backend, weights, decoder_options);
   std::unique_ptr<AttentionStrategy> attention;
   if (mesh && mesh_config.sp > 1) attention = parallel::make_sequence_parallel_attention(*mesh, config);
@@ -253,6 +257,7 @@ PlanReport run_plan(const PlanOptions& o) {
   check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
   if (o.offload) parse_offload("activations", parse_recompute_mode(o.recompute));
   check_offload_layers(o.offload, o.offload_layers);
+  check_checkpoint_stride(parse_recompute_mode(o.recompute), o.checkpoint_stride);
   if (o.mlp_tile_tokens < kMlpTileAuto)
     fail("--mlp-tile-tokens must be auto, 0 (untiled) or a positive number of tokens, got {}", o.mlp_tile_tokens);
   PlanReport rep;
@@ -346,6 +351,9 @@ std::string format_plan(const PlanReport& rep) {
       rep.router_aux_loss_coef > 0 ? fmt::format(", router aux loss {:g}", rep.router_aux_loss_coef) : "");
   if (mlp_tile_tokens_to_run(o.mlp_tile_tokens) > 0)
     s += fmt::format("SwiGLU MLPs in tiles of {} tokens (--mlp-tile-tokens)\n", o.mlp_tile_tokens);
+  if (o.checkpoint_stride > 1)
+    s += fmt::format("one layer input kept in {}, the others regenerated in backward (--checkpoint-stride)\n",
+                     o.checkpoint_stride);
   s += "predicted peak of live tensors per rank (the allocator's own slack and the backend's fixed workspaces "
        "come on top; docs/memory.md)\n";
   for (const LengthPlan& l : rep.lengths) {
@@ -383,6 +391,7 @@ nlohmann::ordered_json plan_json(const PlanReport& rep) {
   j["offload"] = rep.options.offload ? "activations" : "none";
   j["offload_layers"] = rep.options.offload_layers;
   j["mlp_tile_tokens"] = mlp_tile_tokens_to_run(rep.options.mlp_tile_tokens);
+  j["checkpoint_stride"] = rep.options.checkpoint_stride;
   j["lora_rank"] = rep.options.full ? 0 : rep.options.lora_rank;
   if (!rep.options.full && !rep.options.lora_targets.empty()) j["lora_targets"] = rep.options.lora_targets;
   j["quantize"] = rep.options.quantize.empty() ? "none" : rep.options.quantize;

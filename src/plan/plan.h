@@ -33,6 +33,7 @@ struct PlanOptions {
   int64_t offload_layers = -1;       // --offload-layers: the first N layers offload (-1: every recomputed one but the last)
   int64_t mlp_tile_tokens = kMlpTileAuto;  // --mlp-tile-tokens: rows per SwiGLU MLP tile, 0 untiled (auto: untiled
                                            // here; choose_recompute tries tiles when nothing untiled fits)
+  int64_t checkpoint_stride = 1;     // --checkpoint-stride: every Nth recomputed layer keeps its input (recompute all)
   bool optimizer = true;             // AdamW state (sft holds it; `spindle bench`'s step does not)
   // MoE models: the router load-balancing loss, as sft's --router-aux-loss-coef (-1: the config's rule;
   // model/router_aux_loss.h): its statistics and gradient vector are planned when it is on.

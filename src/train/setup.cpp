@@ -195,6 +195,8 @@ DecoderOptions decoder_options(const TrainConfig& config, const ModelConfig& mod
   check_offload_layers(options.offload, config.offload_layers);
   options.offload_layers = config.offload_layers;
   options.mlp_tile_tokens = mlp_tile_tokens_to_run(parse_mlp_tile_tokens(config.mlp_tile_tokens));
+  check_checkpoint_stride(mode, config.checkpoint_stride);
+  options.checkpoint_stride = config.checkpoint_stride;
   return options;
 }
 

@@ -55,6 +55,10 @@ void TrainConfig::validate() const {
   if (recompute != "auto") {  // auto is resolved into a mode by the command line before training starts
     check_recompute_layers(parse_recompute_mode(recompute), recompute_layers);
     check_offload_layers(parse_offload(offload, parse_recompute_mode(recompute)), offload_layers);
+    check_checkpoint_stride(parse_recompute_mode(recompute), checkpoint_stride);
+  } else if (checkpoint_stride != 1) {
+    fail("--checkpoint-stride is chosen by --recompute auto (sft's default; it tries 2 to 4 only when nothing else "
+         "fits); to set it, choose --recompute all");
   } else if (offload_layers != -1) {
     fail("--offload-layers is chosen by --recompute auto (the fewest layers whose offload makes the step fit); "
          "to set it, choose --recompute all or keep-attention with --offload activations");

@@ -153,6 +153,19 @@ cases += [
     ("qwen3_5_moe (text) sp 4 = Ulysses 2 x ring 2 (state passing inside Ulysses), LoRA", "qwen3_5_moe_text", 128,
      ["--recompute", "all"], (4, ["--sp", "4", "--ulysses", "2", "--ring", "2"])),
 ]
+# Sparse checkpoints (--checkpoint-stride): every Nth layer keeps its input, the others regenerated
+# at the top of their group in backward; with offload of the checkpoints, tiles, sequence
+# parallelism (FSDP's forward windows inside the backward) and the hybrid MoE model.
+cases += [
+    ("5 layers, every 2nd layer's input kept", deep, 96, ["--recompute", "all", "--checkpoint-stride", "2"], (1, [])),
+    ("5 layers, every 3rd layer's input kept, checkpoints offloaded", deep, 96,
+     ["--recompute", "all", "--checkpoint-stride", "3", "--offload", "activations"], (1, [])),
+    ("5 layers, every 2nd, first 2 offloaded, MLP in 40-token tiles, Ulysses sp 2", deep, 96,
+     ["--recompute", "all", "--checkpoint-stride", "2", "--offload", "activations", "--offload-layers", "2",
+      "--mlp-tile-tokens", "40"], (2, ["--sp", "2", "--ulysses", "2"])),
+    ("qwen3_5_moe (text) every 2nd of 3 layers' input kept", "qwen3_5_moe_text", 64,
+     ["--recompute", "all", "--checkpoint-stride", "2"], (1, [])),
+]
 
 failures = []
 for name, model, seq, extra, mesh in cases:
@@ -183,7 +196,10 @@ for bad, needle in ((["--world", "3", "--sp", "2"], "--sp"), (["--seq", "0"], "-
                     (["--offload-layers", "2"], "--offload activations"),
                     (["--offload", "activations", "--offload-layers", "-2"], "--offload-layers"),
                     (["--recompute", "auto", "--offload", "activations", "--offload-layers", "2"], "--offload-layers"),
-                    (["--full", "--quantize", "nf4"], "4-bit")):
+                    (["--full", "--quantize", "nf4"], "4-bit"),
+                    (["--recompute", "keep-attention", "--checkpoint-stride", "2"], "--recompute all"),
+                    (["--checkpoint-stride", "0"], "--checkpoint-stride"),
+                    (["--recompute", "auto", "--checkpoint-stride", "2"], "--checkpoint-stride")):
     model = ["--model", os.path.join(hf, "qwen2")]
     p = subprocess.run([spindle, "plan"] + model + bad,
                        capture_output=True, text=True, timeout=60)

@@ -192,6 +192,26 @@ for host in (host_all * 4 // 3 * 2 // 3, host_all * 4 // 3 // 2):  # two thirds 
           f"{auto['peak_allocated_bytes']} + {auto['offload_host_bytes']} host bytes), every layer offloaded "
           f"{whole['max_seq']}, none {none_off['max_seq']}")
 
+# Sparse checkpoints come last: with a host too small for any offload (--host-memory 4 bytes) and
+# a device below recompute all, auto keeps every 2nd layer's input (the cheapest stride that fits).
+every_untiled = planned("all", extra=["--mlp-tile-tokens", "0"])
+stride2 = planned("all", extra=["--mlp-tile-tokens", "0", "--checkpoint-stride", "2"])
+check(stride2 < every_untiled, f"every 2nd layer's input plans {stride2} bytes, every layer's {every_untiled}")
+budget = (stride2 + every_untiled) // 2
+doc = json.loads(run([spindle, "plan", "--bench-step", "--json", "--recompute", "auto", "--mlp-tile-tokens", "0",
+                      "--device-memory", str(budget), "--host-memory", "4"] + common).stdout)
+res = doc["results"][0]
+check(res["recompute_chosen"] == "all" and res["checkpoint_stride_chosen"] == 2 and res["offload_chosen"] == "none"
+      and res["peak_allocated_bytes"] <= budget,
+      f"budget {budget}, no host memory: {res['recompute_chosen']}, stride {res['checkpoint_stride_chosen']}, "
+      f"offload {res['offload_chosen']}, {res['peak_allocated_bytes']} bytes")
+# plan --max-seq --recompute auto also tries sparse checkpoints: with little host memory they reach further.
+auto = max_seq(["--recompute", "auto", "--mlp-tile-tokens", "0"], host_all // 8)
+check(auto["max_seq"] > auto["max_seq_every_input_kept"] and auto["checkpoint_stride"] > 1
+      and auto["peak_allocated_bytes"] <= budget_dev,
+      f"--max-seq with host {host_all // 8}: {auto['max_seq']} keeping one input in {auto['checkpoint_stride']}, "
+      f"{auto['max_seq_every_input_kept']} keeping every one")
+
 # sft: the choice from the plan of its rows (--max-length) with the AdamW state, and its peak within.
 with tempfile.TemporaryDirectory() as tmp:
     base = [spindle, "plan", "--json", "--model", qwen2, "--seq", "32", "--device", "cpu", "--lora-rank", "4"]
