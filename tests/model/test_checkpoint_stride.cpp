@@ -12,12 +12,11 @@
 //    no token makes exactly the calls of a rank with tokens (FSDP's collectives depend on it).
 #include <gtest/gtest.h>
 
-#include <random>
-
 #include "backend/op_test_util.h"
 #include "core/error.h"
 #include "model/decoder.h"
 #include "model/router_aux_loss.h"
+#include "support/decoder_steps.h"
 #include "support/tiny_model.h"
 
 using namespace spindle;
@@ -44,48 +43,7 @@ ModelConfig config_of(const std::string& type) {
   return m.config();
 }
 
-// Two documents and a padding tail; a few unsupervised tokens at each document's start.
-PackedRow row(int64_t length, uint64_t seed, int64_t vocab) {
-  std::mt19937_64 rng(seed);
-  PackedRow r;
-  const int64_t first = length / 3;
-  for (int64_t i = 0; i < length; ++i) {
-    const bool padding = i + 2 >= length;
-    const int64_t doc = padding ? -1 : (i < first ? 0 : 1), pos = i < first ? i : i - first;
-    r.input_ids.push_back(static_cast<int32_t>(rng() % vocab));
-    r.positions.push_back(static_cast<int32_t>(pos));
-    r.doc_ids.push_back(static_cast<int32_t>(doc));
-  }
-  for (int64_t i = 0; i < length; ++i) {
-    const bool supervised = r.doc_ids[i] >= 0 && r.positions[i] >= 2 && i + 1 < length && r.doc_ids[i + 1] == r.doc_ids[i];
-    r.targets.push_back(supervised ? r.input_ids[i + 1] : kIgnoreIndex);
-    r.weights.push_back(supervised ? 1.0f : 0.0f);
-  }
-  return r;
-}
-
-// Counts attention forwards of the local strategy.
-class CountingAttention final : public AttentionStrategy {
- public:
-  void forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-               const Tensor& v, double scale, Tensor& out, Tensor& lse) override {
-    ++forwards;
-    inner_.forward(backend, stream, batch, q, k, v, scale, out, lse);
-  }
-  void backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-                const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& lse, double scale, Tensor& dq,
-                Tensor& dk, Tensor& dv) override {
-    inner_.backward(backend, stream, batch, q, k, v, out, dout, lse, scale, dq, dk, dv);
-  }
-  int64_t forwards = 0;
-
- private:
-  LocalAttention inner_;
-};
-
-struct Result {
-  std::vector<double> loss;
-  std::vector<std::vector<double>> grads;
+struct Result : StepOutcome {
   int64_t device_peak = 0, host_peak = 0, copied = 0, attention_forwards = 0;
 };
 
@@ -109,7 +67,7 @@ Result run(Backend& be, ModelWeights& w, const DecoderOptions& options) {
   be.reset_peak_memory();
   be.reset_offload_stats();
   for (int64_t length : {40, 27}) {
-    const MicroBatch batch = make_micro_batch(be, {row(length, 50 + length, w.config.vocab_size)}, w.dtype);
+    const MicroBatch batch = make_micro_batch(be, {two_document_row(length, w.config.vocab_size, 50 + length)}, w.dtype);
     if (aux) aux->begin_step(batch.num_tokens, nullptr);
     decoder.step(batch, 0.05, loss, true);
     if (aux) aux->end_step();
@@ -123,15 +81,6 @@ Result run(Backend& be, ModelWeights& w, const DecoderOptions& options) {
   for (Parameter& p : w.parameters())
     if (p.trainable) r.grads.push_back(to_host(be, p.grad));
   return r;
-}
-
-void expect_identical(const Result& got, const Result& want, const std::string& what) {
-  ASSERT_EQ(got.loss.size(), want.loss.size());
-  for (size_t i = 0; i < want.loss.size(); ++i) EXPECT_EQ(got.loss[i], want.loss[i]) << what << ", micro-batch " << i;
-  ASSERT_EQ(got.grads.size(), want.grads.size());
-  for (size_t i = 0; i < want.grads.size(); ++i)
-    EXPECT_TRUE(got.grads[i] == want.grads[i]) << what << ": gradient " << i << " differs (relative error "
-                                               << relative_error(got.grads[i], want.grads[i]) << ")";
 }
 
 int64_t attention_layers(const ModelConfig& c, int64_t below) {
@@ -161,10 +110,7 @@ TEST_P(CheckpointStride, IsBitIdenticalAndHoldsFewerInputs) {
 
   const DecoderOptions every = recompute_options(RecomputeMode::All, layers);
   const Result kept = run(*be, w, every);
-  double grad_sum = 0;
-  for (const auto& g : kept.grads)
-    for (double x : g) grad_sum += std::fabs(x);
-  ASSERT_GT(grad_sum, 0.0) << "no gradient: the comparison would prove nothing";
+  ASSERT_GT(gradient_mass(kept), 0.0) << "no gradient: the comparison would prove nothing";
   // Forward, then the recompute of every layer: two attention forwards per attention layer and
   // micro-batch.
   EXPECT_EQ(kept.attention_forwards, 2 * 2 * attention_layers(config, layers));
@@ -172,14 +118,14 @@ TEST_P(CheckpointStride, IsBitIdenticalAndHoldsFewerInputs) {
   DecoderOptions offloaded = every;
   offloaded.offload = true;
   const Result kept_offloaded = run(*be, w, offloaded);
-  expect_identical(kept_offloaded, kept, "stride 1 with offload");
+  expect_bit_identical(kept_offloaded, kept, "stride 1 with offload");
 
   for (int64_t stride : {int64_t{2}, int64_t{3}, layers - 1, layers, layers + 2}) {
     const std::string what = c.type + ", stride " + std::to_string(stride);
     DecoderOptions sparse = every;
     sparse.checkpoint_stride = stride;
     const Result got = run(*be, w, sparse);
-    expect_identical(got, kept, what);
+    expect_bit_identical(got, kept, what);
     // Each layer off the stride regenerates: the layer below it runs forward once more.
     int64_t extra = 0;
     for (int64_t l = 1; l < layers; ++l)
@@ -198,7 +144,7 @@ TEST_P(CheckpointStride, IsBitIdenticalAndHoldsFewerInputs) {
     DecoderOptions sparse_offloaded = sparse;
     sparse_offloaded.offload = true;
     const Result moved = run(*be, w, sparse_offloaded);
-    expect_identical(moved, kept, what + " with offload");
+    expect_bit_identical(moved, kept, what + " with offload");
     int64_t checkpoints = 0;  // offloadable: every layer on the stride but the last
     for (int64_t l = 0; l + 1 < layers; ++l) checkpoints += l % stride == 0;
     const int64_t inputs = (40 + 27) * config.hidden_size * static_cast<int64_t>(dtype_size(c.dtype));
@@ -209,20 +155,20 @@ TEST_P(CheckpointStride, IsBitIdenticalAndHoldsFewerInputs) {
     // Offload of the first layers only (--offload-layers 3).
     DecoderOptions partial = sparse_offloaded;
     partial.offload_layers = 3;
-    expect_identical(run(*be, w, partial), kept, what + " with the first 3 layers offloaded");
+    expect_bit_identical(run(*be, w, partial), kept, what + " with the first 3 layers offloaded");
 
     // Only the first 4 layers recompute; the groups stop at the first kept layer.
     DecoderOptions first_four = recompute_options(RecomputeMode::All, layers, 4);
     const Result four_kept = run(*be, w, first_four);
     first_four.checkpoint_stride = stride;
-    expect_identical(run(*be, w, first_four), four_kept, what + " on the first 4 layers");
+    expect_bit_identical(run(*be, w, first_four), four_kept, what + " on the first 4 layers");
 
     // Token-tiled MLPs (the regenerating forward runs the tiled MLP forward).
     DecoderOptions tiled = every;
     tiled.mlp_tile_tokens = 16;
     const Result tiled_kept = run(*be, w, tiled);
     tiled.checkpoint_stride = stride;
-    expect_identical(run(*be, w, tiled), tiled_kept, what + " with 16-token MLP tiles");
+    expect_bit_identical(run(*be, w, tiled), tiled_kept, what + " with 16-token MLP tiles");
   }
 }
 
@@ -282,7 +228,7 @@ TEST(CheckpointStrideHooks, FollowTheDocumentedOrderWithAndWithoutTokens) {
   RecordingHooks with_tokens, without;
   Tensor loss = be->zeros(Shape{1}, DType::F32);
   decoder.set_parameter_hooks(&with_tokens);
-  decoder.step(make_micro_batch(*be, {row(20, 1, w.config.vocab_size)}, DType::F32), 1.0, loss, true);
+  decoder.step(make_micro_batch(*be, {two_document_row(20, w.config.vocab_size, 1)}, DType::F32), 1.0, loss, true);
   decoder.set_parameter_hooks(&without);
   decoder.step(make_micro_batch(*be, {PackedRow{}}, DType::F32), 1.0, loss, true);
 

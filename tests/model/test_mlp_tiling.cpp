@@ -7,11 +7,11 @@
 // beside a dense one. The device's peak drops once the MLP is wide, and the option's values parse.
 #include <gtest/gtest.h>
 
-#include <random>
 
 #include "backend/op_test_util.h"
 #include "core/error.h"
 #include "model/decoder.h"
+#include "support/decoder_steps.h"
 #include "support/tiny_model.h"
 
 using namespace spindle;
@@ -19,29 +19,7 @@ using namespace spindle::test;
 
 namespace {
 
-// Two documents and a padding tail; a few unsupervised tokens at each document's start.
-PackedRow row(int64_t length, int64_t vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  PackedRow r;
-  const int64_t first = length / 3;
-  for (int64_t i = 0; i < length; ++i) {
-    const bool padding = i + 2 >= length;
-    const int64_t doc = padding ? -1 : (i < first ? 0 : 1), pos = i < first ? i : i - first;
-    r.input_ids.push_back(static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab)));
-    r.positions.push_back(static_cast<int32_t>(pos));
-    r.doc_ids.push_back(static_cast<int32_t>(doc));
-  }
-  for (int64_t i = 0; i < length; ++i) {
-    const bool supervised = r.doc_ids[i] >= 0 && r.positions[i] >= 2 && i + 1 < length && r.doc_ids[i + 1] == r.doc_ids[i];
-    r.targets.push_back(supervised ? r.input_ids[i + 1] : kIgnoreIndex);
-    r.weights.push_back(supervised ? 1.0f : 0.0f);
-  }
-  return r;
-}
-
-struct Result {
-  std::vector<double> loss;
-  std::vector<std::vector<double>> grads;
+struct Result : StepOutcome {
   int64_t device_peak = 0;
 };
 
@@ -54,7 +32,7 @@ Result run(Backend& be, ModelWeights& w, const DecoderOptions& options) {
   Tensor loss = be.zeros(Shape{1}, stat_dtype(w.dtype));
   be.reset_peak_memory();
   for (int64_t length : kLengths) {
-    decoder.step(make_micro_batch(be, {row(length, w.config.vocab_size, 50 + length)}, w.dtype), 0.05, loss, true);
+    decoder.step(make_micro_batch(be, {two_document_row(length, w.config.vocab_size, 50 + length)}, w.dtype), 0.05, loss, true);
     r.loss.push_back(to_host(be, loss)[0]);
   }
   r.device_peak = be.memory_stats().peak_allocated_bytes;
@@ -71,13 +49,6 @@ void expect_close(const Result& got, const Result& want, double tolerance, const
   ASSERT_EQ(got.grads.size(), want.grads.size());
   for (size_t i = 0; i < want.grads.size(); ++i)
     EXPECT_LE(relative_error(got.grads[i], want.grads[i]), tolerance) << what << ": gradient " << i;
-}
-
-double gradient_mass(const Result& r) {
-  double sum = 0;
-  for (const auto& g : r.grads)
-    for (double x : g) sum += std::fabs(x);
-  return sum;
 }
 
 DecoderOptions tiled(DecoderOptions o, int64_t tile) {

@@ -7,10 +7,9 @@
 // offloaded bytes, which the host holds. The backend's offload counters see every copy.
 #include <gtest/gtest.h>
 
-#include <random>
-
 #include "backend/op_test_util.h"
 #include "model/decoder.h"
+#include "support/decoder_steps.h"
 #include "support/tiny_model.h"
 
 using namespace spindle;
@@ -25,29 +24,7 @@ ModelConfig config_of(const std::string& type, int64_t layers) {
   return m.config();
 }
 
-// Two documents and a padding tail; a few unsupervised tokens at each document's start.
-PackedRow row(int64_t length, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  PackedRow r;
-  const int64_t first = length / 3;
-  for (int64_t i = 0; i < length; ++i) {
-    const bool padding = i + 2 >= length;
-    const int64_t doc = padding ? -1 : (i < first ? 0 : 1), pos = i < first ? i : i - first;
-    r.input_ids.push_back(static_cast<int32_t>(rng() % 19));
-    r.positions.push_back(static_cast<int32_t>(pos));
-    r.doc_ids.push_back(static_cast<int32_t>(doc));
-  }
-  for (int64_t i = 0; i < length; ++i) {
-    const bool supervised = r.doc_ids[i] >= 0 && r.positions[i] >= 2 && i + 1 < length && r.doc_ids[i + 1] == r.doc_ids[i];
-    r.targets.push_back(supervised ? r.input_ids[i + 1] : kIgnoreIndex);
-    r.weights.push_back(supervised ? 1.0f : 0.0f);
-  }
-  return r;
-}
-
-struct Result {
-  std::vector<double> loss;
-  std::vector<std::vector<double>> grads;
+struct Result : StepOutcome {
   int64_t device_peak = 0, host_peak = 0, host_after = 0;
   OffloadStats copies;
 };
@@ -61,7 +38,8 @@ Result run(Backend& be, ModelWeights& w, const DecoderOptions& options) {
   be.reset_peak_memory();
   be.reset_offload_stats();
   for (int64_t length : {40, 27}) {
-    decoder.step(make_micro_batch(be, {row(length, 50 + length)}, w.dtype), 0.05, loss, true);
+    decoder.step(make_micro_batch(be, {two_document_row(length, w.config.vocab_size, 50 + length)}, w.dtype), 0.05,
+                 loss, true);
     r.loss.push_back(to_host(be, loss)[0]);
   }
   const MemoryStats m = be.memory_stats();
@@ -72,15 +50,6 @@ Result run(Backend& be, ModelWeights& w, const DecoderOptions& options) {
   for (Parameter& p : w.parameters())
     if (p.trainable) r.grads.push_back(to_host(be, p.grad));
   return r;
-}
-
-void expect_identical(const Result& got, const Result& want, const std::string& what) {
-  ASSERT_EQ(got.loss.size(), want.loss.size());
-  for (size_t i = 0; i < want.loss.size(); ++i) EXPECT_EQ(got.loss[i], want.loss[i]) << what << ", micro-batch " << i;
-  ASSERT_EQ(got.grads.size(), want.grads.size());
-  for (size_t i = 0; i < want.grads.size(); ++i)
-    EXPECT_TRUE(got.grads[i] == want.grads[i]) << what << ": gradient " << i << " differs (relative error "
-                                               << relative_error(got.grads[i], want.grads[i]) << ")";
 }
 
 struct Case {
@@ -110,14 +79,11 @@ TEST_P(Offload, IsBitIdenticalAndMovesKeptTensorsOffTheDevice) {
     const DecoderOptions plain = recompute_options(mode, layers);
     const Result kept = run(*be, w, plain);
     EXPECT_EQ(kept.copies.copies, 0) << name << " without offload copied";
-    double grad_sum = 0;
-    for (const auto& g : kept.grads)
-      for (double x : g) grad_sum += std::fabs(x);
-    ASSERT_GT(grad_sum, 0.0) << "no gradient: the comparison would prove nothing";
+    ASSERT_GT(gradient_mass(kept), 0.0) << "no gradient: the comparison would prove nothing";
     EXPECT_EQ(kept.host_peak, 0) << name << " without offload used host tensors";
 
     const Result moved = run(*be, w, with_offload(plain));
-    expect_identical(moved, kept, name + " with offload");
+    expect_bit_identical(moved, kept, name + " with offload");
     // Every layer but the last offloads its input ([T, H]) at least; the first micro-batch (40
     // tokens) is the larger, so the host peak is at least (L - 1) of its inputs and all of them
     // are back on the device (freed from the host) after the step.
@@ -143,7 +109,7 @@ TEST_P(Offload, IsBitIdenticalAndMovesKeptTensorsOffTheDevice) {
 
     // Per-layer: the first two layers recomputed (and offloaded), the rest kept whole.
     const Result first_two = run(*be, w, with_offload(recompute_options(mode, layers, 2)));
-    expect_identical(first_two, kept, name + " on the first 2 layers with offload");
+    expect_bit_identical(first_two, kept, name + " on the first 2 layers with offload");
     EXPECT_GE(first_two.host_peak, 2 * x_in);
 
     // Partial offload (--offload-layers): every layer recomputed, only the first ones offloaded, the
@@ -156,7 +122,7 @@ TEST_P(Offload, IsBitIdenticalAndMovesKeptTensorsOffTheDevice) {
       partial.offload_layers = offloaded;
       const Result some = run(*be, w, partial);
       const std::string what = name + " with the first " + std::to_string(offloaded) + " layers offloaded";
-      expect_identical(some, kept, what);
+      expect_bit_identical(some, kept, what);
       const int64_t moving = std::min(offloaded, layers - 1);  // the last layer never offloads
       if (uniform_layers) {
         EXPECT_EQ(some.copies.bytes * (layers - 1), moved.copies.bytes * moving) << what;

@@ -11,6 +11,7 @@
 #include "backend/op_test_util.h"
 #include "core/error.h"
 #include "model/decoder.h"
+#include "support/decoder_steps.h"
 #include "support/tiny_model.h"
 
 using namespace spindle;
@@ -65,26 +66,6 @@ PackedRow row(const std::vector<int>& lengths, int padding, uint64_t seed) {
   }
   return r;
 }
-
-// Wraps the local strategy and counts its calls.
-class CountingAttention final : public AttentionStrategy {
- public:
-  void forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-               const Tensor& v, double scale, Tensor& out, Tensor& lse) override {
-    ++forwards;
-    inner_.forward(backend, stream, batch, q, k, v, scale, out, lse);
-  }
-  void backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-                const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& lse, double scale, Tensor& dq,
-                Tensor& dk, Tensor& dv) override {
-    ++backwards;
-    inner_.backward(backend, stream, batch, q, k, v, out, dout, lse, scale, dq, dk, dv);
-  }
-  int forwards = 0, backwards = 0;
-
- private:
-  LocalAttention inner_;
-};
 
 ModelWeights make_weights(Backend& be, const std::string& type, DType dtype, bool lora) {
   ModelWeights w = random_weights(be, tiny(type), dtype, 21, 10.0);
