@@ -290,5 +290,16 @@ with tempfile.TemporaryDirectory() as tmp:
               for m in moved) and "GB/s" in log,
           f"sft --offload activations: copies per step {[(m.get('offload_copy_bytes'), m.get('offload_copy_s')) for m in moved]}"
           f" ({[line for line in log.splitlines() if 'host' in line][:1]})")
+    # Sparse checkpoints (layer 1 of 2 regenerated from layer 0's offloaded input): the same losses.
+    sparse, _ = sft("stride", ["--checkpoint-stride", "2", "--offload", "activations"])
+    check([m["loss"] for m in sparse] == [m["loss"] for m in plain],
+          f"sft --checkpoint-stride 2 with offload: losses {[m['loss'] for m in sparse]} "
+          f"(every input kept: {[m['loss'] for m in plain]})")
+    for bad, needle in ((["--recompute", "keep-attention", "--checkpoint-stride", "2"], "--recompute all"),
+                        (["--recompute", "auto", "--checkpoint-stride", "2"], "chosen by --recompute auto")):
+        p = run([spindle, "sft", "--model", qwen2, "--data", os.path.join(qwen2, "data.jsonl"), "--output",
+                 os.path.join(tmp, "bad"), "--max-steps", "1", "--threads", "1", "--device", "cpu"] + bad, ok=False)
+        check(p.returncode != 0 and needle in p.stderr and not os.path.exists(os.path.join(tmp, "bad", "metrics.jsonl")),
+              f"sft {' '.join(bad)} is refused ({p.stderr.strip().splitlines()[-1:]})")
 
 sys.exit(f"{len(failures)} failed: {failures}" if failures else 0)
