@@ -49,34 +49,23 @@ int run_plan_command(PlanArgs& args) {
     // The longest row that fits, with the setting given, or with auto the one that needs least.
     if (device_bytes == 0) device_bytes = plan::machine_device_memory(args.options.device, 0);
     if (device_bytes <= 0) fail("--max-seq needs the device's memory: give --device-memory (bytes or e.g. 80GiB)");
+    // With auto the settings that need least, keeping every layer's input and with sparse checkpoints
+    // (what --recompute auto tries last): the longest of them.
     const bool automatic = args.options.recompute == "auto";
-    const plan::RecomputeSetting setting =
-        automatic ? plan::most_frugal_setting(args.options)
-                  : plan::RecomputeSetting{args.options.recompute, args.options.recompute_layers, args.options.offload,
+    const int64_t usable = plan::usable_memory(device_bytes, args.options.device);
+    constexpr int64_t kLimit = int64_t{1} << 26;
+    int64_t peak = 0, host = 0, every_input = 0, longest = 0;
+    plan::RecomputeSetting chosen;
+    if (automatic) {
+      longest = plan::longest_fitting_seq_auto(args.options, usable, kLimit, &peak, &host, &chosen, &every_input);
+    } else {
+      const plan::RecomputeSetting setting{args.options.recompute, args.options.recompute_layers, args.options.offload,
                                            args.options.offload_layers,
                                            mlp_tile_tokens_to_run(args.options.mlp_tile_tokens),
                                            args.options.checkpoint_stride};
-    const int64_t usable = plan::usable_memory(device_bytes, args.options.device);
-    int64_t peak = 0, host = 0;
-    plan::RecomputeSetting chosen = setting;
-    int64_t longest =
-        plan::longest_fitting_seq(args.options, setting, usable, int64_t{1} << 26, &peak, &host, &chosen);
-    // With auto also sparse checkpoints (what --recompute auto tries last): the longest of them all.
-    int64_t every_input = longest;
-    if (automatic)
-      for (int64_t stride : plan::kAutoCheckpointStrides) {
-        plan::RecomputeSetting sparse = setting, sparse_chosen;
-        sparse.checkpoint_stride = stride;
-        int64_t sparse_peak = 0, sparse_host = 0;
-        const int64_t n = plan::longest_fitting_seq(args.options, sparse, usable, int64_t{1} << 26, &sparse_peak,
-                                                    &sparse_host, &sparse_chosen);
-        if (n > longest) {
-          longest = n;
-          peak = sparse_peak;
-          host = sparse_host;
-          chosen = sparse_chosen;
-        }
-      }
+      chosen = setting;
+      longest = plan::longest_fitting_seq(args.options, setting, usable, kLimit, &peak, &host, &chosen);
+    }
     if (args.json) {
       nlohmann::ordered_json j;
       j["model"] = args.options.model;

@@ -288,6 +288,29 @@ int64_t longest_fitting_seq(const PlanOptions& base, const RecomputeSetting& set
   return done(lo);
 }
 
+int64_t longest_fitting_seq_auto(const PlanOptions& base, int64_t usable_bytes, int64_t limit, int64_t* peak_bytes,
+                                 int64_t* host_bytes, RecomputeSetting* chosen, int64_t* every_input_kept) {
+  RecomputeSetting setting = most_frugal_setting(base);
+  std::vector<int64_t> strides{1};
+  strides.insert(strides.end(), std::begin(kAutoCheckpointStrides), std::end(kAutoCheckpointStrides));
+  int64_t longest = 0;
+  for (int64_t stride : strides) {
+    setting.checkpoint_stride = stride;
+    int64_t peak = 0, host = 0;
+    RecomputeSetting fitted = setting;
+    const int64_t n = longest_fitting_seq(base, setting, usable_bytes, limit, &peak, &host, &fitted);
+    if (stride == 1 && every_input_kept) *every_input_kept = n;
+    if (stride == 1 || n > longest) {  // keeping every input wins ties: it runs no layer a third time
+      longest = n;
+      if (peak_bytes) *peak_bytes = peak;
+      if (host_bytes) *host_bytes = host;
+      if (chosen) *chosen = fitted;
+    }
+    if (longest == limit) break;  // nothing can reach further
+  }
+  return longest;
+}
+
 AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device_bytes, bool offload_only) {
   if (device_bytes <= 0)
     fail("--recompute auto needs the device's memory: give --device-memory (bytes or e.g. 80GiB)");
@@ -387,7 +410,8 @@ AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device
     }
   }
   RecomputeSetting longest_setting = smallest;
-  const int64_t fits = longest_fitting_seq(base, smallest, choice.usable_bytes, seq, nullptr, nullptr, &longest_setting);
+  const int64_t fits =
+      longest_fitting_seq_auto(base, choice.usable_bytes, seq, nullptr, nullptr, &longest_setting);
   const std::string longest =
       fits > 0 ? fmt::format("--seq {} (the longest that fits on this mesh, recompute {})", fits,
                              longest_setting.describe())

@@ -102,4 +102,12 @@ int64_t longest_fitting_seq(const PlanOptions& base, const RecomputeSetting& set
                             int64_t limit, int64_t* peak_bytes = nullptr, int64_t* host_bytes = nullptr,
                             RecomputeSetting* chosen = nullptr);
 
+// The longest row the settings --recompute auto can choose reach: most_frugal_setting keeping every
+// layer's input and with each of kAutoCheckpointStrides, the longest of them (at most `limit`
+// tokens); `every_input_kept` receives the longest keeping every input. Other outputs as
+// longest_fitting_seq's, for the setting that reaches furthest.
+int64_t longest_fitting_seq_auto(const PlanOptions& base, int64_t usable_bytes, int64_t limit,
+                                 int64_t* peak_bytes = nullptr, int64_t* host_bytes = nullptr,
+                                 RecomputeSetting* chosen = nullptr, int64_t* every_input_kept = nullptr);
+
 }  // namespace spindle::plan
