@@ -249,6 +249,8 @@ elif part == "moe":
                          extra=aux + ["--no-fsdp"]))
     results.append(check("moe ulysses sp2 recompute all, f64", sp=2, ulysses=2, model_dir=moe_model,
                          extra=aux + ["--recompute", "all"], dtype="f64"))
+    results.append(check("moe ring sp2 recompute all, one input in 3, f64", sp=2, ring=2, model_dir=moe_model,
+                         extra=aux + ["--recompute", "all", "--checkpoint-stride", "3"], dtype="f64"))
     # LoRA on what PEFT adapts in qwen3_moe (attention, the dense layer's MLP), experts frozen.
     results.append(check("moe LoRA ring sp2 dp2", sp=2, ring=2, dp=2, model_dir=moe_model,
                          extra=["--lora-rank", "4", "--router-aux-loss-coef", "0.05"]))
@@ -278,6 +280,10 @@ elif part == "gdn":
                          model_dir=hybrid_model, extra=["--lora-rank", "4"]))
     results.append(check("qwen3_5 ring sp2 recompute all, f64", sp=2, ring=2, model_dir=hybrid_model,
                          extra=["--full", "--recompute", "all"], dtype="f64"))
+    # Sparse checkpoints: the regenerating forward passes the DeltaNet state between ranks again.
+    results.append(check("qwen3_5 hybrid u2 x r2 recompute all, one input in 2, f64", sp=4, ulysses=2, ring=2,
+                         model_dir=hybrid_model, extra=["--full", "--recompute", "all", "--checkpoint-stride", "2"],
+                         dtype="f64"))
     # sp 8 on a model with 2 KV heads and 2 DeltaNet key heads: ulysses 2 (both head counts), ring 4.
     results.append(check("qwen3_5 hybrid u2 x r4 (sp8)", sp=8, ulysses=2, ring=4, model_dir=hybrid_model))
 elif part == "errors":
