@@ -3,6 +3,7 @@
 #include <memory>
 
 #include "cli/commands.h"
+#include "plan/plan.h"
 #include "train/dpo_trainer.h"
 #include "train/setup.h"
 
@@ -27,9 +28,29 @@ void add_dpo_command(CLI::App& app, CommandList& commands) {
                   "the initial model)");
   cmd->add_flag("--precompute-ref", config->precompute_ref,
                 "compute the reference log-probabilities of every pair once before training and cache them");
+  const CLI::Option* recompute_option = cmd->get_option("--recompute");
   commands.push_back({cmd,
-                      [config] {
-                        const TrainSummary summary = run_dpo(*config);
+                      [config, recompute_option] {
+                        DpoConfig resolved = *config;
+                        if (resolved.train.recompute == "auto") {
+                          resolved.validate();
+                          // dpo's step beyond sft's: every micro-batch of the optimizer step laid out
+                          // at once, the backward's own per-token weights, and a reference model
+                          // whenever one is loaded (dpo_trainer.cpp: --ref-model, or a full fine-tune
+                          // that resumes; counted for the whole run, which also covers
+                          // --precompute-ref's pass before training).
+                          std::string reference = resolved.ref_model;
+                          if (reference.empty() && resolved.train.full && resolved.train.resume)
+                            reference = resolved.train.model;
+                          const int64_t rows = resolved.train.grad_accum;
+                          resolve_auto_recompute(resolved.train, recompute_option->count() > 0,
+                                                 [&](plan::PlanOptions& p) {
+                                                   p.preference = true;
+                                                   p.rows_held = rows;
+                                                   p.reference_model = reference;
+                                                 });
+                        }
+                        const TrainSummary summary = run_dpo(resolved);
                         return summary.steps > 0 ? 0 : 1;
                       },
                       [config](int world_size) {

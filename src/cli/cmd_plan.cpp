@@ -36,6 +36,9 @@ int run_plan_command(PlanArgs& args) {
   if (args.options.recompute == "auto" && args.options.offload_layers != -1)
     fail("--offload-layers is chosen by --recompute auto (the fewest layers whose offload makes the step fit); "
          "to set it, choose --recompute all or keep-attention with --offload activations");
+  if (!args.options.preference && (args.options.rows_held != 1 || !args.options.reference_model.empty()))
+    fail("--grad-accum and --ref-model describe dpo's step: give them with --dpo (sft's step holds one row at a time)");
+  if (args.options.rows_held < 1) fail("--grad-accum must be at least 1, got {}", args.options.rows_held);
   if (args.options.recompute == "auto" && args.options.checkpoint_stride != 1)
     fail("--checkpoint-stride is chosen by --recompute auto (2 to 4 only when nothing else fits); to set it, choose "
          "--recompute all");
@@ -165,6 +168,14 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--offload-layers", o.offload_layers, kOffloadLayersHelp)->capture_default_str();
   cmd->add_option("--mlp-tile-tokens", args->mlp_tile_tokens, kMlpTileTokensHelp)->capture_default_str();
   cmd->add_option("--checkpoint-stride", o.checkpoint_stride, kCheckpointStrideHelp)->capture_default_str();
+  cmd->add_flag("--dpo", o.preference,
+                "plan dpo's step instead of sft's: every micro-batch of the optimizer step laid out at once "
+                "(--grad-accum) and the backward's own per-token weights");
+  cmd->add_option("--grad-accum", o.rows_held, "with --dpo: micro-batches per optimizer step (dpo's --grad-accum)")
+      ->capture_default_str();
+  cmd->add_option("--ref-model", o.reference_model,
+                  "with --dpo: a reference model folder held beside the policy (dpo's --ref-model; default: the "
+                  "policy with its adapters disabled, or cached log-probabilities, which hold nothing more)");
   cmd->add_option("--router-aux-loss-coef", o.router_aux_loss_coef,
                   "MoE models: plan the router load-balancing loss as sft runs it with this coefficient (0: off; "
                   "default: the config's router_aux_loss_coef when its output_router_logits is true, else off)");

@@ -185,10 +185,8 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
 }
 
 
-// --recompute auto: the fastest setting whose plan (rows of --max-length tokens, this job's mesh,
-// the AdamW state) fits the device, written into the config before anything is allocated.
-// `asked`: --recompute auto was given (on the command line or in --config), not taken as sft's default.
-void resolve_auto_recompute(TrainConfig& config, bool asked) {
+// commands.h: the plan of rows of --max-length tokens on this job's mesh with the AdamW state.
+void resolve_auto_recompute(TrainConfig& config, bool asked, const std::function<void(plan::PlanOptions&)>& adjust) {
   config.validate();
   if (config.no_fsdp && process_group_from_environment().world_size > 1) {
     if (asked)
@@ -220,6 +218,7 @@ void resolve_auto_recompute(TrainConfig& config, bool asked) {
   p.sp = config.sp;
   p.ulysses = config.ulysses;
   p.ring = config.ring;
+  if (adjust) adjust(p);
   const int64_t device_bytes = config.device_memory.empty() ? plan::machine_device_memory(p.device, device.index)
                                                             : plan::parse_memory_size(config.device_memory);
   const ModelConfig model = ModelConfig::from_file(config.model);

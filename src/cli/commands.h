@@ -8,6 +8,10 @@
 
 #include "train/train_config.h"
 
+namespace spindle::plan {
+struct PlanOptions;
+}
+
 namespace spindle::cli {
 
 struct Command {
@@ -18,6 +22,13 @@ struct Command {
   std::function<void(int world_size)> check_launch = {};
 };
 using CommandList = std::vector<Command>;
+
+// --recompute auto for sft and dpo (defined in cmd_sft.cpp): plans the job's rows (--max-length) on
+// its mesh with the AdamW state and writes the fastest setting that fits the device into `config`
+// before anything is allocated. `asked`: auto was given, not taken as sft's default. `adjust` adds to
+// the plan what the command's step holds beyond sft's (dpo: plan::PlanOptions::preference).
+void resolve_auto_recompute(TrainConfig& config, bool asked,
+                            const std::function<void(plan::PlanOptions&)>& adjust = {});
 
 // Each cmd_*.cpp defines one add_*_command; register_all (commands.cpp) calls them all.
 void add_eval_command(CLI::App& app, CommandList& commands);

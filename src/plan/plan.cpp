@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <thread>
 
 #include "backend/cpu/quant4_ops.h"
@@ -35,13 +36,14 @@ constexpr const char* kTrainable = "trainable parameters and gradients";
 constexpr const char* kShards = "FSDP shards";
 constexpr const char* kOptimizer = "optimizer state";
 constexpr const char* kBatch = "batch";
+constexpr const char* kReference = "reference model";
 constexpr const char* kGathers = "FSDP gathers";
 constexpr const char* kForward = "forward activations";
 constexpr const char* kHead = "LM head and loss";
 constexpr const char* kBackward = "backward and recompute";
 constexpr const char* kReduce = "gradient reduction";
 constexpr const char* kWorkspaces = DryBackend::kWorkspacePhase;  // CUDA kernels' scratch during one call
-const char* const kPhaseOrder[] = {kWeights, kTrainable, kShards,   kOptimizer, kBatch,     kGathers,
+const char* const kPhaseOrder[] = {kWeights, kTrainable, kShards,   kOptimizer, kReference, kBatch,     kGathers,
                                    kForward, kHead,      kBackward, kReduce,    kWorkspaces};
 
 // Labels the allocations of each part of a step: around every window of the decoder's units (the
@@ -121,8 +123,9 @@ DType plan_dtype(const PlanOptions& o) {
   fail("--dtype must be auto, f32, f64 or bf16, got \"{}\"", o.dtype);
 }
 
-RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parallel::MeshConfig& mesh_config,
-                   DType dtype, double aux_coefficient, int rank, int64_t seq, std::shared_ptr<Exchange> exchange) {
+RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const ModelConfig* reference_config,
+                   const parallel::MeshConfig& mesh_config, DType dtype, double aux_coefficient, int rank, int64_t seq,
+                   std::shared_ptr<Exchange> exchange) {
   // The CUDA pool hands out 512-byte multiples; the CPU backend pads to 64 bytes.
   const bool cuda = o.device == "cuda";
   int multiprocessors = 1;
@@ -175,6 +178,16 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
       optimizer = std::make_unique<AdamWOptimizer>(backend, weights, AdamWConfig{});
     }
   }
+  // dpo's frozen reference model, loaded after the policy's state and sharded like it (dpo_trainer.cpp).
+  ModelWeights reference;
+  std::unique_ptr<parallel::Fsdp> reference_fsdp;
+  if (reference_config) {
+    backend.set_phase(kReference);
+    reference = ModelWeights::uninitialized(backend, *reference_config, dtype);
+    declare_quantized_projections(backend, reference,
+                                  parse_quantize_options(o.quantize, o.double_quant, o.quant_block_size));
+    if (world) reference_fsdp = std::make_unique<parallel::Fsdp>(backend, reference, *world);
+  }
   // The router load-balancing loss's statistics and gradient, held for the run (sft: StepRunner).
   std::unique_ptr<RouterAuxLoss> router_aux;
   if (aux_coefficient > 0) {
@@ -196,6 +209,15 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const parall
   MicroBatch batch = make_micro_batch(backend, {row}, dtype);
   batch.row_one_causal_document = whole_row_causal;
   r.tokens = batch.num_tokens;
+  // dpo: the step's other micro-batches, laid out with this one, and the per-token weights its
+  // backward runs with beside the batch's own (preference_step.h).
+  std::vector<MicroBatch> laid_out;
+  for (int64_t i = 1; i < o.rows_held; ++i) laid_out.push_back(make_micro_batch(backend, {row}, dtype));
+  Tensor batch_weights;
+  if (o.preference) {
+    batch_weights = batch.weights;
+    batch.weights = backend.empty(batch_weights.shape(), batch_weights.dtype());
+  }
 
   const RecomputeMode recompute = parse_recompute_mode(o.recompute);
   DecoderOptions decoder_options = recompute_options(recompute, config.num_layers, o.recompute_layers);
@@ -263,6 +285,10 @@ PlanReport run_plan(const PlanOptions& o) {
   PlanReport rep;
   rep.options = o;
   rep.config = ModelConfig::from_file(o.model);
+  if (o.rows_held < 1) fail("rows held at once must be at least 1, got {}", o.rows_held);
+  std::optional<ModelConfig> reference;
+  if (!o.reference_model.empty()) reference = ModelConfig::from_file(o.reference_model);
+  const ModelConfig* reference_config = reference ? &*reference : nullptr;
   // Mixture-of-experts layers size their buffers by the T·k routed rows, whatever the routing; the
   // per-expert path of 4-bit experts runs on the DryBackend's balanced routing (docs/memory.md).
   rep.router_aux_loss_coef = router_aux_loss_coefficient(rep.config, o.router_aux_loss_coef);
@@ -296,7 +322,7 @@ PlanReport run_plan(const PlanOptions& o) {
     for (int d = 0; d < mesh.dp; ++d) {
       if (mesh.sp == 1) {
         length.ranks[static_cast<size_t>(d)] =
-            plan_rank(o, rep.config, mesh, dtype, rep.router_aux_loss_coef, d, seq, nullptr);
+            plan_rank(o, rep.config, reference_config, mesh, dtype, rep.router_aux_loss_coef, d, seq, nullptr);
         continue;
       }
       std::vector<int> replica(static_cast<size_t>(mesh.sp));
@@ -304,7 +330,7 @@ PlanReport run_plan(const PlanOptions& o) {
       auto exchange = std::make_shared<Exchange>(replica);
       auto plan_one = [&](int rank) {
         length.ranks[static_cast<size_t>(rank)] =
-            plan_rank(o, rep.config, mesh, dtype, rep.router_aux_loss_coef, rank, seq, exchange);
+            plan_rank(o, rep.config, reference_config, mesh, dtype, rep.router_aux_loss_coef, rank, seq, exchange);
       };
       std::mutex failed;
       std::exception_ptr first_error;
@@ -351,6 +377,10 @@ std::string format_plan(const PlanReport& rep) {
       rep.router_aux_loss_coef > 0 ? fmt::format(", router aux loss {:g}", rep.router_aux_loss_coef) : "");
   if (mlp_tile_tokens_to_run(o.mlp_tile_tokens) > 0)
     s += fmt::format("SwiGLU MLPs in tiles of {} tokens (--mlp-tile-tokens)\n", o.mlp_tile_tokens);
+  if (o.preference)
+    s += fmt::format("dpo's step: {} micro-batch(es) laid out at once{}\n", o.rows_held,
+                     o.reference_model.empty() ? std::string(", the reference is the policy (adapters disabled) or cached")
+                                               : fmt::format(", reference model {} held beside the policy", o.reference_model));
   if (o.checkpoint_stride > 1)
     s += fmt::format("one layer input kept in {}, the others regenerated in backward (--checkpoint-stride)\n",
                      o.checkpoint_stride);
@@ -392,6 +422,11 @@ nlohmann::ordered_json plan_json(const PlanReport& rep) {
   j["offload_layers"] = rep.options.offload_layers;
   j["mlp_tile_tokens"] = mlp_tile_tokens_to_run(rep.options.mlp_tile_tokens);
   j["checkpoint_stride"] = rep.options.checkpoint_stride;
+  if (rep.options.preference) {
+    j["preference"] = true;
+    j["rows_held"] = rep.options.rows_held;
+    j["reference_model"] = rep.options.reference_model;
+  }
   j["lora_rank"] = rep.options.full ? 0 : rep.options.lora_rank;
   if (!rep.options.full && !rep.options.lora_targets.empty()) j["lora_targets"] = rep.options.lora_targets;
   j["quantize"] = rep.options.quantize.empty() ? "none" : rep.options.quantize;

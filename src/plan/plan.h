@@ -35,6 +35,13 @@ struct PlanOptions {
                                            // here; choose_recompute tries tiles when nothing untiled fits)
   int64_t checkpoint_stride = 1;     // --checkpoint-stride: every Nth recomputed layer keeps its input (recompute all)
   bool optimizer = true;             // AdamW state (sft holds it; `spindle bench`'s step does not)
+  // dpo's step (train/preference_step.h): every micro-batch of an optimizer step is laid out before
+  // the first forward (`rows_held` of them, its --grad-accum), and the backward runs on a copy of
+  // each with per-token weights of its own; `reference_model` (a folder or config.json; empty: none)
+  // is a frozen reference held beside the policy, FSDP-sharded like it (--ref-model).
+  bool preference = false;
+  int64_t rows_held = 1;
+  std::string reference_model;
   // MoE models: the router load-balancing loss, as sft's --router-aux-loss-coef (-1: the config's rule;
   // model/router_aux_loss.h): its statistics and gradient vector are planned when it is on.
   double router_aux_loss_coef = -1;

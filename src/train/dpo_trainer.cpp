@@ -38,9 +38,6 @@ PreferenceLossOptions DpoConfig::loss_options() const {
 }
 
 void DpoConfig::validate() const {
-  if (train.recompute == "auto")
-    fail("--recompute auto plans sft's step; dpo's (policy and reference, chosen and rejected) is not planned yet: "
-         "choose --recompute none, all or keep-attention (docs/memory.md measures what each keeps)");
   train.validate();
   loss_options().validate();
   if (!ref_model.empty() && !fs::exists(fs::path(ref_model) / "config.json"))

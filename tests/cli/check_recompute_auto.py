@@ -5,8 +5,9 @@ keep-attention or all on the fewest first layers, the others keeping everything;
 nothing fits without it, and then on the fewest first layers that make it fit; the MLP in token
 tiles only when nothing untiled fits), the run's measured peak stays within the budget, and a budget
 nothing fits is refused before the step with the longest sequence that would fit. sft plans the LoRA
-targets it will train, and auto is its default. `plan --max-seq --recompute auto` offloads as many layers as the
-host holds."""
+targets it will train, and auto is its default; dpo plans its own step (its micro-batches, a --ref-model).
+`plan --max-seq --recompute auto` offloads as many layers as the host holds, and sparse checkpoints
+come last."""
 import json
 import os
 import subprocess
@@ -262,13 +263,60 @@ with tempfile.TemporaryDirectory() as tmp:
           and not os.path.exists(os.path.join(tmp, "layers", "metrics.jsonl")),
           f"sft --recompute-layers without a mode is refused ({p.stderr.strip().splitlines()[-1:]})")
 
-# dpo's step is not planned: --recompute auto there is refused before anything runs, naming the modes.
+# dpo: its step planned as sft's plus what it holds beyond (every micro-batch of the optimizer step
+# laid out at once, the backward's own per-token weights, a --ref-model beside the policy); with
+# --recompute auto each step's measured peak stays within the budget. A tiny llama with the demo's
+# tokenizer trains on text pairs (as tests/parallel_parity/dpo_parity.py builds them).
+sys.path.insert(0, os.path.join(root, "tests", "support"))
+from tiny_model import config as tiny_config, write_model  # noqa: E402
+
 with tempfile.TemporaryDirectory() as tmp:
-    dpo = os.path.join(root, "testdata", "dpo")
-    p = run([spindle, "dpo", "--model", dpo, "--data", os.path.join(dpo, "pairs.jsonl"), "--output",
-             os.path.join(tmp, "dpo"), "--device", "cpu", "--threads", "1", "--recompute", "auto"], ok=False)
-    check(p.returncode != 0 and "dpo's (policy and reference" in p.stderr and "choose --recompute none" in p.stderr,
-          f"dpo --recompute auto is refused ({p.stderr.strip().splitlines()[-1:]})")
+    dpo_model = os.path.join(tmp, "model")
+    write_model(dpo_model, tiny_config(num_hidden_layers=4), tokenizer_dir=os.path.join(root, "demo", "tokenizer"))
+    ref_model = os.path.join(tmp, "reference")
+    write_model(ref_model, tiny_config(num_hidden_layers=4), seed=2, tokenizer_dir=os.path.join(root, "demo", "tokenizer"))
+    pairs = os.path.join(tmp, "pairs.jsonl")
+    with open(pairs, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"prompt": f"What is {i} plus {i}?", "chosen": f"It is {2 * i}. " * (1 + i % 3),
+                                "rejected": f"It is {2 * i + 1}." * (1 + i % 2)}) + "\n")
+    dpo_plan = [spindle, "plan", "--json", "--model", dpo_model, "--seq", "64", "--device", "cpu", "--lora-rank", "4"]
+
+    def peak(extra):
+        return json.loads(run(dpo_plan + extra).stdout)["results"][0]["peak_allocated_bytes"]
+
+    sft_none, dpo_none = peak(["--recompute", "none"]), peak(["--recompute", "none", "--dpo", "--grad-accum", "2"])
+    with_ref = peak(["--recompute", "none", "--dpo", "--grad-accum", "2", "--ref-model", ref_model])
+    ref_doc = json.loads(run(dpo_plan + ["--recompute", "none", "--dpo", "--grad-accum", "2", "--ref-model",
+                                         ref_model]).stdout)
+    ref_weights = ref_doc["results"][0]["ranks"][0]["parts"].get("reference model", 0)
+    check(sft_none < dpo_none < with_ref and with_ref - dpo_none == ref_weights > 0,
+          f"plan --dpo: sft {sft_none}, dpo with 2 micro-batches {dpo_none}, with --ref-model {with_ref} "
+          f"(the reference's weights {ref_weights})")
+
+    def dpo(name, extra):
+        out = os.path.join(tmp, name)
+        p = run([spindle, "dpo", "--model", dpo_model, "--data", pairs, "--output", out, "--max-steps", "3",
+                 "--lr", "0.01", "--lora-rank", "4", "--max-length", "64", "--grad-accum", "2", "--threads", "1",
+                 "--device", "cpu"] + extra, ok=False)
+        peaks = []
+        if p.returncode == 0:
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                peaks = [json.loads(line)["peak_memory"] for line in f]
+        return p, peaks
+
+    # Two processes (sp 2, FSDP): each rank's shard of the rows, the reference sharded like the policy.
+    sp2 = ["--nproc-per-node", "2", "--sp", "2"]
+    sp2_ref = json.loads(run(dpo_plan + ["--recompute", "none", "--dpo", "--grad-accum", "2", "--ref-model", ref_model,
+                                         "--world", "2", "--sp", "2"]).stdout)["results"][0]["peak_allocated_bytes"]
+    for name, extra, budget in (("lora", [], dpo_none - 1),
+                                ("ref-model", ["--ref-model", ref_model], with_ref - 1),
+                                ("ref-model sp 2", ["--ref-model", ref_model] + sp2, sp2_ref - 1)):
+        p, peaks = dpo(name, ["--recompute", "auto", "--device-memory", str(budget)] + extra)
+        chosen = p.stderr.split("--recompute auto: ")[1][:40] if "--recompute auto: " in p.stderr else ""
+        check(p.returncode == 0 and chosen and not chosen.startswith("none") and peaks and max(peaks) <= budget,
+              f"dpo {name} --recompute auto at {budget} bytes: {chosen!r}, peaks {peaks} "
+              f"({p.stderr.strip().splitlines()[-1:]})")
 
 # sft with --offload activations: the same losses as without, the host memory in metrics.jsonl.
 with tempfile.TemporaryDirectory() as tmp:
