@@ -22,6 +22,7 @@ struct BenchArgs {
   bool json = false;
   std::string json_file;
   std::string device_memory;
+  std::string host_memory;
 };
 
 int run_bench_command(BenchArgs& args) {
@@ -47,14 +48,19 @@ int run_bench_command(BenchArgs& args) {
   const bool main_rank = group.rank == 0;  // every rank runs the sweep; rank 0 reports
   if (main_rank)
     args.options.on_model_built = [](double seconds) { std::fprintf(stderr, "bench: model built in %.1f s\n", seconds); };
+  if (!args.host_memory.empty() && args.options.recompute != "auto")
+    fail("--host-memory is the host memory --recompute auto budgets offload with: give it with --recompute auto");
   if (args.options.recompute == "auto") {
     // Each length's setting from the plan of this run, before the length allocates anything.
     const int64_t device_bytes = args.device_memory.empty()
                                      ? plan::machine_device_memory(args.options.device, args.options.device_index)
                                      : plan::parse_memory_size(args.device_memory);
+    const int64_t host_bytes = args.host_memory.empty() ? 0 : plan::parse_memory_size(args.host_memory, "--host-memory");
     const bench::BenchOptions& o = args.options;
-    args.options.choose_recompute = [o, device_bytes, group, main_rank](int64_t seq, bench::BenchOptions& chosen) {
+    args.options.choose_recompute = [o, device_bytes, host_bytes, group, main_rank](int64_t seq,
+                                                                                   bench::BenchOptions& chosen) {
       plan::PlanOptions p;
+      p.host_memory_bytes = host_bytes;
       p.model = o.model;
       p.doc_length = o.doc_length;
       p.lora_rank = o.full ? 0 : o.lora_rank;
@@ -167,6 +173,9 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--device-memory", args->device_memory,
                   "with --recompute auto: the memory per device to fit (bytes, or 80GiB; default: the GPU's, or "
                   "the machine's RAM with --device cpu)");
+  cmd->add_option("--host-memory", args->host_memory,
+                  "with --recompute auto: the host memory offloaded activations may take three quarters of (bytes, or "
+                  "128GiB; default: this machine's RAM, or less where the process's control group caps it)");
   cmd->add_option("--recompute-layers", o.recompute_layers,
                   "apply --recompute to the first N layers only; the others keep every activation (-1: all)")
       ->capture_default_str();

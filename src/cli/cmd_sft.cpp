@@ -162,6 +162,9 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--device-memory", c.device_memory,
                   "with --recompute auto: the memory per device to fit (bytes, or 80GiB; default: the GPU's, or the "
                   "machine's RAM on the CPU)");
+  cmd->add_option("--host-memory", c.host_memory,
+                  "with --recompute auto: the host memory offloaded activations may take three quarters of (bytes, or "
+                  "128GiB; default: this machine's RAM, or less where the process's control group caps it)");
   cmd->add_option("--recompute-layers", c.recompute_layers,
                   "apply --recompute to the first N layers only; the others keep every activation (faster, more "
                   "memory; -1: all layers)")
@@ -218,6 +221,7 @@ void resolve_auto_recompute(TrainConfig& config, bool asked, const std::function
   p.sp = config.sp;
   p.ulysses = config.ulysses;
   p.ring = config.ring;
+  if (!config.host_memory.empty()) p.host_memory_bytes = plan::parse_memory_size(config.host_memory, "--host-memory");
   if (adjust) adjust(p);
   const int64_t device_bytes = config.device_memory.empty() ? plan::machine_device_memory(p.device, device.index)
                                                             : plan::parse_memory_size(config.device_memory);

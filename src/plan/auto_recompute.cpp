@@ -5,6 +5,10 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
 #include <vector>
 
 #include "bench/flops.h"
@@ -46,11 +50,23 @@ Planned plan_with(PlanOptions o, const RecomputeSetting& setting, int64_t seq) {
 }
 
 // Offload's host tensors may take three quarters of the host's memory (pinned on CUDA: the kernel
-// cannot page it out, and the process, its data and the OS need the rest); 0: no limit known.
+// cannot page it out, and the process, its data and the OS need the rest): --host-memory when
+// given, else what this process may use here (machine_host_memory); 0: no limit known.
 int64_t host_budget(const PlanOptions& o) {
-  if (o.host_memory_bytes > 0) return o.host_memory_bytes / 4 * 3;
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page / 4 * 3 : 0;
+  return (o.host_memory_bytes > 0 ? o.host_memory_bytes : machine_host_memory()) / 4 * 3;
+}
+
+// A cgroup memory file's limit: "max" or a v1 "unlimited" (2^63 rounded down to a page) is none (0).
+int64_t read_limit(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  std::string text;
+  if (!(in >> text) || text == "max") return 0;
+  try {
+    const unsigned long long v = std::stoull(text);
+    return v == 0 || v >= (1ull << 62) ? 0 : static_cast<int64_t>(v);
+  } catch (const std::exception&) {
+    return 0;  // not a number: no usable limit
+  }
 }
 
 bool fits(const Planned& p, int64_t usable_bytes, const PlanOptions& o) {
@@ -135,11 +151,53 @@ int64_t usable_memory(int64_t device_bytes, const std::string& device) {
   return std::max<int64_t>(0, device_bytes - margin);
 }
 
-int64_t machine_device_memory(const std::string& device, int index) {
-  if (device == "cpu") {
-    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-    return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+int64_t cgroup_memory_limit(const std::string& sysfs, const std::string& cgroup_of_process) {
+  namespace fs = std::filesystem;
+  int64_t limit = 0;
+  auto take = [&](const fs::path& file) {
+    const int64_t v = read_limit(file);
+    if (v > 0 && (limit == 0 || v < limit)) limit = v;
+  };
+  // Each line is "id:controllers:path": v2's has id 0 and no controllers, v1's memory line names
+  // "memory". A group's limit binds every group below it, so the group's own file and its
+  // ancestors' (up to the mount, which in a container is the container's own group) count.
+  std::istringstream lines(cgroup_of_process);
+  std::string line;
+  while (std::getline(lines, line)) {
+    const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    const std::string id = line.substr(0, a), controllers = line.substr(a + 1, b - a - 1);
+    fs::path group = fs::path(line.substr(b + 1)).relative_path();
+    fs::path base, name;
+    if (id == "0" && controllers.empty()) {
+      base = fs::path(sysfs);
+      name = "memory.max";
+    } else if (("," + controllers + ",").find(",memory,") != std::string::npos) {
+      base = fs::path(sysfs) / "memory";
+      name = "memory.limit_in_bytes";
+    } else {
+      continue;
+    }
+    for (;;) {
+      take(base / group / name);
+      if (group.empty()) break;
+      group = group.parent_path();
+    }
   }
+  return limit;
+}
+
+int64_t machine_host_memory() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  const int64_t physical = pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+  std::ifstream in("/proc/self/cgroup");
+  const std::string groups((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const int64_t capped = cgroup_memory_limit("/sys/fs/cgroup", groups);
+  return capped > 0 && (physical == 0 || capped < physical) ? capped : physical;
+}
+
+int64_t machine_device_memory(const std::string& device, int index) {
+  if (device == "cpu") return machine_host_memory();
 #ifdef SPINDLE_WITH_CUDA
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || index < 0 || index >= count) {

@@ -26,6 +26,15 @@ int64_t usable_memory(int64_t device_bytes, const std::string& device);
 // (0 otherwise: the caller asks for --device-memory).
 int64_t machine_device_memory(const std::string& device, int index);
 
+// The memory this process may use on this machine: physical memory, or less where its control
+// group (a container, a SLURM job) caps it; 0 when unknown.
+int64_t machine_host_memory();
+// The tightest memory cap among the control groups of a process: `cgroup_of_process` is
+// /proc/self/cgroup's text, `sysfs` the cgroup file system's mount (/sys/fs/cgroup). Reads cgroup v2
+// memory.max and v1 memory/memory.limit_in_bytes of the process's group and of every group above it
+// ("max", or v1's near-2^63 "no limit", count as none); 0 when none caps it.
+int64_t cgroup_memory_limit(const std::string& sysfs, const std::string& cgroup_of_process);
+
 // The SM count of CUDA device `index` (some kernels size their scratch by it), or that of an H100/H200
 // (132) when spindle was built without CUDA or sees no GPU.
 constexpr int kDefaultMultiprocessors = 132;

@@ -67,6 +67,10 @@ void TrainConfig::validate() const {
          "keep-attention");
   }
   parse_mlp_tile_tokens(mlp_tile_tokens);
+  if (!host_memory.empty() && recompute != "auto")
+    fail("--host-memory is the host memory --recompute auto budgets offload with: give it with --recompute auto "
+         "(with --recompute {}, --offload-layers says how much goes to the host)",
+         recompute);
   if (device != "auto" && device != "cpu" && device != "cuda")
     fail("--device must be auto, cpu or cuda, got \"{}\"", device);
   if (dtype != "auto" && dtype != "f32" && dtype != "f64" && dtype != "bf16")

@@ -61,6 +61,7 @@ struct TrainConfig {
   std::string mlp_tile_tokens = "auto";  // SwiGLU MLP token tiles: N, 0 (untiled) or auto (model/recompute.h)
   int64_t checkpoint_stride = 1;      // every Nth recomputed layer keeps its input (recompute all; model/decoder.h)
   std::string device_memory;          // --recompute auto: memory per device to fit (bytes or 80GiB); empty: the device's
+  std::string host_memory;            // --recompute auto: the host's memory for offload (bytes or 128GiB); empty: this machine's
   std::string device = "auto";        // auto | cpu | cuda (auto: CUDA when built with it and a GPU is visible)
   std::string dtype = "auto";         // auto (cpu: f32, cuda: bf16) | f32 | f64 (cpu) | bf16 (cuda)
   std::string attention = "auto";     // auto | own | cudnn: the CUDA backend's attention (CudaAttention)

@@ -119,6 +119,23 @@ check(res["offload_chosen"] == "activations" and res["peak_allocated_bytes"] <= 
       f"plan --recompute auto at {budget}: {res['recompute_chosen']} {res['recompute_layers_chosen']} "
       f"{res['offload_chosen']}, {res['peak_allocated_bytes']} bytes")
 
+# --host-memory (bench, sft, dpo): the host offload may use three quarters of. With 4 bytes no setting
+# offloads: the same budget runs without offload (sparse checkpoints, say) or is refused.
+offload_budget = (every + all_offloaded) // 2
+with tempfile.TemporaryDirectory() as tmp:
+    report = os.path.join(tmp, "bench.json")
+    p = run([spindle, "bench", "--threads", "1", "--steps", "1", "--warmup", "0", "--profile-steps", "0",
+             "--recompute", "auto", "--device-memory", str(offload_budget), "--host-memory", "4", "--json-file",
+             report] + common, ok=False)
+    r = json.load(open(report))["results"][0] if p.returncode == 0 else None
+    check((r is not None and r["offload"] == "none" and r["peak_allocated_bytes"] <= offload_budget)
+          or (p.returncode != 0 and "no setting fits" in p.stderr),
+          f"bench --host-memory 4 at {offload_budget}: {r and (r['recompute'], r['offload'], r['checkpoint_stride'])} "
+          f"({p.stderr.strip().splitlines()[-1:]})")
+p = run([spindle, "bench", "--recompute", "all", "--host-memory", "64GiB"] + common, ok=False)
+check(p.returncode != 0 and "--host-memory" in p.stderr and "--recompute auto" in p.stderr,
+      f"bench --host-memory without auto is refused ({p.stderr.strip().splitlines()[-1:]})")
+
 # Nothing fits: refused before the step, naming the longest length that would.
 p, r = bench_auto(all_offloaded * 3 // 4)
 check(p.returncode != 0 and "--seq" in p.stderr and "no setting fits" in p.stderr and "Traceback" not in p.stderr
