@@ -51,12 +51,7 @@ void validate(const BenchOptions& o) {
   if (!o.full && o.lora_rank <= 0) fail("--lora-rank must be positive (or use --full), got {}", o.lora_rank);
   if (o.recompute == "auto") {
     if (!o.choose_recompute) fail("--recompute auto is chosen by the spindle command line (spindle bench)");
-    if (o.offload_layers != -1)
-      fail("--offload-layers is chosen by --recompute auto (the fewest layers whose offload makes the step fit); "
-           "to set it, choose --recompute all or keep-attention with --offload activations");
-    if (o.checkpoint_stride != 1)
-      fail("--checkpoint-stride is chosen by --recompute auto (2 to 4 only when nothing else fits); to set it, "
-           "choose --recompute all");
+    check_left_to_auto(o.offload_layers, o.checkpoint_stride);
   } else {
     check_recompute_layers(parse_recompute_mode(o.recompute), o.recompute_layers);
     check_offload_layers(parse_offload(o.offload, parse_recompute_mode(o.recompute)), o.offload_layers);

@@ -33,15 +33,10 @@ int run_plan_command(PlanArgs& args) {
   args.options.offload = args.offload == "activations";
   if (args.offload != "none" && args.offload != "activations") parse_offload(args.offload, RecomputeMode::All);
   args.options.mlp_tile_tokens = parse_mlp_tile_tokens(args.mlp_tile_tokens);
-  if (args.options.recompute == "auto" && args.options.offload_layers != -1)
-    fail("--offload-layers is chosen by --recompute auto (the fewest layers whose offload makes the step fit); "
-         "to set it, choose --recompute all or keep-attention with --offload activations");
+  if (args.options.recompute == "auto") check_left_to_auto(args.options.offload_layers, args.options.checkpoint_stride);
   if (!args.options.preference && (args.options.rows_held != 1 || !args.options.reference_model.empty()))
     fail("--grad-accum and --ref-model describe dpo's step: give them with --dpo (sft's step holds one row at a time)");
   if (args.options.rows_held < 1) fail("--grad-accum must be at least 1, got {}", args.options.rows_held);
-  if (args.options.recompute == "auto" && args.options.checkpoint_stride != 1)
-    fail("--checkpoint-stride is chosen by --recompute auto (2 to 4 only when nothing else fits); to set it, choose "
-         "--recompute all");
   int64_t device_bytes = 0;
   if (!args.device_memory.empty()) {
     device_bytes = plan::parse_memory_size(args.device_memory);

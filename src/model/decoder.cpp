@@ -84,6 +84,15 @@ void check_checkpoint_stride(RecomputeMode mode, int64_t stride) {
          stride, stride, recompute_mode_name(mode));
 }
 
+void check_left_to_auto(int64_t offload_layers, int64_t checkpoint_stride) {
+  if (offload_layers != -1)
+    fail("--offload-layers is chosen by --recompute auto (the fewest layers whose offload makes the step fit); "
+         "to set it, choose --recompute all or keep-attention with --offload activations");
+  if (checkpoint_stride != 1)
+    fail("--checkpoint-stride is chosen by --recompute auto (2 to 4 only when nothing else fits); to set it, "
+         "choose --recompute all");
+}
+
 int64_t parse_mlp_tile_tokens(const std::string& value) {
   if (value == "auto") return kMlpTileAuto;
   std::string digits = value;

@@ -32,6 +32,10 @@ void check_offload_layers(bool offload, int64_t offload_layers);
 // would have to bring back too). Throws an Error naming the option otherwise.
 void check_checkpoint_stride(RecomputeMode mode, int64_t stride);
 
+// With --recompute auto, which chooses them: --offload-layers and --checkpoint-stride left at their
+// defaults (-1, 1); otherwise throws an Error naming the option and how to set it.
+void check_left_to_auto(int64_t offload_layers, int64_t checkpoint_stride);
+
 // --mlp-tile-tokens: N >= 0 tokens per tile of the SwiGLU MLPs (DecoderOptions::mlp_tile_tokens; 0:
 // untiled; "16k" = 16384), or "auto" (kMlpTileAuto): untiled unless --recompute auto finds that only
 // a tiled setting fits (then kAutoMlpTileTokens). Anything else throws an Error naming the option.

@@ -56,15 +56,11 @@ void TrainConfig::validate() const {
     check_recompute_layers(parse_recompute_mode(recompute), recompute_layers);
     check_offload_layers(parse_offload(offload, parse_recompute_mode(recompute)), offload_layers);
     check_checkpoint_stride(parse_recompute_mode(recompute), checkpoint_stride);
-  } else if (checkpoint_stride != 1) {
-    fail("--checkpoint-stride is chosen by --recompute auto (sft's default; it tries 2 to 4 only when nothing else "
-         "fits); to set it, choose --recompute all");
-  } else if (offload_layers != -1) {
-    fail("--offload-layers is chosen by --recompute auto (the fewest layers whose offload makes the step fit); "
-         "to set it, choose --recompute all or keep-attention with --offload activations");
-  } else if (recompute_layers != -1) {
-    fail("--recompute-layers is chosen by --recompute auto (sft's default); to set it, choose --recompute all or "
-         "keep-attention");
+  } else {
+    check_left_to_auto(offload_layers, checkpoint_stride);
+    if (recompute_layers != -1)
+      fail("--recompute-layers is chosen by --recompute auto (sft's default); to set it, choose --recompute all or "
+           "keep-attention");
   }
   parse_mlp_tile_tokens(mlp_tile_tokens);
   if (!host_memory.empty() && recompute != "auto")
