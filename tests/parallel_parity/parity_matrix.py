@@ -2,8 +2,8 @@
 """The sequence-parallel parity matrix (docs/design.md §2), on CPU processes.
 
 Each case runs `spindle check`: the first global batch of a job on a mesh of real processes against
-one process with plain attention; loss within 1e-6 relative, every gradient tensor within 1e-5
-relative norm error (F32). A tiny GQA model (4 query heads, 2 KV heads: Ulysses 4 replicates KV
+one process with plain attention; in F32 the loss and every gradient tensor within 5 times their own
+F32 rounding (measured by check against the same step in F64), in F64 within 1e-10 and 1e-9. A tiny GQA model (4 query heads, 2 KV heads: Ulysses 4 replicates KV
 heads) is trained fully, so every weight has a gradient.
 
 The full product sp {1,2,4} x {ulysses, ring, hybrid} x dp {1,2} x grad-accum {1,2} x packing x
@@ -91,17 +91,18 @@ make_data(data_scaled, True)
 make_data(data_plain, False)
 
 
-# Tolerances per compute dtype: F32 sums in another order on a mesh; F64 leaves only its own rounding.
-TOLERANCES = {"f32": ("1e-6", "1e-5"), "f64": ("1e-10", "1e-9")}
+# Tolerances per compute dtype. F32: none given, so `spindle check` measures the rounding of the
+# one-process step against the same step in F64 and holds the mesh to a small multiple of it (the
+# result of a different summation order depends on the BLAS kernels: AVX2, AVX-512, Intel, AMD).
+# F64 leaves only its own rounding, far below any defect.
+TOLERANCES = {"f32": (), "f64": ("--loss-tolerance", "1e-10", "--grad-tolerance", "1e-9")}
 
 
 def check(name, sp=1, ulysses=None, ring=None, dp=1, accum=2, packing=True, scaled=True, model_dir=model,
           extra=(), dtype="f32"):
-    loss_tol, grad_tol = TOLERANCES[dtype]
     cmd = [spindle, "check", "--model", model_dir, "--data", data_scaled if scaled else data_plain,
            "--max-length", "48", "--grad-accum", str(accum), "--sp", str(sp), "--dp", str(dp),
-           "--nproc-per-node", str(sp * dp), "--json", "--loss-tolerance", loss_tol, "--grad-tolerance", grad_tol,
-           "--threads", "1", "--dtype", dtype]
+           "--nproc-per-node", str(sp * dp), "--json", *TOLERANCES[dtype], "--threads", "1", "--dtype", dtype]
     if ulysses:
         cmd += ["--ulysses", str(ulysses)]
     if ring:
@@ -120,9 +121,11 @@ def check(name, sp=1, ulysses=None, ring=None, dp=1, accum=2, packing=True, scal
     if "--router-aux-loss-coef" in extra:  # the aux loss must have been computed, on both sides
         ok &= "aux_loss_single" in r and r["aux_loss_single"] > 0
         aux = f", aux loss {r.get('aux_loss_single', float('nan')):.6f} rel {r.get('aux_loss_relative_error', 1):.1e}"
+    ok &= r["rounding_measured"] == (dtype == "f32")
     print(f"{'ok  ' if ok else 'FAIL'} {name}: dp {r['dp']} sp {r['sp']} (u{r['ulysses']} r{r['ring']}) "
           f"rows {r['rows']} targets {r['num_items']}: loss rel {r['loss_relative_error']:.1e}{aux}, "
-          f"worst grad rel {r['max_grad_relative_error']:.1e} ({r['worst_tensor']})")
+          f"worst grad rel {r['worst_relative_error']:.1e} of {r['worst_tolerance']:.1e} allowed "
+          f"({r['worst_excess']:.2f}; {r['worst_tensor']})")
     return ok
 
 
