@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/attention_rule.h"
 #include "core/error.h"
 #include "core/tensor.h"
 
@@ -28,16 +29,29 @@ struct Stream {
   void* handle = nullptr;
 };
 
-// Which keys a query sees. Key j is visible to query i iff doc_k[j] == doc_q[i] and
-// pos_k[j] <= pos_q[i] (pos_k[j] < pos_q[i] + 1 for causal). This one rule covers causal,
-// packed documents, padding (its own document id) and any ring block of a zigzag layout.
+// Where the tokens of an attention call lie: each query's and key's document and position. Which
+// keys a query sees follows from these and the layer's window by the one rule of
+// backend/attention_rule.h (same document, causal, inside the window); it covers causal, packed
+// documents, padding (its own document id), sliding windows and any ring block of a zigzag layout.
 struct AttentionMask {
   Tensor q_doc, q_pos;  // I32 [Tq]
   Tensor k_doc, k_pos;  // I32 [Tk]
   // A fact the caller knows on the host, optional: q and k are the same T tokens, one document at
-  // positions 0 … T−1, i.e. the plain causal mask. A backend with a faster path for that mask
-  // (cuDNN's) may take it without reading the tensors; false says nothing.
+  // positions 0 … T−1, i.e. the plain causal mask (before any window). A backend with a faster path
+  // for that mask (cuDNN's) may take it without reading the tensors; false says nothing.
   bool plain_causal = false;
+};
+
+// How a layer's attention turns q·k into the logits of its softmax (one per layer: model/config.h
+// AttentionSpec holds it with the layer's sinks):
+//   logit = scale·q·k, then softcap·tanh(logit / softcap) when softcap > 0 (Gemma 2), then −∞ for a
+//   key the query does not see (backend/attention_rule.h; window > 0: the `window` latest keys of
+//   the query's document, itself included).
+struct AttentionLogits {
+  double scale = 1.0;
+  double softcap = 0;
+  int64_t window = 0;
+  bool plain() const { return softcap == 0 && window == 0; }
 };
 
 // Memory held by a backend's process, for progress lines, metrics and `spindle bench`.
@@ -199,23 +213,37 @@ class Backend {
   virtual void rope(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq,
                     double attention_scale, int sign) = 0;
 
-  // Attention with grouped query heads (Hq a multiple of Hkv), softmax scale `scale`.
+  // Attention with grouped query heads (Hq a multiple of Hkv), logits as `logits` says.
   // q [Tq, Hq, D], k/v [Tk, Hkv, D] -> out [Tq, Hq, D], lse F32 [Hq, Tq] (natural log of the
-  // scaled softmax denominator). A query row with no visible key gets out = 0 and lse = −inf.
+  // softmax denominator). A query row with no visible key gets out = 0 and lse = −inf.
   virtual void attention_forward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
-                                 const AttentionMask& mask, double scale, Tensor& out, Tensor& lse) = 0;
+                                 const AttentionMask& mask, const AttentionLogits& logits, Tensor& out,
+                                 Tensor& lse) = 0;
   // Given the final out and lse (which may come from merging several key blocks), the exact
   // partial gradients for this key block: dq/dk/dv (= or += by accumulate). Backends with 16-bit
   // compute (CUDA) may write F32 dq/dk/dv for BF16 inputs: ring attention sums the partial
   // gradients of its blocks, which cancel each other, in F32.
   virtual void attention_backward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const Tensor& dout, const Tensor& lse,
-                                  const AttentionMask& mask, double scale, Tensor& dq, Tensor& dk, Tensor& dv,
-                                  bool accumulate) = 0;
+                                  const AttentionMask& mask, const AttentionLogits& logits, Tensor& dq,
+                                  Tensor& dk, Tensor& dv, bool accumulate) = 0;
   // Merge a partial attention result into an accumulator (ring attention), in F32:
   // out ← out − σ(lse_b − lse)·(out − out_b), lse ← lse − log σ(lse − lse_b); −inf rows are
   // ignored, never NaN. out/out_b [Tq, Hq, D] (out F32), lse/lse_b F32 [Hq, Tq].
   virtual void attention_merge(Stream stream, Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b) = 0;
+  // Attention sinks (gpt-oss): one learned logit σ_h per query head joins every row's softmax
+  // denominator and contributes no value. Once the blocks of a row are merged (out, lse final over
+  // the keys): out ← out·σ(lse − σ_h), lse ← log(e^lse + e^σ_h); a row with no visible key stays
+  // out = 0 and gets lse = σ_h. out [Tq, Hq, D], lse [Hq, Tq], sinks [Hq] (out's or the stat dtype).
+  // attention_backward then takes the lse with the sink in it and needs nothing else.
+  virtual void attention_sink_forward(Stream stream, Tensor& out, Tensor& lse, const Tensor& sinks) {
+    fail("{}: attention sinks are not implemented on this backend", name());
+  }
+  // dsinks[h] += −Σ_i e^(σ_h − lse_i)·(dout_i·out_i) over this call's rows (the final out and lse).
+  virtual void attention_sink_backward(Stream stream, const Tensor& out, const Tensor& dout, const Tensor& lse,
+                                       const Tensor& sinks, Tensor& dsinks) {
+    fail("{}: attention sinks are not implemented on this backend", name());
+  }
 
   // out[T, F] = silu(gate) · up.
   virtual void swiglu_forward(Stream stream, const Tensor& gate, const Tensor& up, Tensor& out) = 0;

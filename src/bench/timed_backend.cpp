@@ -127,16 +127,27 @@ void TimedBackend::rope(Stream s, Tensor& x, const Tensor& positions, const Tens
   timed(s, C::OtherOps, "rope", [&] { inner_.rope(s, x, positions, inv_freq, attention_scale, sign); });
 }
 void TimedBackend::attention_forward(Stream s, const Tensor& q, const Tensor& k, const Tensor& v,
-                                     const AttentionMask& mask, double scale, Tensor& out, Tensor& lse) {
-  timed(s, C::Attention, "attention_forward", [&] { inner_.attention_forward(s, q, k, v, mask, scale, out, lse); });
+                                     const AttentionMask& mask, const AttentionLogits& logits, Tensor& out,
+                                     Tensor& lse) {
+  timed(s, C::Attention, "attention_forward", [&] { inner_.attention_forward(s, q, k, v, mask, logits, out, lse); });
 }
 void TimedBackend::attention_backward(Stream s, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                                      const Tensor& dout, const Tensor& lse, const AttentionMask& mask, double scale,
-                                      Tensor& dq, Tensor& dk, Tensor& dv, bool accumulate) {
-  timed(s, C::Attention, "attention_backward", [&] { inner_.attention_backward(s, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, accumulate); });
+                                      const Tensor& dout, const Tensor& lse, const AttentionMask& mask,
+                                      const AttentionLogits& logits, Tensor& dq, Tensor& dk, Tensor& dv,
+                                      bool accumulate) {
+  timed(s, C::Attention, "attention_backward",
+        [&] { inner_.attention_backward(s, q, k, v, out, dout, lse, mask, logits, dq, dk, dv, accumulate); });
 }
 void TimedBackend::attention_merge(Stream s, Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b) {
   timed(s, C::Attention, "attention_merge", [&] { inner_.attention_merge(s, out, lse, out_b, lse_b); });
+}
+void TimedBackend::attention_sink_forward(Stream s, Tensor& out, Tensor& lse, const Tensor& sinks) {
+  timed(s, C::Attention, "attention_sink_forward", [&] { inner_.attention_sink_forward(s, out, lse, sinks); });
+}
+void TimedBackend::attention_sink_backward(Stream s, const Tensor& out, const Tensor& dout, const Tensor& lse,
+                                           const Tensor& sinks, Tensor& dsinks) {
+  timed(s, C::Attention, "attention_sink_backward",
+        [&] { inner_.attention_sink_backward(s, out, dout, lse, sinks, dsinks); });
 }
 void TimedBackend::swiglu_forward(Stream s, const Tensor& gate, const Tensor& up, Tensor& out) {
   timed(s, C::OtherOps, "swiglu_forward", [&] { inner_.swiglu_forward(s, gate, up, out); });

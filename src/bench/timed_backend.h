@@ -110,11 +110,14 @@ class TimedBackend final : public Backend {
   void rope(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq, double attention_scale,
             int sign) override;
   void attention_forward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionMask& mask,
-                         double scale, Tensor& out, Tensor& lse) override;
+                         const AttentionLogits& logits, Tensor& out, Tensor& lse) override;
   void attention_backward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                          const Tensor& dout, const Tensor& lse, const AttentionMask& mask, double scale, Tensor& dq,
-                          Tensor& dk, Tensor& dv, bool accumulate) override;
+                          const Tensor& dout, const Tensor& lse, const AttentionMask& mask,
+                          const AttentionLogits& logits, Tensor& dq, Tensor& dk, Tensor& dv, bool accumulate) override;
   void attention_merge(Stream stream, Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b) override;
+  void attention_sink_forward(Stream stream, Tensor& out, Tensor& lse, const Tensor& sinks) override;
+  void attention_sink_backward(Stream stream, const Tensor& out, const Tensor& dout, const Tensor& lse,
+                               const Tensor& sinks, Tensor& dsinks) override;
   void swiglu_forward(Stream stream, const Tensor& gate, const Tensor& up, Tensor& out) override;
   void swiglu_backward(Stream stream, const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate,
                        Tensor& dup) override;

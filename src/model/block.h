@@ -31,7 +31,8 @@ struct LayerContext {
   const ModelConfig& config;
   DType dtype;                     // activations
   AttentionStrategy& attention;    // softmax attention over the (possibly sharded) sequence
-  const Tensor& rope_inv_freq;     // F32 [D/2]
+  const Tensor& rope_inv_freq;          // F32 [rotary/2] of config.rope
+  const Tensor& sliding_rope_inv_freq;  // F32 [rotary/2] of config.sliding_rope (undefined without one)
   RouterAuxLoss* router_aux = nullptr;  // MoE load-balancing loss of the step (null: off)
   int64_t tokens() const { return batch.num_tokens; }
 };

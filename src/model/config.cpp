@@ -1,8 +1,10 @@
 #include "model/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -22,22 +24,11 @@ int64_t require_int(const json& j, const char* key, const std::string& source) {
   return j[key].get<int64_t>();
 }
 
-// transformers 4 writes rope_theta at the top and rope_scaling (with "type" or "rope_type");
-// transformers 5 writes rope_parameters holding rope_theta, possibly one entry per layer type.
-RopeConfig parse_rope(const json& j, const std::string& source) {
+// One layer type's RoPE settings (`params`: rope_parameters, rope_scaling, or one layer type's
+// entry of them), over the top-level fields of `j`.
+RopeConfig parse_rope_params(const json& j, const json& params, const std::string& source) {
   RopeConfig rope;
   rope.theta = number_or(j, "rope_theta", 10000.0, source);
-  json params = json::object();
-  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) params = j["rope_parameters"];
-  else if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) params = j["rope_scaling"];
-  if (!params.is_object()) fail("{}: rope settings must be an object, got {}", source, params.dump());
-  if (params.contains("full_attention") && params["full_attention"].is_object()) {
-    for (auto& [layer_type, value] : params.items())
-      if (value != params["full_attention"])
-        fail("{}: per-layer-type RoPE settings differ ({}); spindle supports one RoPE for all layers", source,
-             layer_type);
-    params = json(params["full_attention"]);
-  }
   rope.theta = number_or(params, "rope_theta", rope.theta, source);
   std::string type = "default";
   if (params.contains("rope_type") && params["rope_type"].is_string()) type = params["rope_type"];
@@ -67,6 +58,30 @@ RopeConfig parse_rope(const json& j, const std::string& source) {
   if (!(rope.partial_rotary_factor > 0 && rope.partial_rotary_factor <= 1))
     fail("{}: partial_rotary_factor {} must be in (0, 1]", source, rope.partial_rotary_factor);
   return rope;
+}
+
+// transformers 4 writes rope_theta at the top and rope_scaling (with "type" or "rope_type");
+// transformers 5 writes rope_parameters holding rope_theta, possibly one entry per layer type
+// ("full_attention", "sliding_attention"). The first is the full-attention layers' RoPE; the second
+// the sliding layers', when they have their own.
+std::pair<RopeConfig, std::optional<RopeConfig>> parse_rope(const json& j, const std::string& source) {
+  json params = json::object();
+  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) params = j["rope_parameters"];
+  else if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) params = j["rope_scaling"];
+  if (!params.is_object()) fail("{}: rope settings must be an object, got {}", source, params.dump());
+  if (!(params.contains("full_attention") && params["full_attention"].is_object()))
+    return {parse_rope_params(j, params, source), std::nullopt};
+  std::optional<RopeConfig> sliding;
+  for (auto& [layer_type, value] : params.items()) {
+    if (layer_type == "full_attention" || value == params["full_attention"]) continue;
+    if (layer_type != "sliding_attention")
+      fail("{}: RoPE settings for layer type \"{}\" differ from full_attention's; spindle supports separate "
+           "settings for sliding_attention layers only",
+           source, layer_type);
+    if (!value.is_object()) fail("{}: rope settings of {} must be an object, got {}", source, layer_type, value.dump());
+    sliding = parse_rope_params(j, value, source);
+  }
+  return {parse_rope_params(j, params["full_attention"], source), sliding};
 }
 
 }  // namespace
@@ -121,13 +136,22 @@ ModelConfig ModelConfig::from_json(const json& file, const std::string& source) 
     fail("{}: use_sliding_window = true is not supported; spindle trains with full attention", source);
   if (j.contains("pretraining_tp") && j["pretraining_tp"].is_number_integer() && j["pretraining_tp"].get<int>() != 1)
     fail("{}: pretraining_tp {} is not supported (set it to 1)", source, j["pretraining_tp"].get<int>());
-  c.rope = parse_rope(j, source);
+  std::tie(c.rope, c.sliding_rope) = parse_rope(j, source);
   family.read_config(j, c, source);
+  if (c.sliding_rope && c.sliding_rope->partial_rotary_factor != c.rope.partial_rotary_factor)
+    fail("{}: the sliding layers' RoPE rotates another share of the head ({} against {}); spindle supports one",
+         source, c.sliding_rope->partial_rotary_factor, c.rope.partial_rotary_factor);
   if (c.rotary_dim() < 2 || c.rotary_dim() % 2)
     fail("{}: RoPE would rotate {} of the {} head dims (partial_rotary_factor {}); it needs an even number", source,
          c.rotary_dim(), c.head_dim, c.rope.partial_rotary_factor);
   SPINDLE_CHECK(static_cast<int64_t>(c.layer_kinds.size()) == c.num_layers, "{}: family {} gave {} layer kinds for {} layers",
                 source, c.model_type, c.layer_kinds.size(), c.num_layers);
+  SPINDLE_CHECK(c.attention_specs.empty() || static_cast<int64_t>(c.attention_specs.size()) == c.num_layers,
+                "{}: family {} gave {} attention specs for {} layers", source, c.model_type, c.attention_specs.size(),
+                c.num_layers);
+  for (const AttentionSpec& spec : c.attention_specs)
+    SPINDLE_CHECK(!spec.sliding_rope || c.sliding_rope, "{}: a layer uses the sliding layers' RoPE, which {} did not set",
+                  source, c.model_type);
   for (int64_t l = 0; l < c.num_layers; ++l)
     if (c.layer_kind(l).feed_forward == FeedForwardKind::SwiGLU && c.intermediate_size <= 0)
       fail("{}: missing \"intermediate_size\"; is this a Hugging Face config.json? (layer {} has a dense MLP)",
@@ -159,9 +183,18 @@ LayerKind ModelConfig::layer_kind(int64_t layer) const {
 
 int64_t ModelConfig::parameter_count() const { return count_parameters(*this).total; }
 
+AttentionSpec ModelConfig::attention_spec(int64_t layer) const {
+  SPINDLE_CHECK(layer >= 0 && layer < num_layers, "layer {} of a {}-layer model", layer, num_layers);
+  AttentionSpec spec = attention_specs.empty() ? AttentionSpec{} : attention_specs.at(static_cast<size_t>(layer));
+  if (spec.scale == 0) spec.scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  return spec;
+}
+
 std::vector<float> rope_inverse_frequencies(const ModelConfig& config) {
-  const RopeConfig& rope = config.rope;
-  const int64_t dim = config.rotary_dim();  // transformers: int(head_dim · partial_rotary_factor)
+  return rope_inverse_frequencies(config.rope, config.rotary_dim());  // transformers: int(head_dim · partial_rotary_factor)
+}
+
+std::vector<float> rope_inverse_frequencies(const RopeConfig& rope, int64_t dim) {
   std::vector<float> inv(dim / 2);
   const float base = static_cast<float>(rope.theta);
   for (int64_t i = 0; i < dim / 2; ++i) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,18 @@ struct RopeConfig {
   double low_freq_factor = 1.0, high_freq_factor = 4.0;  // llama3
   int64_t original_max_position_embeddings = 8192;   // llama3
   double partial_rotary_factor = 1.0;  // qwen3_5: RoPE on the first head_dim·factor dims of each head
+  double attention_factor = 1.0;  // cos and sin are multiplied by it (YaRN, LongRoPE: scales q·k by its square)
+};
+
+// One layer's softmax attention beyond its projections: how q·k becomes a logit, which keys each
+// query sees, its sinks and its RoPE (backend.h AttentionLogits, backend/attention_rule.h). A family
+// with sliding or patterned layers gives each layer its own (ModelConfig::attention_specs).
+struct AttentionSpec {
+  double scale = 0;      // logit = scale·q·k; 0: 1/√head_dim
+  double softcap = 0;    // > 0: logit ← softcap·tanh(logit / softcap) (attn_logit_softcapping)
+  int64_t window = 0;    // > 0: the query sees the `window` latest keys of its document (sliding_window)
+  bool sinks = false;    // a learned logit per query head in the softmax denominator (self_attn.sinks)
+  bool sliding_rope = false;  // q and k rotate with ModelConfig::sliding_rope instead of rope
 };
 
 // Gated DeltaNet layers (qwen3_5's "linear_attention" layers): what a GatedDeltaNet mixer reads.
@@ -72,11 +85,17 @@ struct ModelConfig {
   bool attn_output_gate = false;
   LinearAttentionConfig linear_attention;
   RopeConfig rope;
+  // The sliding-window layers' RoPE where a family gives them their own (AttentionSpec::sliding_rope).
+  std::optional<RopeConfig> sliding_rope;
+  std::vector<AttentionSpec> attention_specs;  // [num_layers], set by the family; empty: AttentionSpec{} for all
   MoeConfig moe;
   std::vector<LayerKind> layer_kinds;  // [num_layers], set by the family; empty: every layer dense
                                        // attention + SwiGLU (configs built in code)
 
   LayerKind layer_kind(int64_t layer) const;
+  // Layer `layer`'s attention, its scale resolved (1/√head_dim unless the family sets one).
+  AttentionSpec attention_spec(int64_t layer) const;
+  const RopeConfig& rope_of(const AttentionSpec& spec) const { return spec.sliding_rope ? *sliding_rope : rope; }
   int64_t q_dim() const { return num_heads * head_dim; }
   int64_t kv_dim() const { return num_kv_heads * head_dim; }
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim) * rope.partial_rotary_factor); }
@@ -88,7 +107,9 @@ struct ModelConfig {
 };
 
 // RoPE inverse frequencies [rotary_dim/2] with the configured scaling, computed in fp32 as
-// transformers does, so angles match it bit for bit.
+// transformers does, so angles match it bit for bit: of `rope` (the full-attention layers'), or of
+// any RopeConfig over the same rotary dims.
 std::vector<float> rope_inverse_frequencies(const ModelConfig& config);
+std::vector<float> rope_inverse_frequencies(const RopeConfig& rope, int64_t rotary_dim);
 
 }  // namespace spindle

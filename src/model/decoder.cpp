@@ -18,15 +18,27 @@ AttentionMask self_mask(const MicroBatch& b) {
 
 }  // namespace
 
+void merge_attention_sinks(Backend& backend, Stream stream, const AttentionCall& call, Tensor& out, Tensor& lse) {
+  if (call.sinks.defined()) backend.attention_sink_forward(stream, out, lse, call.sinks);
+}
+
+void attention_sinks_backward(Backend& backend, Stream stream, const AttentionCall& call, const Tensor& out,
+                              const Tensor& dout, const Tensor& lse) {
+  if (call.sinks.defined() && call.sinks_grad)
+    backend.attention_sink_backward(stream, out, dout, lse, call.sinks, *call.sinks_grad);
+}
+
 void LocalAttention::forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-                             const Tensor& v, double scale, Tensor& out, Tensor& lse) {
-  backend.attention_forward(stream, q, k, v, self_mask(batch), scale, out, lse);
+                             const Tensor& v, const AttentionCall& call, Tensor& out, Tensor& lse) {
+  backend.attention_forward(stream, q, k, v, self_mask(batch), call.logits, out, lse);
+  merge_attention_sinks(backend, stream, call, out, lse);
 }
 
 void LocalAttention::backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q,
                               const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
-                              const Tensor& lse, double scale, Tensor& dq, Tensor& dk, Tensor& dv) {
-  backend.attention_backward(stream, q, k, v, out, dout, lse, self_mask(batch), scale, dq, dk, dv, false);
+                              const Tensor& lse, const AttentionCall& call, Tensor& dq, Tensor& dk, Tensor& dv) {
+  backend.attention_backward(stream, q, k, v, out, dout, lse, self_mask(batch), call.logits, dq, dk, dv, false);
+  attention_sinks_backward(backend, stream, call, out, dout, lse);
 }
 
 RecomputeMode parse_recompute_mode(const std::string& value, const std::string& option) {
@@ -138,9 +150,13 @@ Decoder::Decoder(Backend& backend, ModelWeights& weights, DecoderOptions options
     fail("--checkpoint-stride must be 1 or more, got {}", options_.checkpoint_stride);
   if (options_.checkpoint_stride > 1 && options_.keep_attention)
     fail("--checkpoint-stride {} needs --recompute all, not keep-attention", options_.checkpoint_stride);
-  std::vector<float> inv = rope_inverse_frequencies(c);
-  inv_freq_ = backend_.empty(Shape{static_cast<int64_t>(inv.size())}, DType::F32);
-  backend_.copy_from_host(stream_, inv.data(), inv_freq_);
+  auto upload = [&](const std::vector<float>& inv) {
+    Tensor table = backend_.empty(Shape{static_cast<int64_t>(inv.size())}, DType::F32);
+    backend_.copy_from_host(stream_, inv.data(), table);
+    return table;
+  };
+  inv_freq_ = upload(rope_inverse_frequencies(c));
+  if (c.sliding_rope) sliding_inv_freq_ = upload(rope_inverse_frequencies(*c.sliding_rope, c.rotary_dim()));
 }
 
 bool Decoder::offloads(int64_t l, bool recomputed) const {

@@ -134,7 +134,8 @@ class Decoder {
  private:
   Tensor forward(const MicroBatch& batch, bool keep, std::vector<LayerActivations>& acts);
   LayerContext context(const MicroBatch& batch) {
-    return {backend_, stream_, batch, weights_.config, weights_.dtype, *attention_, inv_freq_, router_aux_};
+    return {backend_, stream_, batch, weights_.config, weights_.dtype, *attention_, inv_freq_, sliding_inv_freq_,
+            router_aux_};
   }
   // The tensors a recomputed layer runs in: `scratch` (each layer its own, in forward and in
   // backward) with the layer's kept x_in, and its kept mixer core when kept_core.
@@ -176,7 +177,8 @@ class Decoder {
   AttentionStrategy* attention_;
   ParameterHooks* hooks_ = nullptr;
   RouterAuxLoss* router_aux_ = nullptr;
-  Tensor inv_freq_;  // F32 [D/2]
+  Tensor inv_freq_;          // F32 [rotary/2] of config.rope
+  Tensor sliding_inv_freq_;  // F32 [rotary/2] of config.sliding_rope, when the family has one
 };
 
 }  // namespace spindle

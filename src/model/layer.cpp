@@ -17,10 +17,10 @@ namespace spindle {
 
 namespace {
 
-std::unique_ptr<Mixer> make_mixer(MixerKind kind, ParameterSink& sink, const ModelConfig& c,
+std::unique_ptr<Mixer> make_mixer(MixerKind kind, ParameterSink& sink, const ModelConfig& c, int64_t layer,
                                   const std::string& prefix) {
   switch (kind) {
-    case MixerKind::SelfAttention: return std::make_unique<SelfAttention>(sink, c, prefix);
+    case MixerKind::SelfAttention: return std::make_unique<SelfAttention>(sink, c, layer, prefix);
     case MixerKind::GatedDeltaNet: return std::make_unique<GatedDeltaNet>(sink, c, prefix);
   }
   fail("unknown mixer kind");
@@ -81,7 +81,7 @@ DecoderLayer::DecoderLayer(ParameterSink& sink, const ModelConfig& c, int64_t la
   const LayerKind kind = c.layer_kind(layer);
   const std::string pre = layer_prefix(c, layer);
   input_norm_ = &sink.add(pre + "input_layernorm.weight", Shape{c.hidden_size});
-  mixer_ = make_mixer(kind.mixer, sink, c, pre);
+  mixer_ = make_mixer(kind.mixer, sink, c, layer, pre);
   post_norm_ = &sink.add(pre + "post_attention_layernorm.weight", Shape{c.hidden_size});
   feed_forward_ = make_feed_forward(kind.feed_forward, sink, c, pre);
 }

@@ -82,8 +82,21 @@ const UlyssesAttention::Indices& UlyssesAttention::indices(Backend& backend, Str
   return indices_.emplace(key, std::move(idx)).first->second;
 }
 
+AttentionCall UlyssesAttention::head_group_call(const AttentionCall& call, Tensor* sinks_grad_rows) const {
+  AttentionCall inner{call.logits};
+  if (!call.sinks.defined()) return inner;
+  // The even split gives rank j query heads j·Hq/u … (j+1)·Hq/u − 1 (UlyssesExchange::even_split).
+  const int64_t first = group_.rank() * q_heads_per_rank_;
+  inner.sinks = call.sinks.flat(first, q_heads_per_rank_);
+  if (sinks_grad_rows && call.sinks_grad) {
+    *sinks_grad_rows = call.sinks_grad->flat(first, q_heads_per_rank_);
+    inner.sinks_grad = sinks_grad_rows;
+  }
+  return inner;
+}
+
 void UlyssesAttention::forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q,
-                               const Tensor& k, const Tensor& v, double scale, Tensor& out, Tensor& lse) {
+                               const Tensor& k, const Tensor& v, const AttentionCall& call, Tensor& out, Tensor& lse) {
   check_attention_shapes("UlyssesAttention", batch, q, k, v);
   SPINDLE_CHECK(q.dim(1) == num_q_heads_ && k.dim(1) == num_kv_heads_, "UlyssesAttention built for {}/{} heads: q {} k {}",
                 num_q_heads_, num_kv_heads_, q.describe(), k.describe());
@@ -96,7 +109,7 @@ void UlyssesAttention::forward(Backend& backend, Stream stream, const MicroBatch
   const Tensor vh = exchange_.heads_to_sequence(backend, stream, v, idx.kv_send, kv_heads_per_rank_);
   Tensor out_h = backend.empty(Shape{u * t, q_heads_per_rank_, d}, out.dtype());  // [u·t, Hq/u, D]
   Tensor lse_h = backend.empty(Shape{q_heads_per_rank_, u * t}, lse.dtype());      // [Hq/u, u·t]
-  inner_.forward(backend, stream, gathered, qh, kh, vh, scale, out_h, lse_h);
+  inner_.forward(backend, stream, gathered, qh, kh, vh, head_group_call(call), out_h, lse_h);
   exchange_.sequence_to_heads(backend, stream, out_h, idx.q_inverse, out);
   // lse: chunk j = [Hq/u, t] of rank j's tokens; what arrives, in source order, is [Hq, t].
   Tensor lse_send = backend.empty(Shape{lse.numel(), 1}, lse.dtype());
@@ -107,7 +120,7 @@ void UlyssesAttention::forward(Backend& backend, Stream stream, const MicroBatch
 
 void UlyssesAttention::backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q,
                                 const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
-                                const Tensor& lse, double scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+                                const Tensor& lse, const AttentionCall& call, Tensor& dq, Tensor& dk, Tensor& dv) {
   check_attention_shapes("UlyssesAttention", batch, q, k, v);
   const int64_t u = group_.size(), t = q.dim(0);
   const Indices& idx = indices(backend, stream, t);
@@ -128,7 +141,9 @@ void UlyssesAttention::backward(Backend& backend, Stream stream, const MicroBatc
   Tensor dq_h = backend.empty(qh.shape(), q.dtype());
   Tensor dk_h = backend.empty(kh.shape(), k.dtype());
   Tensor dv_h = backend.empty(vh.shape(), v.dtype());
-  inner_.backward(backend, stream, gathered, qh, kh, vh, out_h, dout_h, lse_h, scale, dq_h, dk_h, dv_h);
+  Tensor sinks_grad_h;  // this rank's query heads' rows of the sinks' gradient (the other ranks add theirs)
+  inner_.backward(backend, stream, gathered, qh, kh, vh, out_h, dout_h, lse_h, head_group_call(call, &sinks_grad_h),
+                  dq_h, dk_h, dv_h);
   exchange_.sequence_to_heads(backend, stream, dq_h, idx.q_inverse, dq);
   exchange_.sequence_to_heads_summed(backend, stream, dk_h, idx.kv_send, dk);
   exchange_.sequence_to_heads_summed(backend, stream, dv_h, idx.kv_send, dv);
@@ -189,7 +204,7 @@ KvPair empty_pair(Backend& backend, const Tensor& like) {
 // still uses it. The arithmetic and its order are those of the sequential loop.
 
 void RingAttention::forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q,
-                            const Tensor& k, const Tensor& v, double scale, Tensor& out, Tensor& lse) {
+                            const Tensor& k, const Tensor& v, const AttentionCall& call, Tensor& out, Tensor& lse) {
   check_attention_shapes("RingAttention", batch, q, k, v);
   const int size = ring_.size(), rank = ring_.rank();
   const int next = (rank + 1) % size, previous = (rank + size - 1) % size;
@@ -220,12 +235,12 @@ void RingAttention::forward(Backend& backend, Stream stream, const MicroBatch& b
     if (step == 0) {
       // The own block starts the accumulator (rows with no visible key: out 0, lse −inf).
       if (accumulate_in_out) {
-        backend.attention_forward(stream, q, current.k(), current.v(), mask, scale, acc, lse);
+        backend.attention_forward(stream, q, current.k(), current.v(), mask, call.logits, acc, lse);
       } else {
-        backend.attention_forward(stream, q, current.k(), current.v(), mask, scale, out_b, lse);
+        backend.attention_forward(stream, q, current.k(), current.v(), mask, call.logits, out_b, lse);
       }
     } else {
-      backend.attention_forward(stream, q, current.k(), current.v(), mask, scale, out_b, lse_b);
+      backend.attention_forward(stream, q, current.k(), current.v(), mask, call.logits, out_b, lse_b);
     }
     // The next receive lands in this block's buffer: only once this attention has read it.
     if (step + 2 < size) backend.stream_wait(comm, stream);
@@ -238,12 +253,14 @@ void RingAttention::forward(Backend& backend, Stream stream, const MicroBatch& b
     if (step + 1 < size) backend.stream_wait(stream, comm);
   }
   backend.stream_wait(stream, comm);  // before the buffers go back to the pool (see above)
+  // Every key block is merged: the sinks join each row's denominator once.
+  merge_attention_sinks(backend, stream, call, acc, lse);
   if (!accumulate_in_out) backend.copy(stream, acc, out);
 }
 
 void RingAttention::backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q,
                              const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
-                             const Tensor& lse, double scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+                             const Tensor& lse, const AttentionCall& call, Tensor& dq, Tensor& dk, Tensor& dv) {
   check_attention_shapes("RingAttention", batch, q, k, v);
   const int size = ring_.size(), rank = ring_.rank();
   const int next = (rank + 1) % size, previous = (rank + size - 1) % size;
@@ -282,14 +299,15 @@ void RingAttention::backward(Backend& backend, Stream stream, const MicroBatch& 
       // zeroed: one accumulate flag serves all three).
       Tensor pk = partial.k(), pv = partial.v();
       if (step > 0) backend.fill(stream, partial.both, 0.0);
-      backend.attention_backward(stream, q, current.k(), current.v(), out, dout, lse, mask, scale, dq_acc, pk, pv,
+      backend.attention_backward(stream, q, current.k(), current.v(), out, dout, lse, mask, call.logits, dq_acc, pk, pv,
                                  step > 0);
     }
     // The accumulator of this block has arrived (M's queue ends with the previous step's hop).
     if (step > 0) backend.stream_wait(stream, comm);
     if (!widen) {
       Tensor gk = grad[step % 2].k(), gv = grad[step % 2].v();
-      backend.attention_backward(stream, q, current.k(), current.v(), out, dout, lse, mask, scale, dq, gk, gv, step > 0);
+      backend.attention_backward(stream, q, current.k(), current.v(), out, dout, lse, mask, call.logits, dq, gk, gv,
+                                 step > 0);
     } else if (step == 0) {
       backend.copy(stream, partial.both, g);
     } else {
@@ -315,6 +333,8 @@ void RingAttention::backward(Backend& backend, Stream stream, const MicroBatch& 
   if (widen) backend.copy(stream, dq_acc, dq);
   backend.copy(stream, own.k(), dk);
   backend.copy(stream, own.v(), dv);
+  // The sinks' gradient over this rank's rows, from the final out and lse (the sinks in it).
+  attention_sinks_backward(backend, stream, call, out, dout, lse);
 }
 
 // ---- factory ------------------------------------------------------------------------------------
@@ -327,13 +347,13 @@ class HybridSequenceParallel final : public AttentionStrategy {
   HybridSequenceParallel(std::unique_ptr<AttentionStrategy> attention, std::unique_ptr<DeltaNetSequence> deltanet)
       : attention_(std::move(attention)), deltanet_(std::move(deltanet)) {}
   void forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-               const Tensor& v, double scale, Tensor& out, Tensor& lse) override {
-    attention_->forward(backend, stream, batch, q, k, v, scale, out, lse);
+               const Tensor& v, const AttentionCall& call, Tensor& out, Tensor& lse) override {
+    attention_->forward(backend, stream, batch, q, k, v, call, out, lse);
   }
   void backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-                const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& lse, double scale, Tensor& dq,
-                Tensor& dk, Tensor& dv) override {
-    attention_->backward(backend, stream, batch, q, k, v, out, dout, lse, scale, dq, dk, dv);
+                const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& lse, const AttentionCall& call,
+                Tensor& dq, Tensor& dk, Tensor& dv) override {
+    attention_->backward(backend, stream, batch, q, k, v, out, dout, lse, call, dq, dk, dv);
   }
   DeltaNetSequence* deltanet() override { return deltanet_.get(); }
 

@@ -41,9 +41,9 @@ class UlyssesAttention final : public AttentionStrategy {
                    int64_t num_kv_heads);
 
   void forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-               const Tensor& v, double scale, Tensor& out, Tensor& lse) override;
+               const Tensor& v, const AttentionCall& call, Tensor& out, Tensor& lse) override;
   void backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-                const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& lse, double scale, Tensor& dq,
+                const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& lse, const AttentionCall& call, Tensor& dq,
                 Tensor& dk, Tensor& dv) override;
 
  private:
@@ -56,6 +56,9 @@ class UlyssesAttention final : public AttentionStrategy {
     Tensor lse_inverse;  // I32 [Hq/u·u·t]: the inverse permutation
   };
   const Indices& indices(Backend& backend, Stream stream, int64_t tokens);
+  // The call the inner strategy makes over this rank's query heads: the same logits, the sinks of
+  // those heads, and their rows of the sinks' gradient (viewed through *sinks_grad_rows).
+  AttentionCall head_group_call(const AttentionCall& call, Tensor* sinks_grad_rows = nullptr) const;
 
   UlyssesExchange exchange_;  // the all-to-all, shared with gated DeltaNet (sp_deltanet.h)
   comm::Communicator& group_;
@@ -71,9 +74,9 @@ class RingAttention final : public AttentionStrategy {
   explicit RingAttention(comm::Communicator& ring_group);
 
   void forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-               const Tensor& v, double scale, Tensor& out, Tensor& lse) override;
+               const Tensor& v, const AttentionCall& call, Tensor& out, Tensor& lse) override;
   void backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-                const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& lse, double scale, Tensor& dq,
+                const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& lse, const AttentionCall& call, Tensor& dq,
                 Tensor& dk, Tensor& dv) override;
 
  private:

@@ -145,8 +145,8 @@ cuda::DeltaRuleShape delta_rule_shape(const Tensor& q, const Tensor& v, int64_t 
 }  // namespace
 
 void DryBackend::attention_backward(Stream, const Tensor& q, const Tensor& k, const Tensor&, const Tensor&,
-                                    const Tensor&, const Tensor&, const AttentionMask&, double, Tensor&, Tensor&,
-                                    Tensor&, bool accumulate) {
+                                    const Tensor&, const Tensor&, const AttentionMask&, const AttentionLogits&,
+                                    Tensor&, Tensor&, Tensor&, bool accumulate) {
   if (q.rank() != 3 || k.rank() != 3) return;  // q [Tq, Hq, D], k [Tk, Hkv, D]
   scratch({cuda::attention_backward_scratch_bound(q.dim(0), k.dim(0), q.dim(1), k.dim(1), q.dim(2),
                                                   q.dtype() == DType::BF16, accumulate)});

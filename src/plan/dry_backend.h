@@ -98,13 +98,15 @@ class DryBackend final : public Backend {
   void rmsnorm_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor*,
                         bool) override {}
   void rope(Stream, Tensor&, const Tensor&, const Tensor&, double, int) override {}
-  void attention_forward(Stream, const Tensor&, const Tensor&, const Tensor&, const AttentionMask&, double, Tensor&,
-                         Tensor&) override {}
+  void attention_forward(Stream, const Tensor&, const Tensor&, const Tensor&, const AttentionMask&,
+                         const AttentionLogits&, Tensor&, Tensor&) override {}
   // CUDA: the most scratch any backward kernel the backend may pick holds (backend/cuda/attention_scratch.h).
   void attention_backward(Stream, const Tensor& q, const Tensor& k, const Tensor&, const Tensor&, const Tensor&,
-                          const Tensor&, const AttentionMask&, double, Tensor&, Tensor&, Tensor&,
+                          const Tensor&, const AttentionMask&, const AttentionLogits&, Tensor&, Tensor&, Tensor&,
                           bool accumulate) override;
   void attention_merge(Stream, Tensor&, Tensor&, const Tensor&, const Tensor&) override {}
+  void attention_sink_forward(Stream, Tensor&, Tensor&, const Tensor&) override {}
+  void attention_sink_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&) override {}
   void swiglu_forward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
   void swiglu_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
   void gather_rows(Stream, const Tensor&, const Tensor&, Tensor&) override {}

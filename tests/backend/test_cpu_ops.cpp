@@ -158,7 +158,7 @@ TEST_F(CpuOps, AttentionForwardMatchesNaiveSoftmaxWithPackingAndGqa) {
   Tensor k = random_tensor(*be, Shape{t, hkv, d}, DType::F64, rng);
   Tensor v = random_tensor(*be, Shape{t, hkv, d}, DType::F64, rng);
   Tensor out = be->empty(q.shape(), DType::F64), lse = be->empty(Shape{hq, t}, DType::F64);
-  be->attention_forward(st, q, k, v, mask, 0.7, out, lse);
+  be->attention_forward(st, q, k, v, mask, AttentionLogits{0.7}, out, lse);
   auto Q = to_host(*be, q), K = to_host(*be, k), V = to_host(*be, v), O = to_host(*be, out), L = to_host(*be, lse);
   for (int h = 0; h < hq; ++h)
     for (int i = 0; i < t; ++i) {
@@ -193,16 +193,73 @@ TEST_F(CpuOps, AttentionBackwardMatchesFiniteDifferences) {
   Tensor proj = random_tensor(*be, q.shape(), DType::F64, rng);
   Tensor out = be->empty(q.shape(), DType::F64), lse = be->empty(Shape{hq, t}, DType::F64);
   auto objective = [&] {
-    be->attention_forward(st, q, k, v, mask, 0.5, out, lse);
+    be->attention_forward(st, q, k, v, mask, AttentionLogits{0.5}, out, lse);
     return dot(*be, out, proj);
   };
   objective();
   Tensor dq = be->empty(q.shape(), DType::F64), dk = be->empty(k.shape(), DType::F64),
          dv = be->empty(v.shape(), DType::F64);
-  be->attention_backward(st, q, k, v, out, proj, lse, mask, 0.5, dq, dk, dv, false);
+  be->attention_backward(st, q, k, v, out, proj, lse, mask, AttentionLogits{0.5}, dq, dk, dv, false);
   expect_grad_matches(*be, q, objective, dq, 1e-6, "dq");
   expect_grad_matches(*be, k, objective, dk, 1e-6, "dk");
   expect_grad_matches(*be, v, objective, dv, 1e-6, "dv");
+}
+
+// The attention spec's parts, each against F64 finite differences of out·proj: a sliding window
+// shorter than the documents, soft-capped logits, sinks (their own gradient too), all together.
+TEST_F(CpuOps, AttentionSpecBackwardMatchesFiniteDifferences) {
+  const int t = 9, hq = 4, hkv = 2, d = 3;
+  auto pm = packed_mask(*be, {0, 0, 0, 0, 0, 0, 1, 1, 1}, {0, 1, 2, 3, 4, 5, 0, 1, 2});
+  AttentionMask mask{pm.doc, pm.pos, pm.doc, pm.pos};
+  struct Spec {
+    const char* name;
+    AttentionLogits logits;
+    bool sinks;
+  };
+  for (const Spec& spec : {Spec{"window 2", {0.5, 0, 2}, false}, Spec{"soft-cap 0.8", {1.5, 0.8, 0}, false},
+                           Spec{"sinks", {0.5, 0, 0}, true}, Spec{"window 3, soft-cap, sinks", {1.5, 0.8, 3}, true}}) {
+    SCOPED_TRACE(spec.name);
+    Tensor q = random_tensor(*be, Shape{t, hq, d}, DType::F64, rng);
+    Tensor k = random_tensor(*be, Shape{t, hkv, d}, DType::F64, rng);
+    Tensor v = random_tensor(*be, Shape{t, hkv, d}, DType::F64, rng);
+    Tensor sinks = random_tensor(*be, Shape{hq}, DType::F64, rng);
+    Tensor proj = random_tensor(*be, q.shape(), DType::F64, rng);
+    Tensor out = be->empty(q.shape(), DType::F64), lse = be->empty(Shape{hq, t}, DType::F64);
+    auto objective = [&] {
+      be->attention_forward(st, q, k, v, mask, spec.logits, out, lse);
+      if (spec.sinks) be->attention_sink_forward(st, out, lse, sinks);
+      return dot(*be, out, proj);
+    };
+    objective();
+    Tensor dq = be->empty(q.shape(), DType::F64), dk = be->empty(k.shape(), DType::F64),
+           dv = be->empty(v.shape(), DType::F64), dsinks = be->zeros(Shape{hq}, DType::F64);
+    be->attention_backward(st, q, k, v, out, proj, lse, mask, spec.logits, dq, dk, dv, false);
+    if (spec.sinks) be->attention_sink_backward(st, out, proj, lse, sinks, dsinks);
+    expect_grad_matches(*be, q, objective, dq, 1e-6, "dq");
+    expect_grad_matches(*be, k, objective, dk, 1e-6, "dk");
+    expect_grad_matches(*be, v, objective, dv, 1e-6, "dv");
+    if (spec.sinks) expect_grad_matches(*be, sinks, objective, dsinks, 1e-6, "dsinks");
+  }
+}
+
+// The window as transformers defines it: query q sees keys q − W + 1 … q of its document.
+TEST_F(CpuOps, SlidingWindowSeesTheLastWindowKeys) {
+  const int t = 6, d = 2;
+  auto pm = packed_mask(*be, std::vector<int>(t, 0), {0, 1, 2, 3, 4, 5});
+  AttentionMask mask{pm.doc, pm.pos, pm.doc, pm.pos};
+  Tensor q = be->zeros(Shape{t, 1, d}, DType::F64), k = be->zeros(Shape{t, 1, d}, DType::F64);
+  std::vector<double> values(t * d);
+  for (int j = 0; j < t; ++j) values[j * d] = j, values[j * d + 1] = 1;
+  Tensor v = be->empty(Shape{t, 1, d}, DType::F64);
+  from_host(*be, values, v);
+  Tensor out = be->empty(q.shape(), DType::F64), lse = be->empty(Shape{1, t}, DType::F64);
+  be->attention_forward(st, q, k, v, mask, AttentionLogits{1.0, 0, 3}, out, lse);
+  const std::vector<double> o = to_host(*be, out), l = to_host(*be, lse);
+  for (int i = 0; i < t; ++i) {  // equal logits: the mean of the visible keys' first value
+    const int first = std::max(0, i - 2);
+    EXPECT_DOUBLE_EQ(o[i * d], (first + i) / 2.0) << "query " << i;
+    EXPECT_NEAR(l[i], std::log(i - first + 1.0), 1e-15) << "query " << i;
+  }
 }
 
 TEST_F(CpuOps, AttentionRowWithoutKeysGivesZeroAndNegInfLse) {
@@ -214,12 +271,12 @@ TEST_F(CpuOps, AttentionRowWithoutKeysGivesZeroAndNegInfLse) {
   Tensor k = random_tensor(*be, Shape{2, 1, 2}, DType::F32, rng);
   Tensor v = random_tensor(*be, Shape{2, 1, 2}, DType::F32, rng);
   Tensor out = be->empty(q.shape(), DType::F32), lse = be->empty(Shape{1, 2}, DType::F32);
-  be->attention_forward(st, q, k, v, mask, 1.0, out, lse);
+  be->attention_forward(st, q, k, v, mask, AttentionLogits{1.0}, out, lse);
   for (double o : to_host(*be, out)) EXPECT_EQ(o, 0.0);
   for (double l : to_host(*be, lse)) EXPECT_TRUE(std::isinf(l) && l < 0);
   Tensor dq = be->empty(q.shape(), DType::F32), dk = be->empty(k.shape(), DType::F32),
          dv = be->empty(v.shape(), DType::F32);
-  be->attention_backward(st, q, k, v, out, random_tensor(*be, q.shape(), DType::F32, rng), lse, mask, 1.0, dq, dk, dv,
+  be->attention_backward(st, q, k, v, out, random_tensor(*be, q.shape(), DType::F32, rng), lse, mask, AttentionLogits{1.0}, dq, dk, dv,
                          false);
   for (const Tensor* g : {&dq, &dk, &dv})
     for (double x : to_host(*be, *g)) EXPECT_EQ(x, 0.0);
@@ -236,14 +293,14 @@ TEST_F(CpuOps, MergingKeyBlocksEqualsAttentionOverAllKeys) {
   Tensor k = random_tensor(*be, Shape{t, hq, d}, DType::F64, rng);
   Tensor v = random_tensor(*be, Shape{t, hq, d}, DType::F64, rng);
   Tensor ref = be->empty(q.shape(), DType::F64), ref_lse = be->empty(Shape{hq, t}, DType::F64);
-  be->attention_forward(st, q, k, v, {full.doc, full.pos, full.doc, full.pos}, 0.5, ref, ref_lse);
+  be->attention_forward(st, q, k, v, {full.doc, full.pos, full.doc, full.pos}, AttentionLogits{0.5}, ref, ref_lse);
 
   Tensor out = be->empty(q.shape(), DType::F64), lse = be->empty(Shape{hq, t}, DType::F64);
   Tensor ob = be->empty(q.shape(), DType::F64), lb = be->empty(Shape{hq, t}, DType::F64);
   // The second block first: rows 0..2 see none of its keys (−inf), which the merge must ignore.
-  be->attention_forward(st, q, k.rows(3, 6), v.rows(3, 6), {full.doc, full.pos, second.doc, second.pos}, 0.5, out,
+  be->attention_forward(st, q, k.rows(3, 6), v.rows(3, 6), {full.doc, full.pos, second.doc, second.pos}, AttentionLogits{0.5}, out,
                         lse);
-  be->attention_forward(st, q, k.rows(0, 3), v.rows(0, 3), {full.doc, full.pos, first.doc, first.pos}, 0.5, ob, lb);
+  be->attention_forward(st, q, k.rows(0, 3), v.rows(0, 3), {full.doc, full.pos, first.doc, first.pos}, AttentionLogits{0.5}, ob, lb);
   be->attention_merge(st, out, lse, ob, lb);
   expect_close(to_host(*be, out), to_host(*be, ref), 1e-12, "merged out");
   expect_close(to_host(*be, lse), to_host(*be, ref_lse), 1e-12, "merged lse");
@@ -252,7 +309,7 @@ TEST_F(CpuOps, MergingKeyBlocksEqualsAttentionOverAllKeys) {
   Tensor dout = random_tensor(*be, q.shape(), DType::F64, rng);
   Tensor dq = be->empty(q.shape(), DType::F64), dk = be->empty(k.shape(), DType::F64),
          dv = be->empty(v.shape(), DType::F64);
-  be->attention_backward(st, q, k, v, ref, dout, ref_lse, {full.doc, full.pos, full.doc, full.pos}, 0.5, dq, dk, dv,
+  be->attention_backward(st, q, k, v, ref, dout, ref_lse, {full.doc, full.pos, full.doc, full.pos}, AttentionLogits{0.5}, dq, dk, dv,
                          false);
   Tensor dq2 = be->zeros(q.shape(), DType::F64), dk2 = be->zeros(k.shape(), DType::F64),
          dv2 = be->zeros(v.shape(), DType::F64);
@@ -260,7 +317,7 @@ TEST_F(CpuOps, MergingKeyBlocksEqualsAttentionOverAllKeys) {
     auto& m = b ? second : first;
     Tensor dkb = dk2.rows(3 * b, 3 * b + 3), dvb = dv2.rows(3 * b, 3 * b + 3);
     be->attention_backward(st, q, k.rows(3 * b, 3 * b + 3), v.rows(3 * b, 3 * b + 3), out, dout, lse,
-                           {full.doc, full.pos, m.doc, m.pos}, 0.5, dq2, dkb, dvb, true);
+                           {full.doc, full.pos, m.doc, m.pos}, AttentionLogits{0.5}, dq2, dkb, dvb, true);
   }
   expect_close(to_host(*be, dq2), to_host(*be, dq), 1e-12, "dq");
   expect_close(to_host(*be, dk2), to_host(*be, dk), 1e-12, "dk");

@@ -167,11 +167,11 @@ void bench_attention(Backend& be, int64_t docs, int64_t len, int hq, int hkv, in
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   Stream s = be.default_stream();
   const int reps = g_profile ? 1 : t >= 32768 ? 5 : 10;
-  double f_ms = median_ms(be, [&] { be.attention_forward(s, q, k, v, mask, scale, out, lse); }, 2,
+  double f_ms = median_ms(be, [&] { be.attention_forward(s, q, k, v, mask, AttentionLogits{scale}, out, lse); }, 2,
                           which & 1 ? reps : 1);
   const double b_ms =
       which & 2 ? median_ms(
-                      be, [&] { be.attention_backward(s, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, false); },
+                      be, [&] { be.attention_backward(s, q, k, v, out, dout, lse, mask, AttentionLogits{scale}, dq, dk, dv, false); },
                       1, reps)
                 : 0.0;
   // Sanity: every lse finite (each row sees at least its own key).
@@ -218,8 +218,8 @@ struct CausalRow {
     dk = be.empty(k.shape(), DType::BF16);
     dv = be.empty(k.shape(), DType::BF16);
   }
-  void forward(Stream s) { be.attention_forward(s, q, k, v, mask, scale, out, lse); }
-  void backward(Stream s) { be.attention_backward(s, q, k, v, out, dout, lse, mask, scale, dq, dk, dv, false); }
+  void forward(Stream s) { be.attention_forward(s, q, k, v, mask, AttentionLogits{scale}, out, lse); }
+  void backward(Stream s) { be.attention_backward(s, q, k, v, out, dout, lse, mask, AttentionLogits{scale}, dq, dk, dv, false); }
 
   Backend& be;
   AttentionMask mask;

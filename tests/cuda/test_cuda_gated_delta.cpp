@@ -387,14 +387,14 @@ TEST_P(CudaGated, AttentionHeadDim256MatchesCpu) {
     Tensor cq = on_cpu(q, qs), ck = on_cpu(k, ks), cv = on_cpu(v, ks);
     Tensor out = poisoned(qs, t), lse = poisoned(ls, DType::F32);
     Tensor cout = cpu->empty(qs, DType::F64), clse = cpu->empty(ls, DType::F64);
-    gpu->attention_forward(gs, gq, gk, gv, gm, scale, out, lse);
-    cpu->attention_forward(cs, cq, ck, cv, cm, scale, cout, clse);
+    gpu->attention_forward(gs, gq, gk, gv, gm, AttentionLogits{scale}, out, lse);
+    cpu->attention_forward(cs, cq, ck, cv, cm, AttentionLogits{scale}, cout, clse);
     const std::string what = packed ? "packed " : "causal ";
     expect(out, cout, tol_for(t), what + "attention out");
     Tensor dq = poisoned(qs, t), dk = poisoned(ks, t), dv = poisoned(ks, t);
     Tensor cdq = cpu->empty(qs, DType::F64), cdk = cpu->empty(ks, DType::F64), cdv = cpu->empty(ks, DType::F64);
-    gpu->attention_backward(gs, gq, gk, gv, out, on_gpu(dout, qs, t), lse, gm, scale, dq, dk, dv, false);
-    cpu->attention_backward(cs, cq, ck, cv, cout, on_cpu(dout, qs), clse, cm, scale, cdq, cdk, cdv, false);
+    gpu->attention_backward(gs, gq, gk, gv, out, on_gpu(dout, qs, t), lse, gm, AttentionLogits{scale}, dq, dk, dv, false);
+    cpu->attention_backward(cs, cq, ck, cv, cout, on_cpu(dout, qs), clse, cm, AttentionLogits{scale}, cdq, cdk, cdv, false);
     expect(dq, cdq, tol_for(t), what + "attention dq");
     expect(dk, cdk, tol_for(t), what + "attention dk");
     expect(dv, cdv, tol_for(t), what + "attention dv");

@@ -564,6 +564,7 @@ struct AttnCase {
   const char* name;
   MaskSpec mask;
   int hq, hkv;
+  int64_t window = 0;  // the layer's sliding window (backend/attention_rule.h), 0: none
 };
 
 std::vector<AttnCase> attention_cases() {
@@ -575,6 +576,13 @@ std::vector<AttnCase> attention_cases() {
       {"gqa group 3 zigzag block", zigzag(0, 1, 2, 70), 6, 2},
       {"gqa group 3 zigzag block reversed", zigzag(1, 0, 2, 70), 6, 2},
       {"ring block below the diagonal (all visible)", block(300, 80, 0, 140), 2, 2},
+      // Sliding windows: shorter than a tile, across tile borders, on packed rows and ring blocks
+      // (a block the window leaves entirely behind has only empty rows).
+      {"causal window 37", causal(200), 4, 2, 37},
+      {"packed window 20", packed({70, 1, 90, 25}, 14), 4, 4, 20},
+      {"gqa group 3 zigzag block window 50", zigzag(0, 1, 2, 70), 6, 2, 50},
+      {"ring block below the diagonal, window 100 (partly visible)", block(150, 80, 0, 140), 2, 2, 100},
+      {"ring block beyond the window (all rows empty)", block(300, 80, 0, 140), 2, 1, 20},
   };
 }
 
@@ -606,7 +614,7 @@ void check_attention(Backend& cpu, Backend& gpu, std::mt19937_64& rng, const Att
                      bool f32_variants = true) {
   SCOPED_TRACE(std::string(c.name) + " " + std::string(dtype_name(t)) + " d=" + std::to_string(d));
   const int64_t tq = c.mask.q_doc.size(), tk = c.mask.k_doc.size();
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const AttentionLogits logits{1.0 / std::sqrt(static_cast<double>(d)), 0, c.window};
   Stream gs = gpu.default_stream(), cs{};
   auto qv = random_rounded(rng, tq * c.hq * d, t, 2.0), kv = random_rounded(rng, tk * c.hkv * d, t, 2.0);
   auto vv = random_rounded(rng, tk * c.hkv * d, t, 1.0), dov = random_rounded(rng, tq * c.hq * d, t, 1.0);
@@ -628,8 +636,8 @@ void check_attention(Backend& cpu, Backend& gpu, std::mt19937_64& rng, const Att
   gpu.fill(gs, out, std::nan(""));
   gpu.fill(gs, lse, std::nan(""));
   Tensor cout_ = cpu.empty(qs, ct), clse = cpu.empty(Shape{c.hq, tq}, ct);
-  gpu.attention_forward(gs, q, k, v, gm, scale, out, lse);
-  cpu.attention_forward(cs, cq, ck, cv, cm, scale, cout_, clse);
+  gpu.attention_forward(gs, q, k, v, gm, logits, out, lse);
+  cpu.attention_forward(cs, cq, ck, cv, cm, logits, cout_, clse);
   const double tol = tol_for(t);
   expect_close(to_host(gpu, out), to_host(cpu, cout_), tol, "out");
   auto gl = to_host(gpu, lse), cl = to_host(cpu, clse);
@@ -648,7 +656,7 @@ void check_attention(Backend& cpu, Backend& gpu, std::mt19937_64& rng, const Att
   if (t == DType::BF16 && f32_variants) {
     Tensor out32 = gpu.empty(qs, DType::F32);
     gpu.fill(gs, out32, std::nan(""));
-    gpu.attention_forward(gs, q, k, v, gm, scale, out32, lse);
+    gpu.attention_forward(gs, q, k, v, gm, logits, out32, lse);
     expect_close(to_host(gpu, out32), to_host(cpu, cout_), 5e-3, "out F32");
   }
 
@@ -663,8 +671,8 @@ void check_attention(Backend& cpu, Backend& gpu, std::mt19937_64& rng, const Att
       gpu.fill(gs, dv, std::nan(""));
     }
     Tensor cdq = up(cpu, dq0, qs, ct), cdk = up(cpu, dk0, ks, ct), cdv = up(cpu, dv0, ks, ct);
-    gpu.attention_backward(gs, q, k, v, out, dout, lse, gm, scale, dq, dk, dv, acc);
-    cpu.attention_backward(cs, cq, ck, cv, cout_, cdout, clse, cm, scale, cdq, cdk, cdv, acc);
+    gpu.attention_backward(gs, q, k, v, out, dout, lse, gm, logits, dq, dk, dv, acc);
+    cpu.attention_backward(cs, cq, ck, cv, cout_, cdout, clse, cm, logits, cdq, cdk, cdv, acc);
     expect_close(to_host(gpu, dq), to_host(cpu, cdq), tol, "dq");
     expect_close(to_host(gpu, dk), to_host(cpu, cdk), tol, "dk");
     expect_close(to_host(gpu, dv), to_host(cpu, cdv), tol, "dv");
@@ -673,7 +681,7 @@ void check_attention(Backend& cpu, Backend& gpu, std::mt19937_64& rng, const Att
   // F32 gradients of BF16 inputs (ring attention's block partials). Accumulated onto 256 + u,
   // where BF16's spacing is 2: a gradient that went through BF16 storage would be off by ~1.
   Tensor cdq = cpu.empty(qs, ct), cdk = cpu.empty(ks, ct), cdv = cpu.empty(ks, ct);
-  cpu.attention_backward(cs, cq, ck, cv, cout_, cdout, clse, cm, scale, cdq, cdk, cdv, false);
+  cpu.attention_backward(cs, cq, ck, cv, cout_, cdout, clse, cm, logits, cdq, cdk, cdv, false);
   const std::vector<double> want[3] = {to_host(cpu, cdq), to_host(cpu, cdk), to_host(cpu, cdv)};
   std::uniform_real_distribution<double> unit(0.0, 1.0);
   for (bool acc : {false, true}) {
@@ -690,7 +698,7 @@ void check_attention(Backend& cpu, Backend& gpu, std::mt19937_64& rng, const Att
       gpu.fill(gs, dk, std::nan(""));
       gpu.fill(gs, dv, std::nan(""));
     }
-    gpu.attention_backward(gs, q, k, v, out, dout, lse, gm, scale, dq, dk, dv, acc);
+    gpu.attention_backward(gs, q, k, v, out, dout, lse, gm, logits, dq, dk, dv, acc);
     const std::vector<double> got[3] = {to_host(gpu, dq), to_host(gpu, dk), to_host(gpu, dv)};
     const char* names[3] = {"dq F32", "dk F32", "dv F32"};
     for (int i = 0; i < 3; ++i) {
@@ -751,6 +759,9 @@ TEST(CudaAttentionImpls, WgmmaMatchesCpuOnMultiTileRows) {
       {"zigzag 4 x 160 reversed", zigzag(3, 1, 4, 160), 6, 2},
       {"ring block below the diagonal", block(1000, 256, 0, 640), 4, 2},
       {"positions out of order", swapped_positions(300), 4, 2},
+      {"causal 1000 window 128", causal(1000), 6, 1, 128},
+      {"packed across tile borders, window 200", packed({300, 700, 5, 129, 1}, 50), 6, 2, 200},
+      {"zigzag 4 x 160 window 90", zigzag(0, 3, 4, 160), 6, 6, 90},
   };
   for (const AttnCase& c : cases) check_attention(*cpu, *gpu, rng, c, DType::BF16, 128);
 }
@@ -838,7 +849,7 @@ TEST(CudaAttentionImpls, DefaultTakesCudnnSoonerForHeadDim256) {
     mask.plain_causal = true;
     auto forward = [&](Backend& be) {
       Tensor out = be.empty(q.shape(), DType::BF16), lse = be.empty(Shape{hq, t}, DType::F32);
-      be.attention_forward(be.default_stream(), q, k, v, mask, scale, out, lse);
+      be.attention_forward(be.default_stream(), q, k, v, mask, AttentionLogits{scale}, out, lse);
       return to_host(be, out);
     };
     const auto by_default = forward(*dflt), by_dnn = forward(*dnn), by_own = forward(*own);
@@ -876,7 +887,7 @@ TEST(CudaAttentionImpls, DefaultTakesCudnnForPlainCausalRows) {
     auto forward = [&](Backend& be, bool fact) {
       mask.plain_causal = fact;
       Tensor out = be.empty(q.shape(), DType::BF16), lse = be.empty(Shape{hq, t}, DType::F32);
-      be.attention_forward(be.default_stream(), q, k, v, mask, scale, out, lse);
+      be.attention_forward(be.default_stream(), q, k, v, mask, AttentionLogits{scale}, out, lse);
       return to_host(be, out);
     };
     std::vector<std::vector<double>> r;
@@ -935,21 +946,21 @@ TEST(CudaAttentionImpls, SimpleAndTensorCoreKernelsAgree) {
                      int_tensor(*mma, m.k_pos)};
   Tensor o1 = mma->empty(q.shape(), DType::BF16), l1 = mma->empty(Shape{hq, t}, DType::F32);
   Tensor o2 = mma->empty(q.shape(), DType::BF16), l2 = mma->empty(Shape{hq, t}, DType::F32);
-  mma->attention_forward(ms, q, k, v, mask, scale, o1, l1);
-  simple->attention_forward(ss, q, k, v, mask, scale, o2, l2);
+  mma->attention_forward(ms, q, k, v, mask, AttentionLogits{scale}, o1, l1);
+  simple->attention_forward(ss, q, k, v, mask, AttentionLogits{scale}, o2, l2);
   expect_close(to_host(*mma, o1), to_host(*simple, o2), 1e-2, "out");
   expect_close(to_host(*mma, l1), to_host(*simple, l2), 1e-4, "lse");
   {
     Tensor o3 = wgmma->empty(q.shape(), DType::BF16), l3 = wgmma->empty(Shape{hq, t}, DType::F32);
-    wgmma->attention_forward(wgmma->default_stream(), q, k, v, mask, scale, o3, l3);
+    wgmma->attention_forward(wgmma->default_stream(), q, k, v, mask, AttentionLogits{scale}, o3, l3);
     expect_close(to_host(*wgmma, o3), to_host(*simple, o2), 1e-2, "out (wgmma)");
     expect_close(to_host(*wgmma, l3), to_host(*simple, l2), 1e-4, "lse (wgmma)");
     Tensor g3[3] = {wgmma->empty(q.shape(), DType::BF16), wgmma->empty(k.shape(), DType::BF16),
                     wgmma->empty(v.shape(), DType::BF16)};
     Tensor g4[3] = {simple->empty(q.shape(), DType::BF16), simple->empty(k.shape(), DType::BF16),
                     simple->empty(v.shape(), DType::BF16)};
-    wgmma->attention_backward(wgmma->default_stream(), q, k, v, o3, dout, l3, mask, scale, g3[0], g3[1], g3[2], false);
-    simple->attention_backward(ss, q, k, v, o3, dout, l3, mask, scale, g4[0], g4[1], g4[2], false);
+    wgmma->attention_backward(wgmma->default_stream(), q, k, v, o3, dout, l3, mask, AttentionLogits{scale}, g3[0], g3[1], g3[2], false);
+    simple->attention_backward(ss, q, k, v, o3, dout, l3, mask, AttentionLogits{scale}, g4[0], g4[1], g4[2], false);
     const char* names[3] = {"dq (wgmma)", "dk (wgmma)", "dv (wgmma)"};
     for (int i = 0; i < 3; ++i) expect_close(to_host(*wgmma, g3[i]), to_host(*simple, g4[i]), 1e-2, names[i]);
   }
@@ -957,8 +968,8 @@ TEST(CudaAttentionImpls, SimpleAndTensorCoreKernelsAgree) {
                   mma->empty(v.shape(), DType::BF16)};
   Tensor g2[3] = {mma->empty(q.shape(), DType::BF16), mma->empty(k.shape(), DType::BF16),
                   mma->empty(v.shape(), DType::BF16)};
-  mma->attention_backward(ms, q, k, v, o1, dout, l1, mask, scale, g1[0], g1[1], g1[2], false);
-  simple->attention_backward(ss, q, k, v, o1, dout, l1, mask, scale, g2[0], g2[1], g2[2], false);
+  mma->attention_backward(ms, q, k, v, o1, dout, l1, mask, AttentionLogits{scale}, g1[0], g1[1], g1[2], false);
+  simple->attention_backward(ss, q, k, v, o1, dout, l1, mask, AttentionLogits{scale}, g2[0], g2[1], g2[2], false);
   const char* names[3] = {"dq", "dk", "dv"};
   for (int i = 0; i < 3; ++i) expect_close(to_host(*mma, g1[i]), to_host(*simple, g2[i]), 1e-2, names[i]);
 }

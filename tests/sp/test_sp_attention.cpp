@@ -28,11 +28,20 @@ struct Case {
   int ulysses, ring;
   int64_t q_heads, kv_heads;
   DType dtype;
+  // The layer's attention spec: a sliding window (crossing shard and zigzag chunk boundaries of the
+  // test row), a soft-cap, sinks.
+  int64_t window = 0;
+  double softcap = 0;
+  bool sinks = false;
 };
 
 std::string case_name(const Case& c) {
-  return fmt::format("u{}_r{}_hq{}_hkv{}_{}", c.ulysses, c.ring, c.q_heads, c.kv_heads,
-                     c.dtype == DType::F64 ? "f64" : "f32");
+  std::string name = fmt::format("u{}_r{}_hq{}_hkv{}_{}", c.ulysses, c.ring, c.q_heads, c.kv_heads,
+                                 c.dtype == DType::F64 ? "f64" : "f32");
+  if (c.window) name += fmt::format("_window{}", c.window);
+  if (c.softcap) name += "_softcap";
+  if (c.sinks) name += "_sinks";
+  return name;
 }
 
 // Four packed documents (one of a single token, shorter than any ring) and a padding tail.
@@ -128,15 +137,28 @@ TEST_P(SpAttention, ShardResultsEqualSingleProcessAttention) {
     };
     const DType stat = stat_dtype(c.dtype);
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    // Sinks away from zero (some above the rows' logits, some below); each process adds the
+    // gradient of its rows and heads, summed over the group as training sums gradients.
+    const std::vector<double> sink_values = random_values(hq);
+    Tensor sinks, sinks_grad, sinks_grad_local;
+    if (c.sinks) {
+      sinks = upload(sink_values, Shape{hq});
+      sinks_grad = be->zeros(Shape{hq}, c.dtype);
+      sinks_grad_local = be->zeros(Shape{hq}, c.dtype);
+    }
+    const AttentionLogits logits{scale, c.softcap, c.window};
+    const AttentionCall forward_call{logits, sinks};
+    const AttentionCall whole_call{logits, sinks, c.sinks ? &sinks_grad : nullptr};
+    const AttentionCall shard_call{logits, sinks, c.sinks ? &sinks_grad_local : nullptr};
 
     // Reference: the whole sequence in one process.
     LocalAttention local;
     Tensor q = upload(q_all, Shape{total, hq, d}), k = upload(k_all, Shape{total, hkv, d}),
            v = upload(v_all, Shape{total, hkv, d}), dout = upload(dout_all, Shape{total, hq, d});
     Tensor out = be->empty(q.shape(), c.dtype), lse = be->empty(Shape{hq, total}, stat);
-    local.forward(*be, st, full, q, k, v, scale, out, lse);
+    local.forward(*be, st, full, q, k, v, forward_call, out, lse);
     Tensor dq = be->empty(q.shape(), c.dtype), dk = be->empty(k.shape(), c.dtype), dv = be->empty(v.shape(), c.dtype);
-    local.backward(*be, st, full, q, k, v, out, dout, lse, scale, dq, dk, dv);
+    local.backward(*be, st, full, q, k, v, out, dout, lse, whole_call, dq, dk, dv);
 
     // This rank's shard through the sequence-parallel strategy.
     const int64_t begin = mesh.sp_rank() * t;
@@ -145,10 +167,10 @@ TEST_P(SpAttention, ShardResultsEqualSingleProcessAttention) {
     Tensor sv = upload(row_slice(v_all, hkv * d, begin, t), Shape{t, hkv, d});
     Tensor sdout = upload(row_slice(dout_all, hq * d, begin, t), Shape{t, hq, d});
     Tensor sout = be->empty(sq.shape(), c.dtype), slse = be->empty(Shape{hq, t}, stat);
-    strategy->forward(*be, st, mine, sq, sk, sv, scale, sout, slse);
+    strategy->forward(*be, st, mine, sq, sk, sv, forward_call, sout, slse);
     Tensor sdq = be->empty(sq.shape(), c.dtype), sdk = be->empty(sk.shape(), c.dtype),
            sdv = be->empty(sv.shape(), c.dtype);
-    strategy->backward(*be, st, mine, sq, sk, sv, sout, sdout, slse, scale, sdq, sdk, sdv);
+    strategy->backward(*be, st, mine, sq, sk, sv, sout, sdout, slse, shard_call, sdq, sdk, sdv);
 
     const double tolerance = c.dtype == DType::F64 ? 1e-12 : 1e-5;
     double worst = 0;
@@ -162,6 +184,12 @@ TEST_P(SpAttention, ShardResultsEqualSingleProcessAttention) {
     check("dq", sdq, row_slice(to_host(*be, dq), hq * d, begin, t));
     check("dk", sdk, row_slice(to_host(*be, dk), hkv * d, begin, t));
     check("dv", sdv, row_slice(to_host(*be, dv), hkv * d, begin, t));
+    if (c.sinks) {
+      world->all_reduce_sum(st, sinks_grad_local);
+      check("dsinks", sinks_grad_local, to_host(*be, sinks_grad));
+      require(max_relative_error(to_host(*be, sinks_grad), std::vector<double>(hq, 0.0), "dsinks") > 0,
+              "the sinks' gradient is zero");
+    }
     if (info.rank == 0) fmt::print("{}: worst relative error {:.2g}\n", case_name(c), worst);
   }));
 }
@@ -173,7 +201,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4, 1, 4, 4, DType::F32},                                 // Ulysses 4, one KV head each
                       Case{1, 2, 4, 2, DType::F64}, Case{1, 2, 2, 2, DType::F32},   // ring 2
                       Case{1, 4, 4, 2, DType::F64}, Case{1, 4, 4, 1, DType::F32},   // ring 4
-                      Case{2, 2, 4, 2, DType::F64}, Case{2, 2, 4, 1, DType::F32}),  // hybrid 2×2
+                      Case{2, 2, 4, 2, DType::F64}, Case{2, 2, 4, 1, DType::F32},   // hybrid 2×2
+                      // The attention spec: windows of 3 and 5 keys (shorter than the documents of 7
+                      // and 10 tokens), soft-cap, sinks, alone and together, on every strategy.
+                      Case{2, 1, 4, 2, DType::F64, 3, 0, true}, Case{1, 2, 4, 2, DType::F64, 5, 0, false},
+                      Case{1, 4, 4, 2, DType::F64, 3, 0.5, true}, Case{4, 1, 8, 1, DType::F64, 0, 0.7, true},
+                      Case{2, 2, 4, 2, DType::F64, 3, 0.5, true}, Case{1, 4, 4, 1, DType::F32, 5, 0.5, true}),
     [](const auto& info) { return case_name(info.param); });
 
 TEST(SpAttentionErrors, HeadsThatUlyssesCannotSplit) {

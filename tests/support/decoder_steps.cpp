@@ -29,16 +29,16 @@ PackedRow two_document_row(int64_t length, int64_t vocab, uint64_t seed) {
 }
 
 void CountingAttention::forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q,
-                                const Tensor& k, const Tensor& v, double scale, Tensor& out, Tensor& lse) {
+                                const Tensor& k, const Tensor& v, const AttentionCall& call, Tensor& out, Tensor& lse) {
   ++forwards;
-  inner_.forward(backend, stream, batch, q, k, v, scale, out, lse);
+  inner_.forward(backend, stream, batch, q, k, v, call, out, lse);
 }
 
 void CountingAttention::backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q,
                                  const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
-                                 const Tensor& lse, double scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+                                 const Tensor& lse, const AttentionCall& call, Tensor& dq, Tensor& dk, Tensor& dv) {
   ++backwards;
-  inner_.backward(backend, stream, batch, q, k, v, out, dout, lse, scale, dq, dk, dv);
+  inner_.backward(backend, stream, batch, q, k, v, out, dout, lse, call, dq, dk, dv);
 }
 
 void expect_bit_identical(const StepOutcome& got, const StepOutcome& want, const std::string& what) {

@@ -21,9 +21,9 @@ PackedRow two_document_row(int64_t length, int64_t vocab, uint64_t seed);
 class CountingAttention final : public AttentionStrategy {
  public:
   void forward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-               const Tensor& v, double scale, Tensor& out, Tensor& lse) override;
+               const Tensor& v, const AttentionCall& call, Tensor& out, Tensor& lse) override;
   void backward(Backend& backend, Stream stream, const MicroBatch& batch, const Tensor& q, const Tensor& k,
-                const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& lse, double scale, Tensor& dq,
+                const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& lse, const AttentionCall& call, Tensor& dq,
                 Tensor& dk, Tensor& dv) override;
   int forwards = 0, backwards = 0;
 

@@ -450,7 +450,7 @@ class CpuBackend final : public Backend {
   }
 
   void attention_forward(Stream, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionMask& mask,
-                         double scale, Tensor& out, Tensor& lse) override {
+                         const AttentionLogits& logits, Tensor& out, Tensor& lse) override {
     require_compute(q, "attention_forward");
     require_same(q, k, "attention_forward");
     require_same(q, v, "attention_forward");
@@ -459,6 +459,8 @@ class CpuBackend final : public Backend {
     SPINDLE_CHECK(lse.numel() == s.hq * s.tq, "attention_forward: lse {}", lse.describe());
     const int32_t *qd = mask.q_doc.data_as<int32_t>(), *qp = mask.q_pos.data_as<int32_t>();
     const int32_t *kd = mask.k_doc.data_as<int32_t>(), *kp = mask.k_pos.data_as<int32_t>();
+    const double scale = logits.scale, cap = logits.softcap;
+    const int window = static_cast<int>(logits.window);
     dispatch(q, [&](auto z) {
       using T = decltype(z);
       const T *Q = q.data_as<T>(), *K = k.data_as<T>(), *V = v.data_as<T>();
@@ -473,7 +475,7 @@ class CpuBackend final : public Backend {
             const T* qi = Q + (i * s.hq + h) * s.d;
             double mx = kNegInf;
             for (int64_t j = 0; j < s.tk; ++j) {
-              if (kd[j] != qd[i] || kp[j] > qp[i]) {
+              if (!key_visible(qd[i], qp[i], kd[j], kp[j], window)) {
                 score[j] = kNegInf;
                 continue;
               }
@@ -481,6 +483,7 @@ class CpuBackend final : public Backend {
               double dot = 0;
               for (int64_t e = 0; e < s.d; ++e) dot += static_cast<double>(qi[e]) * kj[e];
               score[j] = dot * scale;
+              if (cap > 0) score[j] = cap * std::tanh(score[j] / cap);
               mx = std::max(mx, score[j]);
             }
             T* oi = O + (i * s.hq + h) * s.d;
@@ -506,13 +509,15 @@ class CpuBackend final : public Backend {
   }
 
   void attention_backward(Stream, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                          const Tensor& dout, const Tensor& lse, const AttentionMask& mask, double scale, Tensor& dq,
-                          Tensor& dk, Tensor& dv, bool accumulate) override {
+                          const Tensor& dout, const Tensor& lse, const AttentionMask& mask,
+                          const AttentionLogits& logits, Tensor& dq, Tensor& dk, Tensor& dv, bool accumulate) override {
     require_compute(q, "attention_backward");
     for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &out, &dout, &dq, &dk, &dv}) require_same(q, *t, "attention_backward");
     const AttnShape s = attn_shape(q, k, v, mask);
     const int32_t *qd = mask.q_doc.data_as<int32_t>(), *qp = mask.q_pos.data_as<int32_t>();
     const int32_t *kd = mask.k_doc.data_as<int32_t>(), *kp = mask.k_pos.data_as<int32_t>();
+    const double scale = logits.scale, cap = logits.softcap;
+    const int window = static_cast<int>(logits.window);
     dispatch(q, [&](auto z) {
       using T = decltype(z);
       const T *Q = q.data_as<T>(), *K = k.data_as<T>(), *V = v.data_as<T>(), *O = out.data_as<T>(),
@@ -533,7 +538,7 @@ class CpuBackend final : public Backend {
               double delta = 0;  // D_i = Σ dO·O over the final output
               for (int64_t e = 0; e < s.d; ++e) delta += static_cast<double>(doi[e]) * oi[e];
               for (int64_t j = 0; j < s.tk; ++j) {
-                if (kd[j] != qd[i] || kp[j] > qp[i]) continue;
+                if (!key_visible(qd[i], qp[i], kd[j], kp[j], window)) continue;
                 const T* kj = K + (j * s.hkv + hk) * s.d;
                 const T* vj = V + (j * s.hkv + hk) * s.d;
                 double dot = 0, dp = 0;
@@ -541,10 +546,19 @@ class CpuBackend final : public Backend {
                   dot += static_cast<double>(qi[e]) * kj[e];
                   dp += static_cast<double>(doi[e]) * vj[e];
                 }
-                const double p = std::exp(dot * scale - l);
-                const double ds = p * (dp - delta) * scale;
+                double ds;
+                if (cap > 0) {
+                  // logit = cap·tanh(scale·dot / cap): ∂logit/∂dot = scale·(1 − tanh²)
+                  const double t = std::tanh(dot * scale / cap);
+                  const double p = std::exp(cap * t - l);
+                  ds = p * (dp - delta) * (1 - t * t) * scale;
+                  for (int64_t e = 0; e < s.d; ++e) dv_acc[j * s.d + e] += p * doi[e];
+                } else {
+                  const double p = std::exp(dot * scale - l);
+                  ds = p * (dp - delta) * scale;
+                  for (int64_t e = 0; e < s.d; ++e) dv_acc[j * s.d + e] += p * doi[e];
+                }
                 for (int64_t e = 0; e < s.d; ++e) {
-                  dv_acc[j * s.d + e] += p * doi[e];
                   dk_acc[j * s.d + e] += ds * qi[e];
                   dq_acc[e] += ds * kj[e];
                 }
@@ -590,6 +604,51 @@ class CpuBackend final : public Backend {
         // lse − log σ(lse − lse_b) = max + log1p(exp(−|lse − lse_b|))
         write_stat(lse, h * tq + i, std::max(la, lb) + std::log1p(std::exp(-std::fabs(la - lb))));
       }
+  }
+
+  void attention_sink_forward(Stream, Tensor& out, Tensor& lse, const Tensor& sinks) override {
+    require_compute(out, "attention_sink_forward");
+    SPINDLE_CHECK(out.rank() == 3 && sinks.numel() == out.dim(1) && lse.numel() == out.dim(0) * out.dim(1),
+                  "attention_sink_forward: out {} lse {} sinks {}", out.describe(), lse.describe(), sinks.describe());
+    const int64_t tq = out.dim(0), hq = out.dim(1), d = out.dim(2);
+    for (int64_t h = 0; h < hq; ++h) {
+      const double sink = load_any(sinks, h);
+      for (int64_t i = 0; i < tq; ++i) {
+        const double l = read_stat(lse, h * tq + i);
+        if (l == kNegInf) {  // no visible key: the sink takes the whole row, out stays 0
+          write_stat(lse, h * tq + i, sink);
+          continue;
+        }
+        const double merged = std::max(l, sink) + std::log1p(std::exp(-std::fabs(l - sink)));
+        const double keep = std::exp(l - merged);  // σ(lse − sink)
+        const int64_t base = (i * hq + h) * d;
+        for (int64_t e = 0; e < d; ++e) store_any(out, base + e, load_any(out, base + e) * keep);
+        write_stat(lse, h * tq + i, merged);
+      }
+    }
+  }
+
+  void attention_sink_backward(Stream, const Tensor& out, const Tensor& dout, const Tensor& lse, const Tensor& sinks,
+                               Tensor& dsinks) override {
+    require_compute(out, "attention_sink_backward");
+    SPINDLE_CHECK(out.rank() == 3 && dout.shape() == out.shape() && sinks.numel() == out.dim(1) &&
+                      dsinks.numel() == sinks.numel() && lse.numel() == out.dim(0) * out.dim(1),
+                  "attention_sink_backward: out {} dout {} lse {} sinks {} dsinks {}", out.describe(), dout.describe(),
+                  lse.describe(), sinks.describe(), dsinks.describe());
+    const int64_t tq = out.dim(0), hq = out.dim(1), d = out.dim(2);
+    for (int64_t h = 0; h < hq; ++h) {
+      const double sink = load_any(sinks, h);
+      double grad = 0;
+      for (int64_t i = 0; i < tq; ++i) {
+        const double l = read_stat(lse, h * tq + i);
+        if (l == kNegInf) continue;
+        const int64_t base = (i * hq + h) * d;
+        double delta = 0;  // D_i = Σ dout·out over the final output
+        for (int64_t e = 0; e < d; ++e) delta += load_any(dout, base + e) * load_any(out, base + e);
+        grad -= std::exp(sink - l) * delta;
+      }
+      store_any(dsinks, h, load_any(dsinks, h) + grad);
+    }
   }
 
   void swiglu_forward(Stream, const Tensor& gate, const Tensor& up, Tensor& out) override {

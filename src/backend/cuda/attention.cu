@@ -61,7 +61,7 @@ __global__ void tile_layouts_kernel(const int32_t* doc, const int32_t* pos, int6
 
 // One warp per tile of the walking side; its lanes test the other side's tiles.
 __global__ void tile_spans_kernel(const TileRange* q_ranges, int64_t q_tiles, const TileRange* k_ranges,
-                                  int64_t k_tiles, bool per_query, TileSpan* spans) {
+                                  int64_t k_tiles, bool per_query, int window, TileSpan* spans) {
   const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   const int64_t n_self = per_query ? q_tiles : k_tiles, n_other = per_query ? k_tiles : q_tiles;
@@ -71,7 +71,7 @@ __global__ void tile_spans_kernel(const TileRange* q_ranges, int64_t q_tiles, co
   int first = INT_MAX, last = -1;
   for (int64_t j = lane; j < n_other; j += 32) {
     const TileRange o = load_range(other + j);
-    if (!(per_query ? tiles_disjoint(self, o) : tiles_disjoint(o, self))) {
+    if (!(per_query ? tiles_disjoint(self, o, window) : tiles_disjoint(o, self, window))) {
       first = min(first, static_cast<int>(j));
       last = max(last, static_cast<int>(j));
     }
@@ -127,11 +127,11 @@ void tile_layouts(cudaStream_t s, const int32_t* doc, const int32_t* pos, int64_
 }
 
 void tile_spans(cudaStream_t s, const TileRange* q_ranges, int64_t q_tiles, const TileRange* k_ranges,
-                int64_t k_tiles, bool per_query, TileSpan* spans) {
+                int64_t k_tiles, bool per_query, int window, TileSpan* spans) {
   const int64_t n = per_query ? q_tiles : k_tiles;
   if (n == 0) return;
   tile_spans_kernel<<<static_cast<unsigned>((n * 32 + 255) / 256), 256, 0, s>>>(q_ranges, q_tiles, k_ranges, k_tiles,
-                                                                                 per_query, spans);
+                                                                                 per_query, window, spans);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_wide_kernel(const BwdPar
   const int items = group * nq;
   auto item_tile = [&](int it) { return span.first + it % nq; };
 
-  auto item_class = [&](int it) { return classify_tile(load_range(p.q_ranges + item_tile(it)), kr, k_complete); };
+  auto item_class = [&](int it) { return classify_tile(load_range(p.q_ranges + item_tile(it)), kr, k_complete, p.mask.window); };
   auto next_active = [&](int from) {
     for (int it = from; it < items; ++it)
       if (item_class(it) != kTileSkip) return it;
@@ -201,8 +201,9 @@ __global__ void __launch_bounds__(kThreads, 1) backward_wide_kernel(const BwdPar
             float pv[2], ds[2];
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const bool vis = cls == kTileFull || (j0 + key < sh.tk && qdoc[qc + e] == s_kdoc[key] &&
-                                                    s_kpos[key] <= qpos[qc + e]);
+              const bool vis = cls == kTileFull ||
+                               (j0 + key < sh.tk &&
+                                key_visible(qdoc[qc + e], qpos[qc + e], s_kdoc[key], s_kpos[key], p.mask.window));
               pv[e] = vis ? exp2f(st[mb][nb][2 * r + e] * p.scale_log2 - lse2[qc + e]) : 0.f;
               ds[e] = pv[e] * (dpt[mb][nb][2 * r + e] - dl[qc + e]);
             }
@@ -329,7 +330,7 @@ void attention_backward_mma(cudaStream_t s, const AttentionShape& sh, const void
   tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, kBr, ranges.as<TileRange>());
   tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, kWBc, ranges.as<TileRange>() + q_tiles);
   auto* q_spans = reinterpret_cast<TileSpan*>(ranges.as<TileRange>() + q_tiles + k_tiles + 1);
-  tile_spans(s, ranges.as<TileRange>(), q_tiles, ranges.as<TileRange>() + q_tiles, k_tiles, /*per_query=*/false,
+  tile_spans(s, ranges.as<TileRange>(), q_tiles, ranges.as<TileRange>() + q_tiles, k_tiles, /*per_query=*/false, mask.window,
              q_spans);
   attention_delta(s, DType::BF16, out, dout, sh.tq, sh.hq, sh.d, delta.as<float>());
   BwdParams p{sh,

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t k0 = static_cast<int64_t>(k_tile) * kBN;
   const TileRange kr = load_range(p.k_ranges + k_tile);
   const bool k_complete = k0 + kBN <= sh.tk;
-  auto tile_class = [&](int i) { return classify_tile(load_range(p.q_ranges + i), kr, k_complete); };
+  auto tile_class = [&](int i) { return classify_tile(load_range(p.q_ranges + i), kr, k_complete, p.mask.window); };
 
   if (threadIdx.x == 0) {
     mbar_init(&sm.kv_full, 1);
@@ -289,8 +289,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int col = 8 * j + 2 * t + (c & 1), r = c >> 1;
         float x = exp2_approx(fmaf(st[4 * j + c], p.scale_log2, -(c & 1 ? lse2.y : lse2.x)));
         if (cls == kTileMixed) {
-          const bool visible = qbase + col < sh.tq && krow[r] + k0 < sh.tk && qd[c & 1] == kdoc[r] &&
-                               kpos[r] <= qp[c & 1];
+          const bool visible = qbase + col < sh.tq && krow[r] + k0 < sh.tk &&
+                               key_visible(qd[c & 1], qp[c & 1], kdoc[r], kpos[r], p.mask.window);
           if (!visible) x = 0.f;
         }
         st[4 * j + c] = x;
@@ -449,7 +449,7 @@ void attention_backward_wgmma(cudaStream_t s, const AttentionShape& sh, const vo
   tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, kBM, ranges);
   tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, kBN, ranges + q_tiles);
   auto* q_spans = reinterpret_cast<TileSpan*>(ranges + q_tiles + k_tiles);
-  tile_spans(s, ranges, q_tiles, ranges + q_tiles, k_tiles, /*per_query=*/false, q_spans);
+  tile_spans(s, ranges, q_tiles, ranges + q_tiles, k_tiles, /*per_query=*/false, mask.window, q_spans);
   auto* q_layouts = reinterpret_cast<TileLayout*>(q_spans + k_tiles + (k_tiles & 1));  // 16-byte aligned
   tile_layouts(s, mask.q_doc, mask.q_pos, sh.tq, kBM, q_layouts);
   const int64_t warps = sh.hq * tq_pad;

@@ -1,8 +1,8 @@
 // Shared by the attention kernels: per-tile ranges of document ids and positions, and the test
 // that says whether a (query tile, key tile) pair is fully masked, fully visible, or mixed.
 //
-// The mask rule (backend.h): key j is visible to query i iff k_doc[j] == q_doc[i] and
-// k_pos[j] <= q_pos[i]. Ranges per tile let a kernel skip whole tiles (causal: everything above
+// The mask rule (backend/attention_rule.h): key j is visible to query i iff k_doc[j] == q_doc[i],
+// k_pos[j] <= q_pos[i] and, with a window W, k_pos[j] > q_pos[i] − W. Ranges per tile let a kernel skip whole tiles (causal: everything above
 // the diagonal; packing: other documents; ring: blocks entirely in the future) and drop the
 // per-element test on tiles that are visible everywhere.
 #pragma once
@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "backend/attention_rule.h"
 #include "backend/cuda/kernels.h"
 
 namespace spindle::cuda {
@@ -46,17 +47,17 @@ __device__ __forceinline__ int layout_pos(const TileLayout& l, int e) { return (
 
 enum TileClass : int { kTileSkip = 0, kTileFull = 1, kTileMixed = 2 };
 
-// No query of tile q sees a key of tile k.
-__device__ __forceinline__ bool tiles_disjoint(const TileRange& q, const TileRange& k) {
-  return k.doc_max < q.doc_min || k.doc_min > q.doc_max  // no shared document
-         || k.pos_min > q.pos_max;                       // every key after every query
+// No query of tile q sees a key of tile k (backend/attention_rule.h, window 0: none).
+__device__ __forceinline__ bool tiles_disjoint(const TileRange& q, const TileRange& k, int window) {
+  return ranges_disjoint(q.doc_min, q.doc_max, q.pos_min, q.pos_max, k.doc_min, k.doc_max, k.pos_min, k.pos_max,
+                         window);
 }
 
 // `k_complete`: the key tile has no slot past the end of the keys (those must be masked).
-__device__ __forceinline__ int classify_tile(const TileRange& q, const TileRange& k, bool k_complete) {
-  if (tiles_disjoint(q, k)) return kTileSkip;
-  if (k_complete && q.doc_min == q.doc_max && k.doc_min == k.doc_max && q.doc_min == k.doc_min &&
-      k.pos_max <= q.pos_min)
+__device__ __forceinline__ int classify_tile(const TileRange& q, const TileRange& k, bool k_complete, int window) {
+  if (tiles_disjoint(q, k, window)) return kTileSkip;
+  if (k_complete && ranges_all_visible(q.doc_min, q.doc_max, q.pos_min, q.pos_max, k.doc_min, k.doc_max, k.pos_min,
+                                       k.pos_max, window))
     return kTileFull;
   return kTileMixed;
 }
@@ -122,7 +123,7 @@ void tile_layouts(cudaStream_t s, const int32_t* doc, const int32_t* pos, int64_
 // spans [q_tiles] (of key tiles, per query tile) when `per_query`, else spans [k_tiles] (of query
 // tiles, per key tile), from the tile ranges of both sides (attention.cu).
 void tile_spans(cudaStream_t s, const TileRange* q_ranges, int64_t q_tiles, const TileRange* k_ranges,
-                int64_t k_tiles, bool per_query, TileSpan* spans);
+                int64_t k_tiles, bool per_query, int window, TileSpan* spans);
 // delta f32 [hq, tq] = Σ_d dout·out per row (the softmax-backward row term, from the final out).
 void attention_delta(cudaStream_t s, DType t, const void* out, const void* dout, int64_t tq, int hq, int d,
                      float* delta);

@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const FwdParams p)
   const TileSpan span = load_span(p.k_spans + q_tile);
 
   auto tile_class = [&](int j) {
-    return classify_tile(qr, load_range(p.k_ranges + j), static_cast<int64_t>(j + 1) * kBc <= sh.tk);
+    return classify_tile(qr, load_range(p.k_ranges + j), static_cast<int64_t>(j + 1) * kBc <= sh.tk, p.mask.window);
   };
   auto next_active = [&](int from) {
     for (int j = from; j < span.end; ++j)
@@ -174,7 +174,8 @@ __global__ void __launch_bounds__(kThreads, 2) forward_kernel(const FwdParams p)
           float x = s[rb][nb][c] * p.scale_log2;
           if (cls == kTileMixed) {
             const int col = nb * 8 + 2 * t + (c & 1), r = c >> 1;
-            if (!(j0 + col < sh.tk && kdoc[col] == qdoc[rb][r] && kpos[col] <= qpos[rb][r])) x = -INFINITY;
+            if (!(j0 + col < sh.tk && key_visible(qdoc[rb][r], qpos[rb][r], kdoc[col], kpos[col], p.mask.window)))
+              x = -INFINITY;
           }
           s[rb][nb][c] = x;
           mt[c >> 1] = fmaxf(mt[c >> 1], x);
@@ -274,7 +275,7 @@ void launch_forward(cudaStream_t s, const AttentionShape& sh, const void* q, con
   auto* k_spans = reinterpret_cast<TileSpan*>(k_ranges + k_tiles);
   tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, C::kBr, q_ranges);
   tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, C::kBc, k_ranges);
-  tile_spans(s, q_ranges, q_tiles, k_ranges, k_tiles, /*per_query=*/true, k_spans);
+  tile_spans(s, q_ranges, q_tiles, k_ranges, k_tiles, /*per_query=*/true, mask.window, k_spans);
   const FwdParams p{sh,
                     static_cast<const bf16*>(q),
                     static_cast<const bf16*>(k),

@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t q0 = static_cast<int64_t>(q_tile) * kBM;
   const TileRange qr = load_range(p.q_ranges + q_tile);
   auto tile_class = [&](int j) {
-    return classify_tile(qr, load_range(p.k_ranges + j), static_cast<int64_t>(j + 1) * kBN <= sh.tk);
+    return classify_tile(qr, load_range(p.k_ranges + j), static_cast<int64_t>(j + 1) * kBN <= sh.tk, p.mask.window);
   };
 
   if (threadIdx.x == 0) {
@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-          if (!(in && kd == qdoc[r] && kp <= qpos[r])) s[4 * i + 2 * r + c] = -INFINITY;
+          if (!(in && key_visible(qdoc[r], qpos[r], kd, kp, p.mask.window))) s[4 * i + 2 * r + c] = -INFINITY;
       }
   };
   // Updates the running max from the masked S; returns the row maxima's rescale factors in alpha
@@ -367,7 +367,7 @@ void launch(cudaStream_t s, const AttentionShape& sh, const void* q, const void*
   auto* k_spans = reinterpret_cast<TileSpan*>(k_ranges + k_tiles);
   tile_ranges(s, mask.q_doc, mask.q_pos, sh.tq, kBM, q_ranges);
   tile_ranges(s, mask.k_doc, mask.k_pos, sh.tk, kBN, k_ranges);
-  tile_spans(s, q_ranges, q_tiles, k_ranges, k_tiles, /*per_query=*/true, k_spans);
+  tile_spans(s, q_ranges, q_tiles, k_ranges, k_tiles, /*per_query=*/true, mask.window, k_spans);
   auto* k_layouts = reinterpret_cast<TileLayout*>(k_spans + q_tiles + (q_tiles & 1));  // 16-byte aligned
   tile_layouts(s, mask.k_doc, mask.k_pos, sh.tk, kBN, k_layouts);
   const CUtensorMap q_map = bf16_tile_map(q, sh.tq, int64_t{sh.hq} * kD, kBM);

@@ -72,7 +72,7 @@ __global__ void forward_kernel(AttentionShape sh, const T* q, const T* k, const 
   const int64_t tiles = (sh.tk + kTile - 1) / kTile;
   for (int64_t kt = 0; kt < tiles; ++kt) {
     const int64_t j0 = kt * kTile;
-    const int cls = classify_tile(q_range, load_range(k_ranges + kt), j0 + kTile <= sh.tk);
+    const int cls = classify_tile(q_range, load_range(k_ranges + kt), j0 + kTile <= sh.tk, mask.window);
     if (cls == kTileSkip) continue;  // block-uniform
     load_rows(sk, d + 1, k, j0, kTile, sh.tk, sh.hkv, hk, d);
     load_rows(sv, d + 1, v, j0, kTile, sh.tk, sh.hkv, hk, d);
@@ -84,7 +84,8 @@ __global__ void forward_kernel(AttentionShape sh, const T* q, const T* k, const 
     __syncthreads();
     if (row_ok) {
       const int64_t j = j0 + lane;
-      const bool vis = j < sh.tk && (cls == kTileFull || (s_kdoc[lane] == qdoc && s_kpos[lane] <= qpos));
+      const bool vis =
+          j < sh.tk && (cls == kTileFull || key_visible(qdoc, qpos, s_kdoc[lane], s_kpos[lane], mask.window));
       float s = -INFINITY;
       if (vis) {
         float dot = 0.f;
@@ -149,7 +150,7 @@ __global__ void dq_kernel(AttentionShape sh, const T* q, const T* k, const T* v,
   const int64_t tiles = (sh.tk + kTile - 1) / kTile;
   for (int64_t kt = 0; kt < tiles; ++kt) {
     const int64_t j0 = kt * kTile;
-    const int cls = classify_tile(q_range, load_range(k_ranges + kt), j0 + kTile <= sh.tk);
+    const int cls = classify_tile(q_range, load_range(k_ranges + kt), j0 + kTile <= sh.tk, mask.window);
     if (cls == kTileSkip) continue;
     load_rows(sk, d + 1, k, j0, kTile, sh.tk, sh.hkv, hk, d);
     load_rows(sv, d + 1, v, j0, kTile, sh.tk, sh.hkv, hk, d);
@@ -161,7 +162,8 @@ __global__ void dq_kernel(AttentionShape sh, const T* q, const T* k, const T* v,
     __syncthreads();
     if (row_ok && l_row != -INFINITY) {
       const int64_t j = j0 + lane;
-      const bool vis = j < sh.tk && (cls == kTileFull || (s_kdoc[lane] == qdoc && s_kpos[lane] <= qpos));
+      const bool vis =
+          j < sh.tk && (cls == kTileFull || key_visible(qdoc, qpos, s_kdoc[lane], s_kpos[lane], mask.window));
       float ds = 0.f;
       if (vis) {
         float dot = 0.f, dp = 0.f;
@@ -222,7 +224,7 @@ __global__ void dkv_kernel(AttentionShape sh, const T* q, const T* k, const T* v
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     for (int64_t qt = 0; qt < tiles; ++qt) {
       const int64_t i0 = qt * kTile;
-      const int cls = classify_tile(load_range(q_ranges + qt), k_range, k_complete);
+      const int cls = classify_tile(load_range(q_ranges + qt), k_range, k_complete, mask.window);
       if (cls == kTileSkip) continue;
       load_rows(sq, d + 1, q, i0, kTile, sh.tq, sh.hq, h, d);
       load_rows(sdo, d + 1, dout, i0, kTile, sh.tq, sh.hq, h, d);
@@ -238,7 +240,7 @@ __global__ void dkv_kernel(AttentionShape sh, const T* q, const T* k, const T* v
       }
       __syncthreads();
       if (row_ok) {
-        const bool vis = cls == kTileFull || (s_qdoc[lane] == kdoc && kpos <= s_qpos[lane]);
+        const bool vis = cls == kTileFull || key_visible(s_qdoc[lane], s_qpos[lane], kdoc, kpos, mask.window);
         float p = 0.f, ds = 0.f;
         if (vis) {
           float dot = 0.f, dp = 0.f;

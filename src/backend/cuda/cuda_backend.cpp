@@ -385,8 +385,10 @@ class CudaBackend final : public Backend {
   }
 
   void attention_forward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v, const AttentionMask& mask,
-                         double scale, Tensor& out, Tensor& lse) override {
+                         const AttentionLogits& logits, Tensor& out, Tensor& lse) override {
     require_compute(q, "attention_forward");
+    require_kernel_logits(logits, "attention_forward");
+    const double scale = logits.scale;
     require_same(q, k, "attention_forward");
     require_same(q, v, "attention_forward");
     require_device(out, "attention_forward");
@@ -397,12 +399,12 @@ class CudaBackend final : public Backend {
     SPINDLE_CHECK(out.shape() == q.shape(), "attention_forward: out {} vs q {}", out.describe(), q.describe());
     require_stat(lse, sh.tq * sh.hq, "attention_forward lse");
     if (attention_impl_ == cuda::AttentionImpl::Cudnn) {
-      const cuda::CudnnMask m = cudnn_mask(stream, sh, q.dtype(), out.dtype(), mask, "attention_forward");
+      const cuda::CudnnMask m = cudnn_mask(stream, sh, q.dtype(), out.dtype(), mask, logits, "attention_forward");
       cuda::attention_forward_cudnn(s(stream), sh, m, q.data(), k.data(), v.data(), static_cast<float>(scale),
                                     out.data(), lse.data_as<float>());
       return;
     }
-    if (cudnn_takes(sh, q.dtype(), out.dtype(), mask, {&q, &k, &v, &out})) {
+    if (cudnn_takes(sh, q.dtype(), out.dtype(), mask, logits, {&q, &k, &v, &out})) {
       try {
         cuda::attention_forward_cudnn(s(stream), sh, cuda::CudnnMask::Causal, q.data(), k.data(), v.data(),
                                       static_cast<float>(scale), out.data(), lse.data_as<float>());
@@ -412,14 +414,16 @@ class CudaBackend final : public Backend {
       }
     }
     cuda::attention_forward(s(stream), pick_impl(sh, q.dtype(), {&q, &k, &v}), sh, q.dtype(), q.data(), k.data(),
-                            v.data(), mask_ptrs(mask), static_cast<float>(scale), out.data(), out.dtype(),
+                            v.data(), mask_ptrs(mask, logits), static_cast<float>(scale), out.data(), out.dtype(),
                             lse.data_as<float>());
   }
 
   void attention_backward(Stream stream, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                          const Tensor& dout, const Tensor& lse, const AttentionMask& mask, double scale, Tensor& dq,
-                          Tensor& dk, Tensor& dv, bool accumulate) override {
+                          const Tensor& dout, const Tensor& lse, const AttentionMask& mask,
+                          const AttentionLogits& logits, Tensor& dq, Tensor& dk, Tensor& dv, bool accumulate) override {
     require_compute(q, "attention_backward");
+    require_kernel_logits(logits, "attention_backward");
+    const double scale = logits.scale;
     for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &out, &dout}) require_same(q, *t, "attention_backward");
     // BF16 inputs may write F32 gradients (ring attention sums its blocks' partials in F32).
     const DType grad = dq.dtype();
@@ -436,13 +440,13 @@ class CudaBackend final : public Backend {
                   dq.describe(), dk.describe(), dv.describe());
     require_stat(lse, sh.tq * sh.hq, "attention_backward lse");
     if (attention_impl_ == cuda::AttentionImpl::Cudnn) {
-      const cuda::CudnnMask m = cudnn_mask(stream, sh, q.dtype(), grad, mask, "attention_backward");
+      const cuda::CudnnMask m = cudnn_mask(stream, sh, q.dtype(), grad, mask, logits, "attention_backward");
       cuda::attention_backward_cudnn(s(stream), sh, m, q.data(), k.data(), v.data(), out.data(), dout.data(),
                                      lse.data_as<float>(), static_cast<float>(scale), dq.data(), dk.data(),
                                      dv.data(), accumulate);
       return;
     }
-    if (cudnn_takes(sh, q.dtype(), grad, mask, {&q, &k, &v, &out, &dout, &dq, &dk, &dv})) {
+    if (cudnn_takes(sh, q.dtype(), grad, mask, logits, {&q, &k, &v, &out, &dout, &dq, &dk, &dv})) {
       try {
         cuda::attention_backward_cudnn(s(stream), sh, cuda::CudnnMask::Causal, q.data(), k.data(), v.data(),
                                        out.data(), dout.data(), lse.data_as<float>(), static_cast<float>(scale),
@@ -455,7 +459,7 @@ class CudaBackend final : public Backend {
       }
     }
     cuda::attention_backward(s(stream), pick_impl(sh, q.dtype(), {&q, &k, &v, &dout}), sh, q.dtype(), q.data(),
-                             k.data(), v.data(), out.data(), dout.data(), lse.data_as<float>(), mask_ptrs(mask),
+                             k.data(), v.data(), out.data(), dout.data(), lse.data_as<float>(), mask_ptrs(mask, logits),
                              static_cast<float>(scale), grad, dq.data(), dk.data(), dv.data(), accumulate);
   }
 
@@ -1214,18 +1218,31 @@ class CudaBackend final : public Backend {
     return sh;
   }
 
-  static cuda::AttentionMaskPtrs mask_ptrs(const AttentionMask& m) {
+  static cuda::AttentionMaskPtrs mask_ptrs(const AttentionMask& m, const AttentionLogits& logits) {
     return {m.q_doc.data_as<int32_t>(), m.q_pos.data_as<int32_t>(), m.k_doc.data_as<int32_t>(),
-            m.k_pos.data_as<int32_t>()};
+            m.k_pos.data_as<int32_t>(), static_cast<int>(logits.window)};
+  }
+
+  // The engine's own kernels take any window (backend/attention_rule.h); a soft-capped logit they
+  // do not compute, and no family that has one is offered on this backend (model/family.cpp).
+  static void require_kernel_logits(const AttentionLogits& logits, const char* op) {
+    if (logits.softcap != 0)
+      fail("{}: soft-capped attention logits (attn_logit_softcapping) are computed by the CPU backend only; run "
+           "with --device cpu",
+           op);
+    if (logits.window < 0 || logits.window > INT32_MAX) fail("{}: window {} out of range", op, logits.window);
   }
 
   // The mask case for --attention cudnn, or an error naming why cuDNN cannot take it.
   cuda::CudnnMask cudnn_mask(Stream stream, const cuda::AttentionShape& sh, DType io, DType outs,
-                             const AttentionMask& mask, const char* op) {
+                             const AttentionMask& mask, const AttentionLogits& logits, const char* op) {
+    if (!logits.plain())
+      fail("{}: --attention cudnn takes no sliding window (window {}); choose --attention auto or own", op,
+           logits.window);
     // The caller's host-side fact spares reading the mask on the device (a stream synchronisation).
     const cuda::CudnnMask m = mask.plain_causal && sh.tq == sh.tk
                                   ? cuda::CudnnMask::Causal
-                                  : cuda::attention_cudnn_classify(s(stream), sh, mask_ptrs(mask));
+                                  : cuda::attention_cudnn_classify(s(stream), sh, mask_ptrs(mask, logits));
     std::string why;
     if (!cuda::attention_cudnn_supports(sh, io, outs, m, &why))
       fail("{}: --attention cudnn cannot take q [{}, {}, {}] k [{}, {}, {}]: {} (choose --attention auto or own "
@@ -1238,8 +1255,9 @@ class CudaBackend final : public Backend {
   // causal document, the dtypes, head dim and 16-byte alignment suit cuDNN's fused engines, and the
   // shape is worth a plan (worth_a_cudnn_plan).
   bool cudnn_takes(const cuda::AttentionShape& sh, DType io, DType outs, const AttentionMask& mask,
-                   std::initializer_list<const Tensor*> tensors) {
+                   const AttentionLogits& logits, std::initializer_list<const Tensor*> tensors) {
     if (!cudnn_for_plain_causal_ || attention_impl_ != cuda::AttentionImpl::Auto || !mask.plain_causal) return false;
+    if (!logits.plain()) return false;
     if (cudnn_refused_head_dims_.count(sh.d)) return false;
     if (!cuda::attention_cudnn_supports(sh, io, outs, cuda::CudnnMask::Causal)) return false;
     for (const Tensor* t : tensors)

@@ -132,6 +132,7 @@ struct AttentionShape {
 };
 struct AttentionMaskPtrs {
   const int32_t *q_doc, *q_pos, *k_doc, *k_pos;  // I32 [tq] / [tk]
+  int window = 0;  // the layer's sliding window, 0: none (backend/attention_rule.h)
 };
 // Which attention kernels to use. Auto: on Hopper (sm_90) the wgmma kernels for BF16 with head dim
 // 128, the tensor-core mma.sync kernels for BF16 with head dim 64 or 128 elsewhere, the simple

@@ -7,14 +7,16 @@
 
 namespace spindle {
 
-SelfAttention::SelfAttention(ParameterSink& sink, const ModelConfig& c, const std::string& layer_prefix)
+SelfAttention::SelfAttention(ParameterSink& sink, const ModelConfig& c, int64_t layer, const std::string& layer_prefix)
     : heads_(c.num_heads),
       kv_heads_(c.num_kv_heads),
       head_dim_(c.head_dim),
       rotary_dim_(c.rotary_dim()),
       norm_eps_(c.rms_norm_eps),
       zero_centered_norm_(c.zero_centered_norm),
-      output_gate_(c.attn_output_gate) {
+      output_gate_(c.attn_output_gate),
+      spec_(c.attention_spec(layer)),
+      rope_attention_factor_(c.rope_of(spec_).attention_factor) {
   const std::string pre = layer_prefix + "self_attn.";
   const int64_t h = c.hidden_size;
   // With the output gate, q_proj's rows are per head D query rows then D gate rows.
@@ -26,6 +28,16 @@ SelfAttention::SelfAttention(ParameterSink& sink, const ModelConfig& c, const st
     q_norm_ = &sink.add(pre + "q_norm.weight", Shape{c.head_dim});
     k_norm_ = &sink.add(pre + "k_norm.weight", Shape{c.head_dim});
   }
+  if (spec_.sinks) sinks_ = &sink.add(pre + "sinks", Shape{c.num_heads});
+}
+
+AttentionCall SelfAttention::call(bool backward) const {
+  AttentionCall call{{spec_.scale, spec_.softcap, spec_.window}};
+  if (sinks_) {
+    call.sinks = sinks_->value;
+    if (backward) call.sinks_grad = trainable_grad(*sinks_);
+  }
+  return call;
 }
 
 double SelfAttention::forward_flops_per_pair(const ModelConfig& c) {
@@ -37,6 +49,7 @@ std::vector<Parameter*> SelfAttention::parameters() const {
   for (const Linear* lin : {&q_, &k_, &v_, &o_}) append_parameters(out, *lin);
   if (q_norm_) out.push_back(q_norm_);
   if (k_norm_) out.push_back(k_norm_);
+  if (sinks_) out.push_back(sinks_);
   return out;
 }
 
@@ -107,8 +120,7 @@ void SelfAttention::forward(const LayerContext& ctx, const Tensor& xn, MixerActi
   rotate(ctx, a.q, +1);
   rotate(ctx, a.k, +1);
   if (run_core) {
-    ctx.attention.forward(be, st, ctx.batch, a.q, a.k, a.v, 1.0 / std::sqrt(static_cast<double>(head_dim_)), a.attn,
-                          a.lse);
+    ctx.attention.forward(be, st, ctx.batch, a.q, a.k, a.v, call(false), a.attn, a.lse);
   } else {
     // Kept from the forward pass, which computed it from the same q, k, v as this recompute.
     SPINDLE_CHECK(a.attn.defined() && a.attn.shape() == a.q.shape() && a.lse.defined() && a.lse.dim(1) == t,
@@ -118,8 +130,14 @@ void SelfAttention::forward(const LayerContext& ctx, const Tensor& xn, MixerActi
 }
 
 void SelfAttention::rotate(const LayerContext& ctx, Tensor& x, int sign) const {
-  if (rotary_dim_ == head_dim_) ctx.backend.rope(ctx.stream, x, ctx.batch.positions, ctx.rope_inv_freq, 1.0, sign);
-  else ctx.backend.rope_partial(ctx.stream, x, ctx.batch.positions, ctx.rope_inv_freq, rotary_dim_, sign);
+  const Tensor& table = spec_.sliding_rope ? ctx.sliding_rope_inv_freq : ctx.rope_inv_freq;
+  if (rotary_dim_ == head_dim_) {
+    ctx.backend.rope(ctx.stream, x, ctx.batch.positions, table, rope_attention_factor_, sign);
+  } else {
+    SPINDLE_CHECK(rope_attention_factor_ == 1.0, "{}: partial RoPE with an attention factor is not implemented",
+                  o_.prefix);
+    ctx.backend.rope_partial(ctx.stream, x, ctx.batch.positions, table, rotary_dim_, sign);
+  }
 }
 
 Tensor SelfAttention::output_projection_input(const LayerContext& ctx, const SelfAttentionActivations& a) const {
@@ -149,8 +167,7 @@ void SelfAttention::backward(const LayerContext& ctx, const Tensor& xn, const Mi
     o_.backward(be, st, a.attn.reshape(Shape{t, q_dim}), dout, a.o_proj, &d_attn_flat, false);
   }
   Tensor dq = be.empty(a.q.shape(), dt), dk = be.empty(a.k.shape(), dt), dv = be.empty(a.v.shape(), dt);
-  ctx.attention.backward(be, st, ctx.batch, a.q, a.k, a.v, a.attn, d_attn, a.lse,
-                         1.0 / std::sqrt(static_cast<double>(head_dim_)), dq, dk, dv);
+  ctx.attention.backward(be, st, ctx.batch, a.q, a.k, a.v, a.attn, d_attn, a.lse, call(true), dq, dk, dv);
   rotate(ctx, dq, -1);
   rotate(ctx, dk, -1);
   // Allocated after the attention backward, whose scratch made the peak (allocates_dxn).

@@ -12,8 +12,9 @@ namespace spindle {
 
 class SelfAttention final : public Mixer {
  public:
-  // Parameters "<prefix>self_attn.{q,k,v,o}_proj.{weight,bias}" and "<prefix>self_attn.{q,k}_norm.weight".
-  SelfAttention(ParameterSink& sink, const ModelConfig& config, const std::string& layer_prefix);
+  // Parameters "<prefix>self_attn.{q,k,v,o}_proj.{weight,bias}", "<prefix>self_attn.{q,k}_norm.weight" and
+  // "<prefix>self_attn.sinks"; layer `layer`'s attention spec (ModelConfig::attention_spec).
+  SelfAttention(ParameterSink& sink, const ModelConfig& config, int64_t layer, const std::string& layer_prefix);
 
   MixerKind kind() const override { return MixerKind::SelfAttention; }
   void allocate(Backend& backend, DType dtype, int64_t tokens, ActivationNeeds needs,
@@ -35,6 +36,8 @@ class SelfAttention final : public Mixer {
   void rotate(const LayerContext& ctx, Tensor& x, int sign) const;
   // o_proj's input [T, Hq, D]: the attention output, times σ(gate) with the output gate.
   Tensor output_projection_input(const LayerContext& ctx, const SelfAttentionActivations& a) const;
+  // The attention strategy's call: the layer's logits and sinks (with their gradient in backward).
+  AttentionCall call(bool backward) const;
 
   int64_t heads_, kv_heads_, head_dim_, rotary_dim_;
   double norm_eps_;
@@ -43,6 +46,9 @@ class SelfAttention final : public Mixer {
   Linear q_, k_, v_, o_;
   Parameter* q_norm_ = nullptr;  // [D] (qk_norm)
   Parameter* k_norm_ = nullptr;  // [D] (qk_norm)
+  AttentionSpec spec_;
+  double rope_attention_factor_;  // cos and sin scaled by it (YaRN's attention factor; 1 otherwise)
+  Parameter* sinks_ = nullptr;    // [Hq] (spec_.sinks)
 };
 
 }  // namespace spindle
