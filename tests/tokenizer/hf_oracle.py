@@ -31,11 +31,10 @@ def byte_offsets(text, char_offsets):
     return [[starts[b], starts[e]] for b, e in char_offsets]
 
 
-def encode(args):
+def encode_stream(tokenizer_dir, lines, out):
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tok = Tokenizer.from_file(os.path.join(args.tokenizer, "tokenizer.json"))
-    out = sys.stdout
-    for line in sys.stdin:
+    tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+    for line in lines:
         text = json.loads(line)["text"]
         enc = tok.encode(text)
         plain = tok.encode(text, add_special_tokens=False)
@@ -46,6 +45,10 @@ def encode(args):
             "decoded": tok.decode(enc.ids, skip_special_tokens=False),
             "decoded_skip": tok.decode(enc.ids, skip_special_tokens=True),
         }, ensure_ascii=False) + "\n")
+
+
+def encode(args):
+    encode_stream(args.tokenizer, sys.stdin, sys.stdout)
 
 
 def variant(args):

@@ -124,7 +124,7 @@ TEST(PreTokenizer, QwenPatternSplitsLikeHf) {
        {"behavior", "Isolated"}});
   const std::string text = "HE'LL pay 42  now!\n";
   std::vector<tokenizer::Piece> pieces;
-  pre.split(text, pieces);
+  pre.split(text, true, pieces);
   std::vector<std::string> words;
   for (const auto& piece : pieces) words.push_back(text.substr(piece.begin, piece.end - piece.begin));
   EXPECT_EQ(words, (std::vector<std::string>{"HE", "'LL", " pay", " ", "4", "2", " ", " now", "!\n"}));
@@ -176,8 +176,8 @@ TEST(Bpe, ZeroMergesAndBadMergesAreErrors) {
 
 TEST(Tokenizer, UnsupportedComponentsAreNamed) {
   auto json = toy_tokenizer({{"a", "b"}}, true);
-  json["pre_tokenizer"] = {{"type", "Metaspace"}};
-  EXPECT_NE(error_of([&] { from(json); }).find("'Metaspace'"), std::string::npos);
+  json["pre_tokenizer"] = {{"type", "WhitespaceSplit"}};
+  EXPECT_NE(error_of([&] { from(json); }).find("'WhitespaceSplit'"), std::string::npos);
   json = toy_tokenizer({{"a", "b"}}, true);
   json["model"]["type"] = "WordPiece";
   EXPECT_NE(error_of([&] { from(json); }).find("'WordPiece'"), std::string::npos);

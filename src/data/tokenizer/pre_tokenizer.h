@@ -1,46 +1,29 @@
 // Pre-tokenizers of tokenizer.json: Split (regex or literal, all five behaviours, invert),
-// ByteLevel (add_prefix_space, use_regex) and Sequence. They cut normalized text into the pieces
+// ByteLevel (add_prefix_space, use_regex), Metaspace (the SentencePiece word marker: replacement,
+// prepend_scheme always/first/never, split) and Sequence. They cut normalized text into the pieces
 // that BPE encodes one by one.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "data/tokenizer/regex.h"
+
 namespace spindle::tokenizer {
 
-// A span of the normalized text; prefix_space means ByteLevel(add_prefix_space) put a space in
-// front of it that is not in the text.
+// A span of the normalized text; `prefixed` means the pre-tokenizer put its prefix in front of it
+// (PreTokenizer::prefix(): ByteLevel's space, Metaspace's replacement), which is not in the text.
 struct Piece {
   uint32_t begin;
   uint32_t end;
-  bool prefix_space;
+  bool prefixed;
 };
-
-// A compiled PCRE2 pattern (UTF + UCP, JIT when available) with the regex dialect of HF
-// tokenizers (Oniguruma) where the two differ.
-class Regex {
- public:
-  Regex(const std::string& pattern, bool literal);
-  ~Regex();
-  Regex(const Regex&) = delete;
-  Regex& operator=(const Regex&) = delete;
-
-  // Appends [begin, end) of every non-empty match of `text`, leftmost first, to `matches`.
-  void find_all(std::string_view text, std::vector<std::pair<uint32_t, uint32_t>>& matches) const;
-
- private:
-  void* code_;  // pcre2_code_8*, kept out of the header
-  std::string pattern_;
-};
-
-// The pattern with Oniguruma's meaning in PCRE2: \s also matches U+0085, and (?i:...) groups of
-// literals match ASCII case only (PCRE2 would also let "s" match "ſ" U+017F).
-std::string translate_oniguruma_pattern(const std::string& pattern);
 
 enum class SplitBehavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
 
@@ -50,8 +33,17 @@ class PreTokenizer {
   static PreTokenizer from_json(const nlohmann::json& config);
 
   bool has_byte_level() const { return has_byte_level_; }
-  // Replaces `pieces` with the pieces of `text`.
-  void split(std::string_view text, std::vector<Piece>& pieces) const;
+  bool has_metaspace() const { return metaspace_.has_value(); }
+  // What a prefixed piece starts with: " " (ByteLevel) or the Metaspace replacement.
+  std::string_view prefix() const { return metaspace_ ? std::string_view(metaspace_->replacement) : " "; }
+  // What each space of a piece becomes before BPE sees it: the Metaspace replacement, or empty
+  // when spaces stay spaces.
+  std::string_view space_replacement() const {
+    return metaspace_ ? std::string_view(metaspace_->replacement) : std::string_view();
+  }
+  // Replaces `pieces` with the pieces of `text`. `at_input_start` says that `text` begins at
+  // offset 0 of the caller's input (Metaspace's "first" scheme prefixes only that piece).
+  void split(std::string_view text, bool at_input_start, std::vector<Piece>& pieces) const;
 
  private:
   struct Step {
@@ -60,9 +52,17 @@ class PreTokenizer {
     SplitBehavior behavior = SplitBehavior::kIsolated;
     bool invert = false;
   };
+  enum class PrependScheme { kAlways, kFirst, kNever };
+  struct Metaspace {
+    std::string replacement;
+    PrependScheme scheme = PrependScheme::kAlways;
+    bool split = true;
+  };
   void add_from_json(const nlohmann::json& config);
+  void metaspace_split(std::string_view text, bool at_input_start, std::vector<Piece>& pieces) const;
   std::vector<Step> steps_;
   bool has_byte_level_ = false;
+  std::optional<Metaspace> metaspace_;
 };
 
 }  // namespace spindle::tokenizer

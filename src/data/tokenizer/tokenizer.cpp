@@ -11,6 +11,7 @@
 #include "data/tokenizer/added_tokens.h"
 #include "data/tokenizer/bpe_model.h"
 #include "data/tokenizer/byte_level.h"
+#include "data/tokenizer/decoder.h"
 #include "data/tokenizer/normalizer.h"
 #include "data/tokenizer/pre_tokenizer.h"
 #include "data/tokenizer/utf8.h"
@@ -24,12 +25,12 @@ struct Tokenizer::Impl {
   PreTokenizer pre_tokenizer;
   std::unique_ptr<BpeModel> model;
   PostProcessor post_processor;
-  bool byte_level_decoder = false;
+  Decoder decoder;
 
   std::vector<AddedToken> added_tokens;
   std::unordered_map<int32_t, size_t> added_index_by_id;
   StringMap<int32_t> added_id_by_content;
-  std::vector<std::string> added_token_bytes;  // what each added token decodes to
+  std::vector<std::string> added_token_bytes;  // what each added token decodes to (ByteLevel decoder)
   AddedTokenMatcher raw_matcher;         // normalized=false: matched on the caller's text
   AddedTokenMatcher normalized_matcher;  // normalized=true: matched after normalization
   int32_t vocab_size = 0;
@@ -39,7 +40,7 @@ struct Tokenizer::Impl {
 
   void encode(std::string_view text, bool add_special_tokens, std::vector<int32_t>& ids,
               std::vector<ByteSpan>* offsets) const;
-  void encode_model_text(std::string_view text, size_t base, const NormalizedText& normalized,
+  void encode_model_text(std::string_view text, size_t base, bool at_input_start, const NormalizedText& normalized,
                          std::vector<int32_t>& ids, std::vector<ByteSpan>* offsets) const;
   std::string_view bytes_of(int32_t id) const {
     auto added = added_index_by_id.find(id);
@@ -105,21 +106,9 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
   try {
     impl->normalizer = Normalizer::from_json(root.value("normalizer", nlohmann::json()));
     impl->pre_tokenizer = PreTokenizer::from_json(root.value("pre_tokenizer", nlohmann::json()));
-    if (!impl->pre_tokenizer.has_byte_level())
-      fail("tokenizer.json: the pre_tokenizer has no ByteLevel step; spindle supports byte-level BPE tokenizers "
-           "(Qwen2/2.5/3, Llama 3, GPT-2 style), not SentencePiece or WordPiece ones");
-    impl->model = BpeModel::from_json(root["model"]);
+    impl->model = BpeModel::from_json(root["model"], impl->pre_tokenizer.has_byte_level());
     impl->post_processor = PostProcessor::from_json(root.value("post_processor", nlohmann::json()));
-    const nlohmann::json decoder = root.value("decoder", nlohmann::json());
-    if (!decoder.is_null()) {
-      const std::string type = decoder.value("type", std::string());
-      const bool byte_level_sequence =
-          type == "Sequence" && decoder.contains("decoders") && decoder["decoders"].is_array() &&
-          decoder["decoders"].size() == 1 && decoder["decoders"][0].value("type", std::string()) == "ByteLevel";
-      if (type != "ByteLevel" && !byte_level_sequence)
-        fail("tokenizer.json: decoder type '{}' is not supported (spindle supports ByteLevel)", type);
-      impl->byte_level_decoder = true;
-    }
+    impl->decoder = Decoder::from_json(root.value("decoder", nlohmann::json()));
   } catch (const Error& e) {
     if (origin == "tokenizer.json") throw;
     fail("{} (in {})", e.what(), origin);
@@ -147,7 +136,7 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
       impl->added_index_by_id[token.id] = impl->added_tokens.size();
       impl->added_id_by_content[token.content] = token.id;
       const auto bytes = ByteLevelAlphabet::get().decode(token.content);
-      impl->added_token_bytes.push_back(impl->byte_level_decoder && bytes ? *bytes : token.content);
+      impl->added_token_bytes.push_back(impl->decoder.is_byte_level() && bytes ? *bytes : token.content);
       impl->vocab_size = std::max(impl->vocab_size, token.id + 1);
       impl->added_tokens.push_back(token);
       if (token.normalized) {
@@ -183,29 +172,62 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
   return tokenizer;
 }
 
-void Tokenizer::Impl::encode_model_text(std::string_view text, size_t base, const NormalizedText& normalized,
-                                        std::vector<int32_t>& ids, std::vector<ByteSpan>* offsets) const {
+void Tokenizer::Impl::encode_model_text(std::string_view text, size_t base, bool at_input_start,
+                                        const NormalizedText& normalized, std::vector<int32_t>& ids,
+                                        std::vector<ByteSpan>* offsets) const {
   thread_local std::vector<Piece> pieces;
-  thread_local std::string with_space;
-  pre_tokenizer.split(text, pieces);
+  thread_local std::string model_input;
+  thread_local std::vector<uint32_t> lengths;
+  // For each byte of model_input, the bytes of `text` it stands for.
+  thread_local std::vector<ByteSpan> sources;
+  pre_tokenizer.split(text, at_input_start, pieces);
+  const std::string_view prefix = pre_tokenizer.prefix();
+  const std::string_view space_replacement = pre_tokenizer.space_replacement();
   for (const Piece& piece : pieces) {
     std::string_view bytes = text.substr(piece.begin, piece.end - piece.begin);
-    if (piece.prefix_space) {
-      with_space.assign(1, ' ');
-      with_space.append(bytes);
-      bytes = with_space;
+    const bool replaces_spaces = !space_replacement.empty() && bytes.find(' ') != std::string_view::npos;
+    if (piece.prefixed || replaces_spaces) {
+      model_input.clear();
+      if (piece.prefixed) model_input.append(prefix);
+      if (replaces_spaces) {
+        for (char c : bytes) c == ' ' ? model_input.append(space_replacement) : model_input.append(1, c);
+      } else {
+        model_input.append(bytes);
+      }
+      bytes = model_input;
     }
     const size_t first = ids.size();
-    model->encode_piece(bytes, ids);
+    lengths.clear();
+    model->encode_piece(bytes, ids, offsets ? &lengths : nullptr);
     if (!offsets) continue;
-    // Each token holds a known run of the piece's bytes; the virtual space maps to the piece start.
-    const size_t shift = piece.prefix_space ? 1 : 0;
+    const size_t piece_begin = base + piece.begin;
+    if (!piece.prefixed && !replaces_spaces) {
+      size_t at = piece_begin;
+      for (size_t i = first; i < ids.size(); ++i) {
+        const size_t length = lengths[i - first];
+        offsets->push_back({normalized.original_begin(at), normalized.original_end(at + length)});
+        at += length;
+      }
+      continue;
+    }
+    // As HF aligns them: a prefix stands for the piece's first character, a replaced space for
+    // the space.
+    sources.clear();
+    const std::string_view original = text.substr(piece.begin, piece.end - piece.begin);
+    if (piece.prefixed) {
+      size_t first_end = 0;
+      if (!original.empty()) next_code_point(original, first_end);
+      sources.insert(sources.end(), prefix.size(), ByteSpan{piece_begin, piece_begin + first_end});
+    }
+    for (size_t i = 0; i < original.size(); ++i) {
+      const ByteSpan source{piece_begin + i, piece_begin + i + 1};
+      sources.insert(sources.end(), replaces_spaces && original[i] == ' ' ? space_replacement.size() : 1, source);
+    }
     size_t at = 0;
     for (size_t i = first; i < ids.size(); ++i) {
-      const size_t length = model->token_bytes(ids[i]).size();
-      const size_t begin = base + piece.begin + (std::max(at, shift) - shift);
-      const size_t end = base + piece.begin + (std::max(at + length, shift) - shift);
-      offsets->push_back({normalized.original_begin(begin), normalized.original_end(end)});
+      const size_t length = lengths[i - first];  // every token covers at least one byte
+      offsets->push_back({normalized.original_begin(sources[at].begin),
+                          normalized.original_end(sources[at + length - 1].end)});
       at += length;
     }
   }
@@ -240,8 +262,9 @@ void Tokenizer::Impl::encode(std::string_view text, bool add_special_tokens, std
         if (offsets) offsets->push_back({normalized.original_begin(inner.begin), normalized.original_end(inner.end)});
         continue;
       }
-      encode_model_text(normalized_text.substr(inner.begin, inner.end - inner.begin), inner.begin, normalized, ids,
-                        offsets);
+      const bool at_input_start = split.begin == 0 && inner.begin == 0;
+      encode_model_text(normalized_text.substr(inner.begin, inner.end - inner.begin), inner.begin, at_input_start,
+                        normalized, ids, offsets);
     }
   }
   post_processor.process(ids, offsets, add_special_tokens, [this](int32_t id) { return bytes_of(id); });
@@ -262,28 +285,33 @@ Encoding Tokenizer::encode_with_offsets(std::string_view text, bool add_special_
 
 std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
   const Impl& impl = *impl_;
-  std::string bytes;
-  bool first = true;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    const int32_t id = ids[i];
+  auto is_added = [&](int32_t id, size_t position) -> std::optional<size_t> {
     auto added = impl.added_index_by_id.find(id);
-    if (added != impl.added_index_by_id.end()) {
-      if (skip_special_tokens && impl.added_tokens[added->second].special) continue;
-    } else if (!impl.model->has_id(id)) {
+    if (added != impl.added_index_by_id.end()) return added->second;
+    if (!impl.model->has_id(id))
       fail("cannot decode id {} at position {}: it is not in the vocabulary (ids are 0..{}); the ids do not "
            "belong to this tokenizer",
-           id, i, impl.vocab_size - 1);
+           id, position, impl.vocab_size - 1);
+    return std::nullopt;
+  };
+  if (impl.decoder.is_byte_level()) {
+    // Every token stands for known bytes: concatenate them, then read the bytes as UTF-8.
+    std::string bytes;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const auto added = is_added(ids[i], i);
+      if (added && skip_special_tokens && impl.added_tokens[*added].special) continue;
+      bytes += impl.bytes_of(ids[i]);
     }
-    if (impl.byte_level_decoder) {
-      bytes += impl.bytes_of(id);
-    } else {
-      // Without a decoder HF joins the tokens with spaces.
-      if (!first) bytes += ' ';
-      bytes += added != impl.added_index_by_id.end() ? impl.added_tokens[added->second].content : impl.model->token(id);
-    }
-    first = false;
+    return utf8_lossy(bytes);
   }
-  return utf8_lossy(bytes);
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const auto added = is_added(ids[i], i);
+    if (added && skip_special_tokens && impl.added_tokens[*added].special) continue;
+    tokens.push_back(added ? impl.added_tokens[*added].content : impl.model->token(ids[i]));
+  }
+  return impl.decoder.decode(std::move(tokens));
 }
 
 std::optional<int32_t> Tokenizer::token_to_id(std::string_view token) const {

@@ -1,5 +1,7 @@
-// spindle::Tokenizer: the byte-level BPE tokenizer of a Hugging Face model folder (tokenizer.json
-// plus tokenizer_config.json), giving the ids HF `tokenizers` gives (Qwen2/2.5/3, Llama 3).
+// spindle::Tokenizer: the BPE tokenizer of a Hugging Face model folder (tokenizer.json plus
+// tokenizer_config.json), giving the ids and decodings HF `tokenizers` gives: byte-level files
+// (Qwen2/2.5/3, Llama 3, Mistral Tekken, gpt-oss) and SentencePiece-style ones (Llama 2, Mistral,
+// Phi-3, Gemma: byte fallback, the ▁ word marker).
 //
 // Text must be valid UTF-8: HF takes a Python str, which cannot hold invalid bytes, so invalid
 // input is an error (spindle::Error naming the byte offset) rather than a silent replacement.
