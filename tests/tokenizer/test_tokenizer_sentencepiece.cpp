@@ -65,6 +65,28 @@ std::vector<std::string> tokens_of(const Tokenizer& tokenizer, const std::string
   return tokens;
 }
 
+// Real vocabularies (Mistral 7B v0.1 and v0.3 SentencePiece, Mistral-Nemo Tekken), too large for
+// the repository: scripts/tokenizer/make_real_tokenizers.py writes them into the
+// SPINDLE_TEST_TOKENIZERS folder. They are optional: the published folders that CI supplies do not
+// hold them, so a missing one is a plain skip even where SPINDLE_TEST_REQUIRE_DATA=1.
+class RealVocabulary : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(RealVocabulary, MatchesLiveHf) {
+  const std::string folder = find_shipped(GetParam());
+  if (folder.empty())
+    GTEST_SKIP() << "optional: " << missing_shipped(GetParam())
+                 << "; write it with scripts/tokenizer/make_real_tokenizers.py \"$SPINDLE_TEST_TOKENIZERS\"";
+  auto texts = read_texts(committed_dir("texts.jsonl"));
+  const auto corpus = corpus_texts();
+  const auto fuzz = fuzz_texts(3000, 31337);
+  texts.insert(texts.end(), corpus.begin(), corpus.end());
+  texts.insert(texts.end(), fuzz.begin(), fuzz.end());
+  expect_same_as_hf(folder, texts, GetParam() + "_real");
+}
+
+INSTANTIATE_TEST_SUITE_P(Mistral, RealVocabulary, ::testing::Values("mistral_v1", "mistral_v1_first", "mistral_v3", "tekken"),
+                         [](const auto& info) { return info.param; });
+
 using Tokens = std::vector<std::string>;
 
 TEST(SentencePiece, WordMarkerAtTheStartFollowsEachPipeline) {
