@@ -8,6 +8,7 @@
 #include "chat_test_support.h"
 #include "data/chat/assistant_spans.h"
 #include "data/chat/chat_template.h"
+#include "data/tokenizer/tokenizer.h"
 
 #include <map>
 #include <optional>
@@ -145,6 +146,63 @@ INSTANTIATE_TEST_SUITE_P(
       std::string name = info.param.template_file.substr(0, info.param.template_file.find('.')) + "_" + info.param.conversation;
       return name;
     });
+
+struct TokenCase {
+  std::string template_file;
+  std::string conversation;
+  std::string tokenizer;  // a folder of testdata/tokenizers with the family's layout
+  // Bytes before a span that a supervised token covers too: BPE merged them with the span's first
+  // bytes (mistral v0.3 after a tool result: "[/TOOL_RESULTS] " + " It..." gives the token "▁▁").
+  size_t spill_before = 0;
+};
+void PrintTo(const TokenCase& c, std::ostream* os) { *os << c.template_file << "/" << c.conversation; }
+
+class FamilyTokens : public ::testing::TestWithParam<TokenCase> {};
+
+// With the family's kind of tokenizer (SentencePiece-style or byte-level) the rendering tokenizes
+// without added specials and a token is supervised when one of its bytes lies in a span
+// (docs/chat_templates.md): the supervised tokens must cover each span exactly, the turn markers
+// included and the prompt cue excluded.
+TEST_P(FamilyTokens, SupervisedTokensCoverTheSpansExactly) {
+  const TokenCase& param = GetParam();
+  ordered_json context;
+  for (const auto& c : references())
+    if (c["template"] == param.template_file && c["conversation"] == param.conversation) context = c["context"];
+  ASSERT_FALSE(context.is_null());
+  const Tokenizer tokenizer =
+      Tokenizer::load((std::filesystem::path(SPINDLE_SOURCE_DIR) / "testdata" / "tokenizers" / param.tokenizer).string());
+  const AssistantSpans spans = render_with_assistant_spans(family_template(param.template_file), context,
+                                                           testing::fixed_clock());
+  ASSERT_FALSE(spans.spans.empty());
+  const Encoding encoding = tokenizer.encode_with_offsets(spans.text, false);
+  for (size_t k = 0; k < spans.spans.size(); ++k) {
+    const ByteSpan span = spans.spans[k];
+    const bool after_tool = context["messages"][spans.message_indices[k] - 1]["role"] == "tool";
+    size_t covered_begin = SIZE_MAX, covered_end = 0, supervised = 0;
+    for (const auto& offset : encoding.offsets) {
+      if (offset.end <= span.begin || offset.begin >= span.end) continue;
+      covered_begin = std::min(covered_begin, offset.begin);
+      covered_end = std::max(covered_end, offset.end);
+      ++supervised;
+    }
+    EXPECT_GT(supervised, 0u);
+    EXPECT_EQ(covered_begin, span.begin - (after_tool ? param.spill_before : 0)) << ordered_json(spans.text.substr(span.begin, span.end - span.begin)).dump();
+    EXPECT_EQ(covered_end, span.end) << ordered_json(spans.text.substr(span.begin, span.end - span.begin)).dump();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Templates, FamilyTokens,
+                         ::testing::Values(TokenCase{"gemma3.jinja", "system", "gemma"},
+                                           TokenCase{"gemma2.jinja", "multi", "gemma"},
+                                           TokenCase{"phi3_5.jinja", "system", "phi3_style"},
+                                           TokenCase{"mistral_v0_1.jinja", "multi", "llama2_legacy"},
+                                           TokenCase{"mistral_v0_3.jinja", "tools", "llama_first", 1},
+                                           TokenCase{"mistral_nemo.jinja", "tools", "tekken_small"},
+                                           TokenCase{"gpt_oss.jinja", "thinking", "o200k_small"}),
+                         [](const auto& info) {
+                           return info.param.template_file.substr(0, info.param.template_file.find('.')) + "_" +
+                                  info.param.conversation;
+                         });
 
 }  // namespace
 }  // namespace spindle::chat
