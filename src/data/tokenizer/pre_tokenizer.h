@@ -33,7 +33,6 @@ class PreTokenizer {
   static PreTokenizer from_json(const nlohmann::json& config);
 
   bool has_byte_level() const { return has_byte_level_; }
-  bool has_metaspace() const { return metaspace_.has_value(); }
   // What a prefixed piece starts with: " " (ByteLevel) or the Metaspace replacement.
   std::string_view prefix() const { return metaspace_ ? std::string_view(metaspace_->replacement) : " "; }
   // What each space of a piece becomes before BPE sees it: the Metaspace replacement, or empty
