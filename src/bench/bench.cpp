@@ -107,7 +107,8 @@ class CommTimer final : public comm::CommObserver {
     const OpCategory category =
         stream.handle == compute_.handle ? OpCategory::Communication : OpCategory::OverlappedCommunication;
     return recorder_.begin(stream, category,
-                           fmt::format("{} {} {:.1f} MiB", group.name(), call, static_cast<double>(data.bytes()) / (1 << 20)));
+                           fmt::format("{} {} {:.1f} MiB", group.name(), call, static_cast<double>(data.bytes()) / (1 << 20)),
+                           0, static_cast<double>(data.bytes()));
   }
   void end(Stream stream, int token) override { recorder_.end(stream, token); }
 
@@ -231,6 +232,7 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
       t.calls /= o.profile_steps;
       t.ms /= o.profile_steps;
       t.flops /= o.profile_steps;
+      t.bytes /= o.profile_steps;
     }
     r.split_measured = true;
   }
@@ -452,12 +454,13 @@ std::string format_report(const BenchReport& rep) {
       s += fmt::format("\nseq {}: the {} most costly ops of the profiled step (gemm M×N×K, op(A) op(B): N plain, T "
                        "transposed; +C accumulates)\n",
                        r.seq, std::min<size_t>(o.op_table_rows, r.op_table.size()));
-      s += fmt::format("{:<36} {:>6} {:>10} {:>7} {:>9}\n", "op", "calls", "ms", "share", "TFLOP/s");
+      s += fmt::format("{:<36} {:>6} {:>10} {:>7} {:>9} {:>8}\n", "op", "calls", "ms", "share", "TFLOP/s", "GB/s");
       for (size_t i = 0; i < r.op_table.size() && i < static_cast<size_t>(o.op_table_rows); ++i) {
         const OpTime& t = r.op_table[i];
         const std::string rate = t.flops > 0 && t.ms > 0 ? fmt::format("{:.1f}", t.flops / t.ms / 1e9) : "";
-        s += fmt::format("{:<36} {:>6} {:>10.2f} {:>6.1f}% {:>9}\n", t.label, t.calls, t.ms,
-                         r.profiled_step_ms > 0 ? 100 * t.ms / r.profiled_step_ms : 0, rate);
+        const std::string bandwidth = t.bytes > 0 && t.ms > 0 ? fmt::format("{:.0f}", t.bytes / t.ms / 1e6) : "";
+        s += fmt::format("{:<36} {:>6} {:>10.2f} {:>6.1f}% {:>9} {:>8}\n", t.label, t.calls, t.ms,
+                         r.profiled_step_ms > 0 ? 100 * t.ms / r.profiled_step_ms : 0, rate, bandwidth);
       }
     }
   }
@@ -541,7 +544,7 @@ nlohmann::ordered_json report_json(const BenchReport& rep) {
       auto& ops = x["ops"] = nlohmann::ordered_json::array();
       for (const OpTime& t : r.op_table)
         ops.push_back({{"op", t.label}, {"category", category_name(t.category)}, {"calls", t.calls}, {"ms", t.ms},
-                       {"flops", t.flops}});
+                       {"flops", t.flops}, {"bytes", t.bytes}});
     }
     results.push_back(x);
   }

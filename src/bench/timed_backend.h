@@ -1,6 +1,8 @@
-// A Backend decorator that times every op on the device, by category, for the time split of
-// `spindle bench`. It is a separate object wrapped around the real backend only for the steps
-// being profiled: code that uses the plain backend pays nothing.
+// A Backend decorator that reports every op, with its category, FLOPs and least bytes moved, to an
+// observer: the device timer of `spindle bench`'s time split (OpRecorder), or the plan's step-time
+// prediction (plan/step_cost.h), which observes the same ops on a backend that computes nothing. It
+// is a separate object wrapped around the real backend only for the steps being observed: code that
+// uses the plain backend pays nothing.
 #pragma once
 
 #include <array>
@@ -26,16 +28,30 @@ struct OpTime {
   OpCategory category = OpCategory::OtherOps;
   int64_t calls = 0;
   double ms = 0;
-  double flops = 0;  // GEMMs: Σ 2·M·N·K; 0 for the others
+  double flops = 0;  // matrix products (GEMMs, attention, the delta rule): their FLOPs (op_cost.h); 0 for the others
+  double bytes = 0;  // the least bytes the calls move through device memory (op_cost.h)
 };
 
-// Records [begin, end) marks per op; totals after the stream has been synchronized.
-class OpRecorder {
+// What TimedBackend reports each op to: begin before the op is enqueued, end after it.
+class OpObserver {
+ public:
+  virtual ~OpObserver() = default;
+  // Returns the record's token for end(); records may interleave (comm and compute streams).
+  virtual int begin(Stream stream, OpCategory category, const std::string& label, double flops, double bytes) = 0;
+  virtual void end(Stream stream, int token) = 0;
+  // The (query, key) pairs an attention call computes under `mask` and a sliding window of `window`
+  // keys (0: none; backend/attention_rule.h), for its FLOPs: the plain causal count for a plain
+  // causal mask, else half of all pairs, at most `window` per query (the masks' ids live on the
+  // device). An observer that can read the ids (the plan's) counts them exactly.
+  virtual double attention_pairs(const AttentionMask& mask, int64_t window, int64_t tq, int64_t tk);
+};
+
+// Records [begin, end) device marks per op; totals after the stream has been synchronized.
+class OpRecorder final : public OpObserver {
  public:
   explicit OpRecorder(Backend& backend) : timer_(make_device_timer(backend)) {}
-  // Returns the record's token for end(); records may interleave (comm and compute streams).
-  int begin(Stream stream, OpCategory category, const std::string& label, double flops = 0);
-  void end(Stream stream, int token) { open_[static_cast<size_t>(token)].end = timer_->mark(stream); }
+  int begin(Stream stream, OpCategory category, const std::string& label, double flops = 0, double bytes = 0) override;
+  void end(Stream stream, int token) override { open_[static_cast<size_t>(token)].end = timer_->mark(stream); }
   // Milliseconds per category since the last reset(); call after synchronizing.
   std::array<double, static_cast<size_t>(OpCategory::kCount)> totals_ms();
   // Per label, the most time first; call after synchronizing.
@@ -52,7 +68,7 @@ class OpRecorder {
   struct Record {
     OpCategory category;
     int label;
-    double flops;
+    double flops, bytes;
     int begin, end;
   };
   std::unique_ptr<DeviceTimer> timer_;
@@ -63,10 +79,11 @@ class OpRecorder {
 
 class TimedBackend final : public Backend {
  public:
-  TimedBackend(Backend& inner, OpRecorder& recorder) : inner_(inner), recorder_(recorder) {}
+  TimedBackend(Backend& inner, OpObserver& observer) : inner_(inner), observer_(observer) {}
 
   std::string name() const override { return inner_.name(); }
   Device device() const override { return inner_.device(); }
+  bool computes() const override { return inner_.computes(); }
   Stream default_stream() override { return inner_.default_stream(); }
   void synchronize(Stream stream) override { inner_.synchronize(stream); }
   Stream comm_stream() override { return inner_.comm_stream(); }
@@ -207,14 +224,17 @@ class TimedBackend final : public Backend {
 
  private:
   template <typename Op>
-  void timed(Stream stream, OpCategory category, const std::string& label, Op&& op, double flops = 0) {
-    const int token = recorder_.begin(stream, category, label, flops);
+  void timed(Stream stream, OpCategory category, const std::string& label, double flops, double bytes, Op&& op) {
+    const int token = observer_.begin(stream, category, label, flops, bytes);
     op();
-    recorder_.end(stream, token);
+    observer_.end(stream, token);
   }
 
+  // An attention call's FLOPs (QKᵀ and PV over the pairs the observer counts).
+  double attention_flops(const Tensor& q, const Tensor& k, const AttentionMask& mask, const AttentionLogits& logits);
+
   Backend& inner_;
-  OpRecorder& recorder_;
+  OpObserver& observer_;
 };
 
 }  // namespace spindle::bench

@@ -177,6 +177,10 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
   cmd->add_flag("--bench-step", args->bench_step,
                 "leave out the optimizer state, as `spindle bench`'s step does (to compare with its peak)");
   cmd->add_option("--device", o.device, "the device planned for: cuda (bf16) or cpu (f32)")->capture_default_str();
+  cmd->add_option("--gpu", o.gpu,
+                  "the kind of device whose measured rates predict the step time and rank --recompute auto's "
+                  "settings: h100, h200 or cpu (default: this machine's GPU, estimated from its properties when it "
+                  "has no measured rates; h100 when no GPU is visible; docs/perf.md, step-time model)");
   cmd->add_option("--dtype", o.dtype, "auto, f32, f64 (cpu) or bf16 (cuda)")->capture_default_str();
   cmd->add_option("--world", o.world, "processes (GPUs) of the job, as --nproc-per-node × nodes would start")
       ->capture_default_str();

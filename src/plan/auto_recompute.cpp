@@ -8,10 +8,10 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <sstream>
 #include <vector>
 
-#include "bench/flops.h"
 #include "core/error.h"
 #include "model/config.h"
 #include "parallel/mesh.h"
@@ -28,10 +28,11 @@ constexpr int64_t kGiB = int64_t{1} << 30;
 
 struct Candidate {
   RecomputeSetting setting;
-  double cost = 0;  // executed FLOPs of one step
+  double seconds = 0;  // predicted step time (step_cost.h), offload's copies counted by what they cannot hide
 };
 
-// The peak (largest rank) and offload host bytes of `base` planned with `setting` at `seq`.
+// The plan of `base` with `setting` at `seq`: the peak (largest rank), the host bytes of offload and
+// the predicted step time (slowest rank).
 Planned plan_with(PlanOptions o, const RecomputeSetting& setting, int64_t seq) {
   SPINDLE_CHECK(setting.offload_layers >= -1, "plan_with: offload_layers {} is not resolved", setting.offload_layers);
   o.recompute = setting.recompute;
@@ -44,7 +45,7 @@ Planned plan_with(PlanOptions o, const RecomputeSetting& setting, int64_t seq) {
   o.device_memory_gib = 0;
   const PlanReport report = run_plan(o);
   const RankPlan& top = report.lengths.at(0).largest();
-  Planned p{top.peak_allocated_bytes, 0};
+  Planned p{top.peak_allocated_bytes, 0, report.lengths[0].slowest().time};
   for (const RankPlan& r : report.lengths[0].ranks) p.host = std::max(p.host, r.host_peak_bytes);
   return p;
 }
@@ -77,29 +78,27 @@ bool fits(const Planned& p, int64_t usable_bytes, const PlanOptions& o) {
 // Offload's copies run beside compute on a copy engine of their own: a step loses only the part of
 // a copy that outlasts the compute it runs under (layer l's copy out runs under layer l+1's forward,
 // its copy back under layer l+1's backward and recompute). On an H200 the copies reached 54.9 GB/s
-// and the step waited 0.0 ms for them (Qwen2.5-1.5B at 32k, docs/memory.md). Estimated on the safe
-// side: copies at 40 GB/s against compute at 1000 TFLOP/s (faster compute hides less), on every
-// offloadable layer (the choice may offload fewer). Returns that lost time as FLOPs at that rate,
-// so it adds to a candidate's executed FLOPs.
-double unhidden_copy_flops(const PlanOptions& o, const ModelConfig& c, const RecomputeSetting& s,
-                           const bench::StepFlops& flops, int64_t tokens) {
-  constexpr double kCopyBytesPerSecond = 40e9, kComputeFlopsPerSecond = 1e15;
-  if (!s.offload || c.num_layers < 2) return 0;
+// and the step waited 0.0 ms for them (Qwen2.5-1.5B at 32k, docs/memory.md). Counted on every
+// offloadable layer (the choice may offload fewer), with the layers' predicted times of `time`.
+double unhidden_copy_seconds(const PlanOptions& o, const ModelConfig& c, const RecomputeSetting& s,
+                             const StepTime& time, const DeviceRates& rates, int64_t tokens) {
+  if (!s.offload || c.num_layers < 2 || rates.host_copy_bytes_per_s <= 0) return 0;
   const int64_t recomputed = s.recompute_layers < 0 ? c.num_layers : s.recompute_layers;
-  const double offloaded = static_cast<double>(std::min(recomputed, c.num_layers - 1));
+  const int64_t offloaded = std::min(recomputed, c.num_layers - 1);
   const double element = o.dtype == "f64" ? 8 : o.dtype == "f32" || (o.dtype == "auto" && o.device != "cuda") ? 4 : 2;
   const double stat = o.dtype == "f64" ? 8 : 4;
-  const double t = static_cast<double>(tokens), layers = static_cast<double>(c.num_layers);
+  const double t = static_cast<double>(tokens);
   // A layer's kept tensors: its input, and with keep-attention its attention output and LSE.
   double bytes = t * static_cast<double>(c.hidden_size) * element;
   if (s.recompute == "keep-attention")
     bytes += t * static_cast<double>(c.num_heads * c.head_dim) * element + t * static_cast<double>(c.num_heads) * stat;
-  const double copy = bytes / kCopyBytesPerSecond;
-  // A layer's forward (2 FLOPs per weight and token, one attention forward) and its share of the rest.
-  const double forward = (flops.dense_model / 3 + flops.attention_model / 3.5) / layers / kComputeFlopsPerSecond;
-  const double backward = flops.executed() / layers / kComputeFlopsPerSecond - forward;
-  const double lost = std::max(0.0, copy - forward) + std::max(0.0, copy - backward);
-  return offloaded * lost * kComputeFlopsPerSecond;
+  const double copy = bytes / rates.host_copy_bytes_per_s;
+  double lost = 0;
+  for (int64_t l = 0; l < offloaded; ++l) {
+    const size_t next = static_cast<size_t>(l + 1);
+    lost += std::max(0.0, copy - time.layer_forward_s.at(next)) + std::max(0.0, copy - time.layer_backward_s.at(next));
+  }
+  return lost;
 }
 
 // The MLP tilings --recompute auto tries: the one given, or with auto untiled then
@@ -295,7 +294,8 @@ std::string AutoChoice::summary(int64_t num_layers) const {
                               setting.describe(), format_bytes(peak_bytes), format_bytes(device_bytes),
                               format_bytes(usable_bytes));
   if (setting.offload) s += fmt::format("; {} of host memory", format_bytes(host_bytes));
-  return s + fmt::format("; {} settings planned)", candidates_planned);
+  return s + fmt::format("; predicted step {:.3f} s on {}; {} settings planned)", predicted_step_s, device_kind,
+                         candidates_planned);
 }
 
 int64_t longest_fitting_seq(const PlanOptions& base, const RecomputeSetting& setting, int64_t usable_bytes,
@@ -369,36 +369,70 @@ int64_t longest_fitting_seq_auto(const PlanOptions& base, int64_t usable_bytes, 
   return longest;
 }
 
-AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device_bytes, bool offload_only) {
-  if (device_bytes <= 0)
-    fail("--recompute auto needs the device's memory: give --device-memory (bytes or e.g. 80GiB)");
+std::vector<RankedSetting> rank_recompute_settings(const PlanOptions& base, int64_t seq, bool offload_only,
+                                                   int* plans) {
   const ModelConfig config = ModelConfig::from_file(base.model);
   const int64_t layers = config.num_layers;
-  AutoChoice choice;
-  choice.device_bytes = device_bytes;
-  choice.usable_bytes = usable_memory(device_bytes, base.device);
-
-  // Every setting the engine has: nothing recomputed; keep-attention or all on the first N layers
-  // (the others keep everything; N = L is the mode on every layer); each recomputing one offloaded.
-  bench::FlopSetup flops;
-  flops.tokens = seq;
-  flops.doc_length = base.doc_length;
-  flops.lora_rank = base.full ? 0 : base.lora_rank;
-  flops.lora_targets = base.lora_targets;
-  std::vector<Candidate> candidates;
-  auto add = [&](const std::string& mode, int64_t n, bool offload, int64_t tile, int64_t stride = 1) {
-    Candidate c;
-    c.setting = {mode, mode == "none" || n == layers ? -1 : n, offload, offload ? kFewestOffloadLayers : -1, tile,
-                 stride};
-    flops.recompute = parse_recompute_mode(mode);
-    flops.recomputed_layers = c.setting.recompute_layers;
-    flops.mlp_tiled = tile > 0;
-    flops.checkpoint_stride = stride;
-    const bench::StepFlops step = bench::step_flops(config, flops);
-    c.cost = step.executed() + unhidden_copy_flops(base, config, c.setting, step, seq);
-    candidates.push_back(c);
+  const DeviceRates rates = plan_rates(base);
+  int planned = 0;
+  // Each layer's time with each mode on every layer, per tiling: a setting recomputing the first N
+  // layers runs their windows as that mode's plan does and the others' as none's; what runs outside
+  // the layers' windows (embedding, LM head, loss) is the same for every setting.
+  struct ModeTimes {
+    StepTime none, keep_attention, all;
+  };
+  std::map<int64_t, ModeTimes> by_tile;
+  auto time_of = [&](const RecomputeSetting& s) {
+    ++planned;
+    return plan_with(base, s, seq).time;
   };
   const std::vector<int64_t> tiles = candidate_tiles(base, config);
+  for (int64_t tile : tiles) {
+    ModeTimes& m = by_tile[tile];
+    m.none = time_of({"none", -1, false, -1, tile, 1});
+    m.keep_attention = time_of({"keep-attention", -1, false, -1, tile, 1});
+    m.all = time_of({"all", -1, false, -1, tile, 1});
+  }
+  // The layers' times of a setting (its own step, offload's copies aside).
+  auto layer_times = [&](const RecomputeSetting& s) {
+    const ModeTimes& m = by_tile.at(s.mlp_tile_tokens);
+    const StepTime& mode = s.recompute == "all" ? m.all : s.recompute == "keep-attention" ? m.keep_attention : m.none;
+    const int64_t n = s.recompute == "none" ? 0 : s.recompute_layers < 0 ? layers : s.recompute_layers;
+    StepTime t;
+    t.outside_layers_s = m.none.outside_layers_s;
+    for (int64_t l = 0; l < layers; ++l) {
+      const StepTime& from = l < n ? mode : m.none;
+      t.layer_forward_s.push_back(from.layer_forward_s.at(static_cast<size_t>(l)));
+      t.layer_backward_s.push_back(from.layer_backward_s.at(static_cast<size_t>(l)));
+    }
+    return t;
+  };
+  auto step_seconds = [](const StepTime& t) {
+    double total = t.outside_layers_s;
+    for (size_t l = 0; l < t.layer_forward_s.size(); ++l) total += t.layer_forward_s[l] + t.layer_backward_s[l];
+    return total;
+  };
+
+  std::vector<RankedSetting> candidates;
+  std::map<std::pair<int64_t, int64_t>, StepTime> strided;  // (tile, stride): planned as a whole
+  auto add = [&](const std::string& mode, int64_t n, bool offload, int64_t tile, int64_t stride = 1) {
+    RankedSetting c;
+    c.setting = {mode, mode == "none" || n == layers ? -1 : n, offload, offload ? kFewestOffloadLayers : -1, tile,
+                 stride};
+    StepTime t;
+    if (stride > 1) {
+      // Regenerated inputs rerun whole forwards inside other layers' backward windows: planned whole.
+      auto it = strided.find({tile, stride});
+      if (it == strided.end()) it = strided.emplace(std::pair{tile, stride}, time_of({mode, -1, false, -1, tile, stride})).first;
+      t = it->second;
+      c.seconds = t.total_s();
+    } else {
+      t = layer_times(c.setting);
+      c.seconds = step_seconds(t);
+    }
+    c.seconds += unhidden_copy_seconds(base, config, c.setting, t, rates, seq);
+    candidates.push_back(c);
+  };
   for (int64_t tile : tiles)
     for (bool offload : {false, true}) {
       if (offload ? false : offload_only) continue;
@@ -408,20 +442,33 @@ AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device
       for (int64_t stride : kAutoCheckpointStrides)
         if (stride < layers) add("all", layers, offload, tile, stride);
     }
-  // Fewest FLOPs first, offload's copies counted by what they cannot hide (unhidden_copy_flops): an
-  // offloading setting that recomputes less comes before one that recomputes more without offload
-  // (on an H200, keep-attention with offload ran 17 % faster than all on 27 layers in the same
-  // memory); at equal cost the setting without offload first (it needs no host memory); tiled
-  // (auto) after every untiled setting; sparse checkpoints after every setting that keeps each
-  // recomputed layer's input (a tiled MLP costs less than a third forward of half the layers).
-  std::stable_sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+  // Fastest first within each group: every untiled setting before the tiled ones (auto), sparse
+  // checkpoints after every setting that keeps each recomputed layer's input; at equal times the
+  // setting without offload first (it needs no host memory).
+  std::stable_sort(candidates.begin(), candidates.end(), [](const RankedSetting& a, const RankedSetting& b) {
     if ((a.setting.checkpoint_stride > 1) != (b.setting.checkpoint_stride > 1)) return a.setting.checkpoint_stride == 1;
     if ((a.setting.mlp_tile_tokens > 0) != (b.setting.mlp_tile_tokens > 0)) return a.setting.mlp_tile_tokens == 0;
-    if (a.cost != b.cost) return a.cost < b.cost;
+    if (a.seconds != b.seconds) return a.seconds < b.seconds;
     return !a.setting.offload && b.setting.offload;
   });
+  if (plans) *plans += planned;
+  return candidates;
+}
+
+AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device_bytes, bool offload_only) {
+  if (device_bytes <= 0)
+    fail("--recompute auto needs the device's memory: give --device-memory (bytes or e.g. 80GiB)");
+  const ModelConfig config = ModelConfig::from_file(base.model);
+  const int64_t layers = config.num_layers;
+  AutoChoice choice;
+  choice.device_bytes = device_bytes;
+  choice.usable_bytes = usable_memory(device_bytes, base.device);
+
+  const std::vector<RankedSetting> ranked =
+      rank_recompute_settings(base, seq, offload_only, &choice.candidates_planned);
+  choice.device_kind = plan_rates(base).kind;
   Planned least{};
-  for (const Candidate& c : candidates) {
+  for (const RankedSetting& c : ranked) {
     RecomputeSetting setting = c.setting;
     Planned p;
     // With offload at least one layer: a setting that fits without was planned before.
@@ -429,6 +476,7 @@ AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device
       choice.setting = setting;
       choice.peak_bytes = p.peak;
       choice.host_bytes = p.host;
+      choice.predicted_step_s = c.seconds;
       return choice;
     }
     if (least.peak == 0 || p.peak < least.peak) least = p;

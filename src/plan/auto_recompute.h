@@ -6,8 +6,10 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "plan/plan.h"
+#include "plan/step_cost.h"
 
 namespace spindle::plan {
 
@@ -73,6 +75,7 @@ constexpr int64_t kAutoCheckpointStrides[] = {2, 3, 4};
 // the last). `plans` counts the plans run.
 struct Planned {
   int64_t peak = 0, host = 0;
+  StepTime time;  // predicted (step_cost.h), of the slowest rank
 };
 bool plan_fits(const PlanOptions& base, RecomputeSetting& setting, int64_t seq, int64_t usable_bytes, Planned& planned,
                int& plans, int64_t min_offload_layers = 0);
@@ -83,24 +86,40 @@ struct AutoChoice {
   int64_t host_bytes = 0;           // host memory of offload at its peak (per process)
   int64_t device_bytes = 0, usable_bytes = 0;
   int candidates_planned = 0;
+  double predicted_step_s = 0;      // the step time the ranking predicted for the choice
+  std::string device_kind;          // whose rates predicted it (DeviceRates::kind)
   std::string summary(int64_t num_layers) const;  // one line for logs
 };
 
 // `base` with its recompute, recompute_layers and offload replaced by each candidate, for one length
-// `seq`, fastest first (fewest executed FLOPs: the step's forward, backward and each candidate's
-// recompute, bench/flops.h), every setting without offload before those with it; the first whose
-// peak fits usable_memory(device_bytes), and whose offloaded host tensors fit three quarters of the
-// machine's physical memory, is returned. A setting with offload offloads the fewest first layers
-// that make its device peak fit (plan_fits), so the fewest bytes cross the host link and host
-// memory bounds only what it must. `offload_only`: the user asked for
-// --offload activations, so only recomputing settings with offload are candidates. The SwiGLU MLP
-// tiling is base.mlp_tile_tokens when given; when auto, every untiled candidate comes first and the
-// same candidates with kAutoMlpTileTokens-token tiles after them (tiling costs two projections more
-// per token where a layer is kept, and is only needed where nothing untiled fits). Recompute all on
-// every layer with sparse checkpoints (kAutoCheckpointStrides) comes last, after every setting that
-// keeps each layer's input: it runs layers forward a third time. Throws an Error
+// `seq`, fastest first by the predicted step time on base.gpu's device (step_cost.h, the rates of
+// this machine's GPU when empty); the first whose peak fits usable_memory(device_bytes), and whose
+// offloaded host tensors fit three quarters of the machine's physical memory, is returned. The
+// times come from a few plans (predict_candidate_times): each layer's forward and backward time
+// with nothing, keep-attention and all recomputed, summed per candidate over its layers. A setting
+// with offload is the same step plus the part of its copies that cannot hide under the compute they
+// run beside (a layer's copy out under the next layer's forward, its copy back under the next
+// layer's backward), at the device's measured host copy rate, counted on every offloadable layer
+// (the choice may offload fewer); at equal times the setting without offload comes first (it needs
+// no host memory). It offloads the fewest first layers that make its device peak fit (plan_fits),
+// so the fewest bytes cross the host link and host memory bounds only what it must. `offload_only`:
+// the user asked for --offload activations, so only recomputing settings with offload are
+// candidates. The SwiGLU MLP tiling is base.mlp_tile_tokens when given; when auto, every untiled
+// candidate comes first and the same candidates with kAutoMlpTileTokens-token tiles after them
+// (tiles are only needed where nothing untiled fits, and their shorter GEMMs' rate is not measured).
+// Recompute all on every layer with sparse checkpoints (kAutoCheckpointStrides) comes last, after
+// every setting that keeps each layer's input: it runs layers forward a third time. Throws an Error
 // when nothing fits, with the smallest --sp (more processes) and the longest --seq that would.
 AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device_bytes, bool offload_only = false);
+
+// Every candidate choose_recompute ranks, with its predicted step time (without offload's copies'
+// unhidden part for a setting without offload, with it for one with), in the order it tries them.
+struct RankedSetting {
+  RecomputeSetting setting;
+  double seconds = 0;
+};
+std::vector<RankedSetting> rank_recompute_settings(const PlanOptions& base, int64_t seq, bool offload_only,
+                                                   int* plans = nullptr);
 
 // The longest row (a multiple of the mesh's sequence multiple, at most `limit` tokens) whose planned
 // peak with `setting` fits `usable_bytes` (and whose offloaded host tensors fit three quarters of

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -13,6 +14,7 @@
 
 #include "backend/cpu/quant4_ops.h"
 #include "bench/bench.h"
+#include "bench/timed_backend.h"
 #include "core/error.h"
 #include "model/decoder.h"
 #include "model/router_aux_loss.h"
@@ -48,16 +50,20 @@ const char* const kPhaseOrder[] = {kWeights, kTrainable, kShards,   kOptimizer, 
 
 // Labels the allocations of each part of a step: around every window of the decoder's units (the
 // FSDP hooks when sharded, nothing else otherwise) it switches the DryBackend's phase.
+// It also tells the step-time model which layer's window the ops that follow run in.
 class PhaseHooks final : public ParameterHooks {
  public:
-  PhaseHooks(DryBackend& backend, ParameterHooks* inner) : backend_(backend), inner_(inner) {}
+  PhaseHooks(DryBackend& backend, ParameterHooks* inner, StepCostModel& cost)
+      : backend_(backend), inner_(inner), cost_(cost) {}
   void before_forward(const ParameterUnit& u) override {
     backend_.set_phase(kGathers);
     if (inner_) inner_->before_forward(u);
     // A forward window after the head's is a sparse checkpoint's regenerating forward (decoder.h).
     backend_.set_phase(in_backward_ ? kBackward : kForward);
+    cost_.set_unit(u.kind == ParameterUnit::Kind::Layer ? u.layer : -1, false);
   }
   void after_forward(const ParameterUnit& u) override {
+    cost_.set_unit(-1, false);
     if (inner_) inner_->after_forward(u);
   }
   void before_backward(const ParameterUnit& u) override {
@@ -65,8 +71,10 @@ class PhaseHooks final : public ParameterHooks {
     backend_.set_phase(kGathers);
     if (inner_) inner_->before_backward(u);
     backend_.set_phase(u.kind == ParameterUnit::Kind::Head ? kHead : kBackward);
+    cost_.set_unit(u.kind == ParameterUnit::Kind::Layer ? u.layer : -1, true);
   }
   void after_backward(const ParameterUnit& u) override {
+    cost_.set_unit(-1, true);
     backend_.set_phase(kReduce);
     if (inner_) inner_->after_backward(u);
     backend_.set_phase(kBackward);
@@ -75,6 +83,7 @@ class PhaseHooks final : public ParameterHooks {
  private:
   DryBackend& backend_;
   ParameterHooks* inner_;
+  StepCostModel& cost_;
   bool in_backward_ = false;
 };
 
@@ -124,8 +133,8 @@ DType plan_dtype(const PlanOptions& o) {
 }
 
 RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const ModelConfig* reference_config,
-                   const parallel::MeshConfig& mesh_config, DType dtype, double aux_coefficient, int rank, int64_t seq,
-                   std::shared_ptr<Exchange> exchange) {
+                   const parallel::MeshConfig& mesh_config, DType dtype, double aux_coefficient, const DeviceRates& rates,
+                   int rank, int64_t seq, std::shared_ptr<Exchange> exchange) {
   // The CUDA pool hands out 512-byte multiples; the CPU backend pads to 64 bytes.
   const bool cuda = o.device == "cuda";
   int multiprocessors = 1;
@@ -225,11 +234,14 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const ModelC
   decoder_options.offload_layers = o.offload_layers;
   decoder_options.mlp_tile_tokens = mlp_tile_tokens_to_run(o.mlp_tile_tokens);
   decoder_options.checkpoint_stride = o.checkpoint_stride;
-  Decoder decoder(backend, weights, decoder_options);
+  // The step's ops pass through the step-time model on their way to the dry backend.
+  StepCostModel cost(rates, config.num_layers);
+  bench::TimedBackend observed(backend, cost);
+  Decoder decoder(observed, weights, decoder_options);
   std::unique_ptr<AttentionStrategy> attention;
   if (mesh && mesh_config.sp > 1) attention = parallel::make_sequence_parallel_attention(*mesh, config);
   decoder.set_attention(attention.get());
-  PhaseHooks hooks(backend, fsdp.get());
+  PhaseHooks hooks(backend, fsdp.get(), cost);
   decoder.set_parameter_hooks(&hooks);
   if (router_aux) {
     std::function<void(Tensor&)> reduce;
@@ -246,6 +258,7 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const ModelC
   r.peak_allocated_bytes = backend.peak_bytes();
   r.peak_phase = backend.peak_phase();
   r.host_peak_bytes = backend.host_peak_bytes();
+  r.time = cost.time();
   for (const char* phase : kPhaseOrder) {
     auto it = backend.peak_by_phase().find(phase);
     if (it != backend.peak_by_phase().end() && it->second > 0) r.parts.push_back({phase, it->second});
@@ -268,6 +281,23 @@ const RankPlan& LengthPlan::largest() const {
   return *std::max_element(ranks.begin(), ranks.end(), [](const RankPlan& a, const RankPlan& b) {
     return a.peak_allocated_bytes < b.peak_allocated_bytes;
   });
+}
+
+DeviceRates plan_rates(const PlanOptions& o) {
+  if (o.rates) return *o.rates;
+  // Asked once per process (a search plans hundreds of steps) for each device and kind.
+  static std::mutex asked;
+  static std::map<std::pair<std::string, std::string>, DeviceRates> rates_of;
+  std::lock_guard<std::mutex> lock(asked);
+  auto it = rates_of.find({o.device, o.gpu});
+  if (it == rates_of.end()) it = rates_of.emplace(std::pair{o.device, o.gpu}, planning_rates(o.device, o.gpu, 0)).first;
+  return it->second;
+}
+
+const RankPlan& LengthPlan::slowest() const {
+  SPINDLE_CHECK(!ranks.empty(), "a plan without ranks");
+  return *std::max_element(ranks.begin(), ranks.end(),
+                           [](const RankPlan& a, const RankPlan& b) { return a.time.total_s() < b.time.total_s(); });
 }
 
 PlanReport run_plan(const PlanOptions& o) {
@@ -296,6 +326,7 @@ PlanReport run_plan(const PlanOptions& o) {
   if (dtype == DType::BF16 && o.device != "cuda") fail("--dtype bf16 is the CUDA backend's; the CPU computes in f32 or f64");
   if (dtype == DType::F64 && o.device == "cuda") fail("--dtype f64 runs on the CPU backend only (--device cpu)");
   rep.dtype = dtype_name(dtype);
+  rep.rates = plan_rates(o);
   parallel::MeshFlags flags;
   if (o.dp) flags.dp = o.dp;
   if (o.sp) flags.sp = o.sp;
@@ -322,7 +353,7 @@ PlanReport run_plan(const PlanOptions& o) {
     for (int d = 0; d < mesh.dp; ++d) {
       if (mesh.sp == 1) {
         length.ranks[static_cast<size_t>(d)] =
-            plan_rank(o, rep.config, reference_config, mesh, dtype, rep.router_aux_loss_coef, d, seq, nullptr);
+            plan_rank(o, rep.config, reference_config, mesh, dtype, rep.router_aux_loss_coef, rep.rates, d, seq, nullptr);
         continue;
       }
       std::vector<int> replica(static_cast<size_t>(mesh.sp));
@@ -330,7 +361,7 @@ PlanReport run_plan(const PlanOptions& o) {
       auto exchange = std::make_shared<Exchange>(replica);
       auto plan_one = [&](int rank) {
         length.ranks[static_cast<size_t>(rank)] =
-            plan_rank(o, rep.config, reference_config, mesh, dtype, rep.router_aux_loss_coef, rank, seq, exchange);
+            plan_rank(o, rep.config, reference_config, mesh, dtype, rep.router_aux_loss_coef, rep.rates, rank, seq, exchange);
       };
       std::mutex failed;
       std::exception_ptr first_error;
@@ -391,6 +422,10 @@ std::string format_plan(const PlanReport& rep) {
     s += fmt::format("\nseq {}: peak {} on rank {} ({} tokens), reached in: {}; between steps {}\n", l.seq,
                      gib(r.peak_allocated_bytes), r.rank, r.tokens, r.peak_phase, gib(r.steady_bytes));
     if (o.offload) s += fmt::format("  host memory of activation offload at its peak: {}\n", gib(r.host_peak_bytes));
+    const StepTime& t = l.slowest().time;
+    s += fmt::format("  predicted step time on {}: {:.3f} s (matrix products {:.3f}, attention {:.3f}, memory-bound "
+                     "ops {:.3f}, {} ops at {:.0f} us each; docs/perf.md, step-time model)\n",
+                     rep.rates.kind, t.total_s(), t.gemm_s, t.attention_s, t.memory_s, t.ops, 1e6 * rep.rates.op_seconds);
     for (const PlanPart& p : r.parts)
       s += fmt::format("  {:<36} {:>12}  {:5.1f} %\n", p.name, gib(p.bytes),
                        100.0 * static_cast<double>(p.bytes) / static_cast<double>(r.peak_allocated_bytes));
@@ -441,6 +476,10 @@ nlohmann::ordered_json plan_json(const PlanReport& rep) {
     x["peak_allocated_bytes"] = top.peak_allocated_bytes;
     x["peak_rank"] = top.rank;
     x["offload_host_bytes"] = top.host_peak_bytes;
+    const StepTime& t = l.slowest().time;
+    x["predicted_step_s"] = t.total_s();
+    x["predicted_step"] = {{"device", rep.rates.kind}, {"gemm_s", t.gemm_s},   {"attention_s", t.attention_s},
+                           {"memory_s", t.memory_s},   {"overhead_s", t.overhead_s}, {"ops", t.ops}};
     x["ranks"] = nlohmann::ordered_json::array();
     for (const RankPlan& r : l.ranks) {
       nlohmann::ordered_json y;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,7 @@
 
 #include "model/config.h"
 #include "model/recompute.h"
+#include "plan/step_cost.h"
 
 namespace spindle::plan {
 
@@ -51,6 +53,10 @@ struct PlanOptions {
   int sp = 0, ulysses = 0, ring = 0, dp = 0;  // 0: as resolve_mesh chooses
   double device_memory_gib = 0;      // > 0: say whether the peak fits this much per device
   int64_t host_memory_bytes = 0;     // the host's memory for offload's limit (auto_recompute.h); 0: this machine's
+  // The kind of device whose rates predict the step's time (step_cost.h: h100, h200, cpu); empty:
+  // this machine's GPU (cuda) or CPU (cpu).
+  std::string gpu;
+  std::optional<DeviceRates> rates;  // rates given directly (tests, rates measured elsewhere): override `gpu`
 };
 
 // One part of a rank's peak: the bytes, allocated in one phase, still live at the peak.
@@ -67,12 +73,14 @@ struct RankPlan {
   std::vector<PlanPart> parts;         // what is live at the peak, by the phase that allocated it
   int64_t steady_bytes = 0;            // live between steps (weights, shards, gradients, optimizer)
   int64_t host_peak_bytes = 0;         // host memory of activation offload at its peak (0 without)
+  StepTime time;                       // the step's predicted time on PlanReport::rates' device
 };
 
 struct LengthPlan {
   int64_t seq = 0;
   std::vector<RankPlan> ranks;         // every rank of the mesh
   const RankPlan& largest() const;     // the rank with the highest peak
+  const RankPlan& slowest() const;     // the rank with the longest predicted step (the step waits for it)
 };
 
 struct PlanReport {
@@ -81,10 +89,14 @@ struct PlanReport {
   int world = 1, dp = 1, sp = 1, ulysses = 1, ring = 1;
   std::string dtype;
   double router_aux_loss_coef = 0;   // the coefficient the step runs with (0: off)
+  DeviceRates rates;                 // what the predicted step times were computed with
   std::vector<LengthPlan> lengths;
 };
 
 PlanReport run_plan(const PlanOptions& options);
+// The rates a plan of `options` predicts step times with: options.rates, else planning_rates for
+// options.device and options.gpu (asked of the GPU once per process).
+DeviceRates plan_rates(const PlanOptions& options);
 std::string format_plan(const PlanReport& report);
 nlohmann::ordered_json plan_json(const PlanReport& report);
 
