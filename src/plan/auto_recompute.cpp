@@ -79,7 +79,8 @@ bool fits(const Planned& p, int64_t usable_bytes, const PlanOptions& o) {
 // a copy that outlasts the compute it runs under (layer l's copy out runs under layer l+1's forward,
 // its copy back under layer l+1's backward and recompute). On an H200 the copies reached 54.9 GB/s
 // and the step waited 0.0 ms for them (Qwen2.5-1.5B at 32k, docs/memory.md). Counted on every
-// offloadable layer (the choice may offload fewer), with the layers' predicted times of `time`.
+// offloadable layer (the choice may offload fewer), with the layers' predicted times of `time`;
+// where the copies take the compute's own resources (the CPU backend) all of their time.
 double unhidden_copy_seconds(const PlanOptions& o, const ModelConfig& c, const RecomputeSetting& s,
                              const StepTime& time, const DeviceRates& rates, int64_t tokens) {
   if (!s.offload || c.num_layers < 2 || rates.host_copy_bytes_per_s <= 0) return 0;
@@ -96,7 +97,9 @@ double unhidden_copy_seconds(const PlanOptions& o, const ModelConfig& c, const R
   double lost = 0;
   for (int64_t l = 0; l < offloaded; ++l) {
     const size_t next = static_cast<size_t>(l + 1);
-    lost += std::max(0.0, copy - time.layer_forward_s.at(next)) + std::max(0.0, copy - time.layer_backward_s.at(next));
+    const double under_forward = rates.copies_beside_compute ? time.layer_forward_s.at(next) : 0;
+    const double under_backward = rates.copies_beside_compute ? time.layer_backward_s.at(next) : 0;
+    lost += std::max(0.0, copy - under_forward) + std::max(0.0, copy - under_backward);
   }
   return lost;
 }

@@ -56,6 +56,7 @@ DeviceRates cpu_rates() {
   r.memory_bytes_per_s = 10e9;
   r.op_seconds = 5e-6;
   r.host_copy_bytes_per_s = 10e9;
+  r.copies_beside_compute = false;
   return r;
 }
 

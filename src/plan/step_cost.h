@@ -31,6 +31,9 @@ struct DeviceRates {
   double memory_bytes_per_s = 0;            // bytes/s of memory-bound ops (norms, RoPE, SwiGLU, LoRA's thin products)
   double op_seconds = 0;                    // fixed time per op: launch gaps, a kernel's ramp and tail
   double host_copy_bytes_per_s = 0;         // activation offload's copies between host and device
+  // Whether those copies run beside the compute (a GPU's copy engine) or add to it (the CPU backend's
+  // copies take the cores that compute).
+  bool copies_beside_compute = true;
 };
 
 // The kinds with measured rows, for messages and --gpu.
