@@ -15,18 +15,26 @@ namespace spindle::plan {
 
 namespace {
 
-// Rows measured with `spindle bench --profile-steps 1 --op-table` (the op table's TFLOP/s and
-// GB/s columns, bench/timed_backend.cpp) inside steps of Qwen2.5-1.5B and -7B, LoRA r16, BF16, on
-// one GPU of each kind; docs/perf.md ("Step-time model") has the runs and how each figure was read.
+// Rates inside training steps (under the 700 W cap), read off `spindle bench --profile-steps 1
+// --op-table` (its TFLOP/s and GB/s columns, bench/timed_backend.cpp) and the time splits of
+// docs/perf.md: on the H100, Qwen2.5-1.5B LoRA r16 at 32k (GEMMs with every dimension above 64:
+// 727–737 TFLOP/s; cuDNN attention forward 567–578, backward 516–532; the memory-bound ops and
+// LoRA's thin products together 2.4 TB/s; about 4 us per op of launch gaps and tails); on the
+// H200, the attention of the 64k step (577 and 521 TFLOP/s) and the same GEMM rate (the same
+// tensor cores and clocks), its memory-bound rate scaled from the H100's by the two GPUs' memory
+// bandwidth (4.8 against 3.35 TB/s). The grouped-GEMM and delta-rule rates are the H200 kernels'
+// of docs/perf.md. Host copies: 54–55 GB/s measured on the H200 (PCIe 5 on both). With these, the
+// model predicted 26 H100 steps of the 1.5B and 7B at 16k–64k within −2.1 … +2.9 % and the
+// H200's 1.5B 64k step (3.19–3.27 s) at 3.25 s (docs/perf.md, "Step-time model").
 DeviceRates h200_rates() {
   DeviceRates r;
   r.kind = "h200";
-  r.gemm_flops = 640e12;
+  r.gemm_flops = 730e12;
   r.attention_forward_flops = 577e12;
   r.attention_backward_flops = 521e12;
-  r.grouped_gemm_flops = 390e12;
+  r.grouped_gemm_flops = 400e12;
   r.delta_rule_flops = 20e12;
-  r.memory_bytes_per_s = 3.3e12;
+  r.memory_bytes_per_s = 3.45e12;
   r.op_seconds = 4e-6;
   r.host_copy_bytes_per_s = 54e9;
   return r;
@@ -35,11 +43,11 @@ DeviceRates h200_rates() {
 DeviceRates h100_rates() {
   DeviceRates r;
   r.kind = "h100";
-  r.gemm_flops = 600e12;
-  r.attention_forward_flops = 540e12;
-  r.attention_backward_flops = 480e12;
-  r.grouped_gemm_flops = 360e12;
-  r.delta_rule_flops = 18e12;
+  r.gemm_flops = 730e12;
+  r.attention_forward_flops = 570e12;
+  r.attention_backward_flops = 525e12;
+  r.grouped_gemm_flops = 400e12;
+  r.delta_rule_flops = 20e12;
   r.memory_bytes_per_s = 2.4e12;
   r.op_seconds = 4e-6;
   r.host_copy_bytes_per_s = 54e9;
