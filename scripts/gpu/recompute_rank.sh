@@ -4,13 +4,18 @@
 # setting runs on this GPU, and what `--recompute auto` chooses there (docs/perf.md, "--recompute
 # auto on the H100 and the H200").
 #   PART=profile  Qwen2.5-1.5B at 32k with recompute none (first, as a fresh process on the GPU),
-#                 keep-attention, none again and all, then Qwen2.5-7B at 16k with none and
-#                 keep-attention; each with one profiled step and its whole op table
-#                 (--op-table, JSON), the GPU's clocks and power sampled meanwhile (~3 minutes)
+#                 keep-attention and none again (with PROFILE_MORE=1 also all, and Qwen2.5-7B at 16k
+#                 with none and keep-attention); each with one profiled step and its whole op table
+#                 (--op-table, JSON), the GPU's clocks and power sampled meanwhile (~1 minute);
+#                 ISSUE_RUNS=1 adds issue #40's auto, keep-attention, none and 11 GiB auto runs
+#                 (`--warmup 1 --steps 2`) after them
+#   ISSUE_FIRST=1 (any part) first runs issue #40's `--recompute auto --warmup 1 --steps 2` of the
+#                 1.5B at 32k, as the machine's first process
 #   PART=table    the 1.5B and the 7B at 16k, 32k and 64k (MODELS, SEQS): --recompute auto and, for
 #                 each length, none, keep-attention on the first N layers (the fewest that fit, where
 #                 none does not), keep-attention and all, each where its plan fits the GPU with
 #                 auto's margin; one bench process per row and setting (~7 minutes on an H100)
+#   PART="profile table" runs both, in that order.
 # Writes ${OUT:-out}/rank_<part>.tgz (every run's .json and .txt, smi.csv) and rank_<part>_summary.txt,
 # which it also prints.
 set -uo pipefail
@@ -45,8 +50,11 @@ run() {
   echo "$tag: rc=$? in $((SECONDS - start)) s" >> "$summary"
 }
 
-case $part in
-  profile)
+if [[ -n ${ISSUE_FIRST:-} ]]; then  # issue #40's auto run as the fresh machine's first process
+  run i_auto_first 1.5b 32k --recompute auto --warmup 1 --steps 2 --profile-steps 0
+fi
+case " $part " in
+  *" profile "*)
     "$S" plan --device cuda --bench-step --model "$root/configs/qwen2.5-1.5b.json" --seq 32k --recompute none \
       > "$work/plan_none.txt" 2>&1
     grep "predicted step" "$work/plan_none.txt" >> "$summary"
@@ -54,10 +62,20 @@ case $part in
     run p_none_first 1.5b 32k --recompute none "${prof[@]}"
     run p_ka 1.5b 32k --recompute keep-attention "${prof[@]}"
     run p_none_again 1.5b 32k --recompute none "${prof[@]}"
-    run p_all 1.5b 32k --recompute all "${prof[@]}"
-    run p_7b_none 7b 16k --recompute none "${prof[@]}"
-    run p_7b_ka 7b 16k --recompute keep-attention "${prof[@]}" ;;
-  table)
+    if [[ -n ${ISSUE_RUNS:-} ]]; then
+      # Issue #40's commands as it ran them (one warm-up step, two timed), after the profiled ones.
+      issue=(--warmup 1 --steps 2 --profile-steps 0)
+      run i_auto 1.5b 32k --recompute auto "${issue[@]}"
+      run i_ka 1.5b 32k --recompute keep-attention "${issue[@]}"
+      run i_none 1.5b 32k --recompute none "${issue[@]}"
+      run i_auto_11g 1.5b 32k --recompute auto --device-memory 11GiB "${issue[@]}"
+    fi
+    if [[ -n ${PROFILE_MORE:-} ]]; then
+      run p_all 1.5b 32k --recompute all "${prof[@]}"
+      run p_7b_none 7b 16k --recompute none "${prof[@]}"
+      run p_7b_ka 7b 16k --recompute keep-attention "${prof[@]}"
+    fi ;;&
+  *" table "*)
     # The settings of each row that fit this GPU as auto's margin counts them (2 GiB + 3 % of the
     # device, docs/memory.md), from `spindle plan` here: one line per bench run (tag, seq, warm-up
     # steps, args). keep-attention on N layers: the fewest N that fit, where recompute none does not.
@@ -103,7 +121,8 @@ PY
       if (( SECONDS > ${DEADLINE:-100000} )); then echo "$tag: skipped (DEADLINE)" >> "$summary"; continue; fi
       # shellcheck disable=SC2086
       run "$tag" "$model" "$seq" $args --warmup "$warmup" --steps "${STEPS:-2}" --profile-steps 0
-    done < "$work/runs.txt" ;;
+    done < "$work/runs.txt" ;;&
+  *) ;;
 esac
 kill $smi 2>/dev/null
 python3 - "$work" >> "$summary" <<'PY'
@@ -133,6 +152,7 @@ for path in sorted(glob.glob(os.path.join(work, "*.json"))):
                        f" i{split.get('idle', 0):.0f} ms" if split else ""))
 print("\n".join(rows))
 PY
-tar -czf "$out/rank_$part.tgz" -C "$work" .
-cp "$summary" "$out/rank_${part}_summary.txt"
+tag=${part// /_}
+tar -czf "$out/rank_$tag.tgz" -C "$work" .
+cp "$summary" "$out/rank_${tag}_summary.txt"
 cat "$summary"

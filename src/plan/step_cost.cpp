@@ -25,7 +25,8 @@ namespace {
 // bandwidth (4.8 against 3.35 TB/s). The grouped-GEMM and delta-rule rates are the H200 kernels'
 // of docs/perf.md. Host copies: 54–55 GB/s measured on the H200 (PCIe 5 on both). With these, the
 // model predicted 26 H100 steps of the 1.5B and 7B at 16k–64k within −2.1 … +2.9 % and the
-// H200's 1.5B 64k step (3.19–3.27 s) at 3.25 s (docs/perf.md, "Step-time model").
+// H200's 1.5B 64k step (3.19–3.27 s) at 3.25 s (docs/perf.md, "--recompute auto on the H100 and
+// the H200").
 DeviceRates h200_rates() {
   DeviceRates r;
   r.kind = "h200";

@@ -2,7 +2,8 @@
 // (plan.h), observed through bench::TimedBackend with its FLOPs and the least bytes it moves, costs
 // max(FLOPs / the rate of its kind of op, bytes / the device's bandwidth for such ops) plus a fixed
 // time per op, at rates measured inside training steps on that kind of device (docs/perf.md,
-// "Step-time model"). `--recompute auto` ranks its candidates by this time (auto_recompute.h).
+// "--recompute auto on the H100 and the H200"). `--recompute auto` ranks its candidates by this
+// time (auto_recompute.h).
 //
 // What it leaves out: communication (collectives and their overlap) and the pool's allocation
 // waits; the copies of activation offload are costed by auto_recompute.cpp against the compute they
