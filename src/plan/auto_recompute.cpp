@@ -26,11 +26,6 @@ namespace {
 
 constexpr int64_t kGiB = int64_t{1} << 30;
 
-struct Candidate {
-  RecomputeSetting setting;
-  double seconds = 0;  // predicted step time (step_cost.h), offload's copies counted by what they cannot hide
-};
-
 // The plan of `base` with `setting` at `seq`: the peak (largest rank), the host bytes of offload and
 // the predicted step time (slowest rank).
 Planned plan_with(PlanOptions o, const RecomputeSetting& setting, int64_t seq) {
@@ -462,7 +457,6 @@ AutoChoice choose_recompute(const PlanOptions& base, int64_t seq, int64_t device
   if (device_bytes <= 0)
     fail("--recompute auto needs the device's memory: give --device-memory (bytes or e.g. 80GiB)");
   const ModelConfig config = ModelConfig::from_file(base.model);
-  const int64_t layers = config.num_layers;
   AutoChoice choice;
   choice.device_bytes = device_bytes;
   choice.usable_bytes = usable_memory(device_bytes, base.device);
