@@ -86,7 +86,7 @@ def reference(model, docs, trainable):
     all_logits = []
     for d in docs:
         ids = torch.tensor([d["input_ids"]])
-        logits = model(input_ids=ids).logits[0].float()  # [L, V]
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()  # [L, V]
         all_logits.append(logits.detach())
         labels = torch.tensor(d["labels"][1:])
         scale = torch.tensor(d["loss_scale"][1:], dtype=torch.float32)
@@ -474,6 +474,58 @@ def main():
                          "original_max_position_embeddings": 64}},
                lora=dict(r=8, lora_alpha=4, lora_dropout=0.0, use_rslora=True,
                          target_modules=["q_proj", "v_proj", "down_proj"]))
+
+    # mistral: every layer a sliding window of 5 keys, shorter than the documents of 9, 12, 17 and 23
+    # tokens (a packed row must cut each query's keys at the window and at its document's start);
+    # explicit head_dim (as Mistral-Small and Devstral set it); LoRA with nonzero B on every projection.
+    mistral = transformers.MistralConfig(**common, head_dim=24, sliding_window=5, tie_word_embeddings=False,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    write_case("mistral", mistral)
+    write_case("mistral_lora", mistral, lora=dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    # qwen3 with YaRN (factor 4 over an original window of 8, so the documents of 9-23 tokens run past it;
+    # untruncated bounds and mscale/mscale_all_dim, as gpt-oss and DeepSeek-style configs set them), in
+    # the v4 spelling with a factor that is not the ratio of the windows (the explicit factor wins).
+    qwen3_yarn = transformers.Qwen3Config(**{**common, "hidden_size": 48}, head_dim=16, tie_word_embeddings=False,
+                                          rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                           "original_max_position_embeddings": 8,
+                                                           "beta_fast": 8.0, "beta_slow": 1.0, "truncate": False,
+                                                           "mscale": 1.0, "mscale_all_dim": 0.5})
+    write_case("qwen3_yarn", qwen3_yarn, legacy_rope={
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 8.0,
+                         "beta_slow": 1.0, "truncate": False, "mscale": 1.0, "mscale_all_dim": 0.5}})
+    # YaRN with its defaults (truncated bounds, attention factor 0.1·ln(factor) + 1), v5 spelling.
+    llama_yarn = transformers.LlamaConfig(**common, tie_word_embeddings=True,
+                                          rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                                           "original_max_position_embeddings": 16})
+    write_case("llama_yarn", llama_yarn)
+
+    # gemma2: sliding (window 5) then full layers, attention logits soft-capped (a cap small enough to
+    # bend the tiny model's logits) and scaled by query_pre_attn_scalar^-0.5 (not head_dim's), four
+    # (1 + w) norms per layer, GeGLU with GELU-tanh, embeddings times √hidden, the final logits
+    # soft-capped, tied head. gemma3_text: q/k norms, a 1:1 pattern of sliding and full layers with
+    # their own RoPE (the full layers' linearly scaled), no soft-caps.
+    gemma_common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+                        query_pre_attn_scalar=24, sliding_window=5, hidden_activation="gelu_pytorch_tanh")
+    def gemma2():
+        return transformers.Gemma2Config(**gemma_common, num_hidden_layers=2, attn_logit_softcapping=1.5,
+                                         final_logit_softcapping=2.0,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+    def gemma3_text():
+        return transformers.Gemma3TextConfig(
+            **gemma_common, num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+    for case, make, lora in (("gemma2", gemma2, None),
+                             ("gemma2_lora", gemma2, dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)),
+                             ("gemma3_text", gemma3_text, None)):
+        try:  # one family's API change must not cost the other cases
+            write_case(case, make(), lora=lora)
+        except Exception as e:
+            print(f"{case}: FAILED {e!r}")
 
     # qwen3_moe: layers 0 and 2 MoE (top-2 of 4 experts, renormalised), layer 1 dense (mlp_only_layers);
     # the load-balancing loss on, with a coefficient large enough to show in every gradient.

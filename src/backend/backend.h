@@ -247,6 +247,24 @@ class Backend {
 
   // out[T, F] = silu(gate) · up.
   virtual void swiglu_forward(Stream stream, const Tensor& gate, const Tensor& up, Tensor& out) = 0;
+  // GeGLU with the tanh approximation of GELU (transformers' gelu_pytorch_tanh, Gemma):
+  // out[T, F] = gelu_tanh(gate) · up, gelu_tanh(x) = x/2·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+  virtual void geglu_tanh_forward(Stream stream, const Tensor& gate, const Tensor& up, Tensor& out) {
+    fail("{}: the GELU-tanh gated MLP is not implemented on this backend", name());
+  }
+  // dgate, dup (overwritten) from dout.
+  virtual void geglu_tanh_backward(Stream stream, const Tensor& gate, const Tensor& up, const Tensor& dout,
+                                   Tensor& dgate, Tensor& dup) {
+    fail("{}: the GELU-tanh gated MLP is not implemented on this backend", name());
+  }
+  // Soft-capped logits (Gemma 2's final_logit_softcapping): y = cap·tanh(x / cap), elementwise; and the
+  // backward from y alone, in place: d ← d·(1 − (y / cap)²).
+  virtual void softcap_forward(Stream stream, const Tensor& x, double cap, Tensor& y) {
+    fail("{}: soft-capped logits are not implemented on this backend", name());
+  }
+  virtual void softcap_backward(Stream stream, const Tensor& y, double cap, Tensor& d) {
+    fail("{}: soft-capped logits are not implemented on this backend", name());
+  }
   // dgate, dup (overwritten) from dout.
   virtual void swiglu_backward(Stream stream, const Tensor& gate, const Tensor& up, const Tensor& dout,
                                Tensor& dgate, Tensor& dup) = 0;

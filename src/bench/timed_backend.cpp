@@ -209,6 +209,22 @@ void TimedBackend::attention_sink_backward(Stream s, const Tensor& out, const Te
   timed(s, C::Attention, "attention_sink_backward", 0, bytes_of({&out, &dout, &lse, &sinks, &dsinks, &dsinks}),
         [&] { inner_.attention_sink_backward(s, out, dout, lse, sinks, dsinks); });
 }
+void TimedBackend::geglu_tanh_forward(Stream s, const Tensor& gate, const Tensor& up, Tensor& out) {
+  timed(s, C::OtherOps, "geglu_tanh_forward", 0, bytes_of({&gate, &up, &out}),
+        [&] { inner_.geglu_tanh_forward(s, gate, up, out); });
+}
+void TimedBackend::geglu_tanh_backward(Stream s, const Tensor& gate, const Tensor& up, const Tensor& dout,
+                                       Tensor& dgate, Tensor& dup) {
+  timed(s, C::OtherOps, "geglu_tanh_backward", 0, bytes_of({&gate, &up, &dout, &dgate, &dup}),
+        [&] { inner_.geglu_tanh_backward(s, gate, up, dout, dgate, dup); });
+}
+void TimedBackend::softcap_forward(Stream s, const Tensor& x, double cap, Tensor& y) {
+  timed(s, C::OtherOps, "softcap_forward", 0, bytes_of({&x, &y}), [&] { inner_.softcap_forward(s, x, cap, y); });
+}
+void TimedBackend::softcap_backward(Stream s, const Tensor& y, double cap, Tensor& d) {
+  timed(s, C::OtherOps, "softcap_backward", 0, bytes_of({&y, &d, &d}),
+        [&] { inner_.softcap_backward(s, y, cap, d); });
+}
 void TimedBackend::swiglu_forward(Stream s, const Tensor& gate, const Tensor& up, Tensor& out) {
   timed(s, C::OtherOps, "swiglu_forward", 0, bytes_of({&gate, &up, &out}),
         [&] { inner_.swiglu_forward(s, gate, up, out); });

@@ -136,6 +136,11 @@ class TimedBackend final : public Backend {
   void attention_sink_backward(Stream stream, const Tensor& out, const Tensor& dout, const Tensor& lse,
                                const Tensor& sinks, Tensor& dsinks) override;
   void swiglu_forward(Stream stream, const Tensor& gate, const Tensor& up, Tensor& out) override;
+  void geglu_tanh_forward(Stream stream, const Tensor& gate, const Tensor& up, Tensor& out) override;
+  void geglu_tanh_backward(Stream stream, const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate,
+                           Tensor& dup) override;
+  void softcap_forward(Stream stream, const Tensor& x, double cap, Tensor& y) override;
+  void softcap_backward(Stream stream, const Tensor& y, double cap, Tensor& d) override;
   void swiglu_backward(Stream stream, const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate,
                        Tensor& dup) override;
   void gather_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) override;

@@ -19,17 +19,32 @@ void lm_head_cross_entropy(Backend& backend, Stream stream, const LmHeadLossArgs
   if (n == 0) return;  // a shard without supervised tokens contributes nothing (but still joins collectives upstream)
   const bool backward = a.dhidden || a.dweight;
   const int64_t chunk = std::min<int64_t>(std::max<int64_t>(1, a.chunk_rows), n);
+  const double cap = a.logit_softcap;
   Tensor logits_buffer = backend.empty(Shape{chunk, vocab}, a.hidden->dtype());
+  Tensor raw_buffer;  // [chunk, V] the logits before the soft-cap (soft-capped only)
+  if (cap > 0) raw_buffer = backend.empty(Shape{chunk, vocab}, a.hidden->dtype());
   for (int64_t begin = 0; begin < n; begin += chunk) {
     const int64_t end = std::min(n, begin + chunk), rows = end - begin;
     Tensor logits = logits_buffer.rows(0, rows);
     const Tensor h = a.hidden->rows(begin, end);
-    backend.gemm(stream, h, false, *a.weight, true, logits, 1.0, 0.0);  // [rows, V] = h · Wᵀ
+    if (cap > 0) {
+      Tensor raw = raw_buffer.rows(0, rows);
+      backend.gemm(stream, h, false, *a.weight, true, raw, 1.0, 0.0);  // [rows, V] = h · Wᵀ
+      backend.softcap_forward(stream, raw, cap, logits);
+    } else {
+      backend.gemm(stream, h, false, *a.weight, true, logits, 1.0, 0.0);  // [rows, V] = h · Wᵀ
+    }
     Tensor token_ce = a.token_ce ? a.token_ce->rows(begin, end) : Tensor();
     backend.cross_entropy(stream, logits, a.targets->rows(begin, end), a.weights->rows(begin, end), a.loss_scale,
                           backward ? a.loss_scale : 0.0, *a.loss_sum, token_ce);
     if (!backward) continue;
-    // logits now hold dlogits
+    // logits now hold dlogits (of the capped logits: through the cap's derivative, from the capped
+    // values made again in the raw buffer)
+    if (cap > 0) {
+      Tensor raw = raw_buffer.rows(0, rows);
+      backend.softcap_forward(stream, raw, cap, raw);
+      backend.softcap_backward(stream, raw, cap, logits);
+    }
     if (a.dhidden) {
       Tensor dh = a.dhidden->rows(begin, end);
       backend.gemm(stream, logits, false, *a.weight, false, dh, 1.0, 0.0);  // [rows, H] = dlogits · W

@@ -17,6 +17,9 @@ struct LmHeadLossArgs {
   // training, 0 for evaluation). Both are 1 / (global number of supervised targets) in training.
   double loss_scale = 1.0;
   int64_t chunk_rows = 1024;
+  // > 0: the logits are soft-capped before the cross-entropy, cap·tanh(logit / cap) (Gemma 2's
+  // final_logit_softcapping); the chunk then holds a second [rows, V] buffer.
+  double logit_softcap = 0;
   Tensor* loss_sum = nullptr;  // one element, accumulated
   Tensor* token_ce = nullptr;  // optional F32 [N]: unweighted CE per target
   Tensor* dhidden = nullptr;   // optional [N, H]: overwritten with ∂loss/∂hidden

@@ -24,6 +24,17 @@ int64_t require_int(const json& j, const char* key, const std::string& source) {
   return j[key].get<int64_t>();
 }
 
+// The YaRN attention factor as transformers computes it: an explicit attention_factor, else from
+// mscale and mscale_all_dim when both are set, else 0.1·ln(factor) + 1 (1 for factor ≤ 1).
+double yarn_attention_factor(const json& params, double factor, const std::string& source) {
+  if (params.contains("attention_factor") && !params["attention_factor"].is_null())
+    return number_or(params, "attention_factor", 1.0, source);
+  auto mscale_of = [&](double mscale) { return factor <= 1 ? 1.0 : 0.1 * mscale * std::log(factor) + 1.0; };
+  const double mscale = number_or(params, "mscale", 0.0, source), all_dim = number_or(params, "mscale_all_dim", 0.0, source);
+  if (mscale != 0 && all_dim != 0) return mscale_of(mscale) / mscale_of(all_dim);
+  return mscale_of(1.0);
+}
+
 // One layer type's RoPE settings (`params`: rope_parameters, rope_scaling, or one layer type's
 // entry of them), over the top-level fields of `j`.
 RopeConfig parse_rope_params(const json& j, const json& params, const std::string& source) {
@@ -35,10 +46,27 @@ RopeConfig parse_rope_params(const json& j, const json& params, const std::strin
   else if (params.contains("type") && params["type"].is_string()) type = params["type"];
   // Multimodal RoPE over text alone: every section sees the token's one position, so it is 1-D RoPE.
   if (type == "mrope") type = "default";
-  if (type != "default" && type != "linear" && type != "llama3")
-    fail("{}: RoPE scaling \"{}\" is not supported; spindle supports default, linear and llama3", source, type);
+  if (type != "default" && type != "linear" && type != "llama3" && type != "yarn")
+    fail("{}: RoPE scaling \"{}\" is not supported; spindle supports default, linear, llama3 and yarn", source, type);
   rope.type = type;
-  if (type != "default") {
+  if (type == "yarn") {
+    // transformers 5: original_max_position_embeddings defaults to max_position_embeddings, a missing
+    // factor to their ratio; an explicit factor wins over the ratio.
+    const double max_positions = number_or(j, "max_position_embeddings", 0.0, source);
+    const double original = number_or(params, "original_max_position_embeddings", max_positions, source);
+    if (!(original > 0))
+      fail("{}: yarn RoPE scaling needs original_max_position_embeddings (or max_position_embeddings)", source);
+    rope.original_max_position_embeddings = static_cast<int64_t>(original);
+    rope.factor = number_or(params, "factor", max_positions / original, source);
+    if (!(rope.factor > 0)) fail("{}: RoPE scaling \"yarn\" needs a positive \"factor\"", source);
+    // An explicit 0 (or null) takes the default, as transformers' `or` does.
+    rope.beta_fast = number_or(params, "beta_fast", 0.0, source);
+    if (rope.beta_fast == 0) rope.beta_fast = 32;
+    rope.beta_slow = number_or(params, "beta_slow", 0.0, source);
+    if (rope.beta_slow == 0) rope.beta_slow = 1;
+    rope.truncate = bool_or(params, "truncate", true, source);
+    rope.attention_factor = yarn_attention_factor(params, rope.factor, source);
+  } else if (type != "default") {
     rope.factor = number_or(params, "factor", 0.0, source);
     if (!(rope.factor > 0)) fail("{}: RoPE scaling \"{}\" needs a positive \"factor\"", source, type);
   }
@@ -129,8 +157,12 @@ ModelConfig ModelConfig::from_json(const json& file, const std::string& source) 
   // The default of every config class; a multimodal checkpoint's top-level value rules (transformers ties
   // through the outer model's config).
   c.tie_word_embeddings = bool_or(file, "tie_word_embeddings", bool_or(j, "tie_word_embeddings", false, source), source);
-  if (j.contains("hidden_act") && j["hidden_act"] != "silu")
-    fail("{}: hidden_act {} is not supported; spindle implements SwiGLU with silu", source, j["hidden_act"].dump());
+  if (j.contains("hidden_act") && !j["hidden_act"].is_null()) {
+    if (j["hidden_act"] == "gelu_pytorch_tanh") c.mlp_activation = MlpActivation::GeluTanh;
+    else if (j["hidden_act"] != "silu")
+      fail("{}: hidden_act {} is not supported; spindle implements silu (SwiGLU) and gelu_pytorch_tanh (GeGLU)",
+           source, j["hidden_act"].dump());
+  }
   if (bool_or(j, "mlp_bias", false, source)) fail("{}: mlp_bias = true is not supported", source);
   if (bool_or(j, "use_sliding_window", false, source))
     fail("{}: use_sliding_window = true is not supported; spindle trains with full attention", source);
@@ -152,6 +184,9 @@ ModelConfig ModelConfig::from_json(const json& file, const std::string& source) 
   for (const AttentionSpec& spec : c.attention_specs)
     SPINDLE_CHECK(!spec.sliding_rope || c.sliding_rope, "{}: a layer uses the sliding layers' RoPE, which {} did not set",
                   source, c.model_type);
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    if (c.layer_kind(l).feed_forward == FeedForwardKind::MixtureOfExperts && c.mlp_activation != MlpActivation::SiLU)
+      fail("{}: routed experts with hidden_act gelu_pytorch_tanh are not supported; spindle's experts use silu", source);
   for (int64_t l = 0; l < c.num_layers; ++l)
     if (c.layer_kind(l).feed_forward == FeedForwardKind::SwiGLU && c.intermediate_size <= 0)
       fail("{}: missing \"intermediate_size\"; is this a Hugging Face config.json? (layer {} has a dense MLP)",
@@ -201,7 +236,34 @@ std::vector<float> rope_inverse_frequencies(const RopeConfig& rope, int64_t dim)
     const float exponent = static_cast<float>(2 * i) / static_cast<float>(dim);
     inv[i] = 1.0f / std::pow(base, exponent);
   }
-  if (rope.type == "linear") {
+  if (rope.type == "yarn") {
+    // transformers' _compute_yarn_parameters, in its fp32 steps: dims below `low` keep their frequency
+    // (extrapolation), dims above `high` are divided by the factor (interpolation), a linear ramp
+    // between; low and high are where a wavelength makes beta_fast and beta_slow turns in the
+    // original context.
+    const double d = static_cast<double>(dim), base_d = rope.theta,
+                 original = static_cast<double>(rope.original_max_position_embeddings);
+    auto correction_dim = [&](double rotations) {
+      return d * std::log(original / (rotations * 2 * M_PI)) / (2 * std::log(base_d));
+    };
+    double low = correction_dim(rope.beta_fast), high = correction_dim(rope.beta_slow);
+    if (rope.truncate) {
+      low = std::floor(low);
+      high = std::ceil(high);
+    }
+    low = std::max(low, 0.0);
+    high = std::min(high, d - 1);
+    if (low == high) high += 0.001;
+    const float factor = static_cast<float>(rope.factor);
+    for (int64_t i = 0; i < dim / 2; ++i) {
+      const float pos_freq = std::pow(static_cast<float>(rope.theta), static_cast<float>(2 * i) / static_cast<float>(dim));
+      const float extrapolation = 1.0f / pos_freq, interpolation = 1.0f / (factor * pos_freq);
+      const float ramp = std::clamp((static_cast<float>(i) - static_cast<float>(low)) / static_cast<float>(high - low),
+                                    0.0f, 1.0f);
+      const float keep = 1.0f - ramp;  // the share of the original frequency
+      inv[i] = interpolation * (1.0f - keep) + extrapolation * keep;
+    }
+  } else if (rope.type == "linear") {
     for (float& f : inv) f = f / static_cast<float>(rope.factor);
   } else if (rope.type == "llama3") {
     // Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.

@@ -14,11 +14,13 @@
 namespace spindle {
 
 struct RopeConfig {
-  std::string type = "default";  // default | linear | llama3
+  std::string type = "default";  // default | linear | llama3 | yarn
   double theta = 10000.0;
-  double factor = 1.0;                               // linear, llama3
+  double factor = 1.0;                               // linear, llama3, yarn
   double low_freq_factor = 1.0, high_freq_factor = 4.0;  // llama3
-  int64_t original_max_position_embeddings = 8192;   // llama3
+  int64_t original_max_position_embeddings = 8192;   // llama3, yarn
+  double beta_fast = 32, beta_slow = 1;  // yarn: the rotation counts bounding the blend of frequencies
+  bool truncate = true;                  // yarn: the blend's bounds rounded outward to whole dims
   double partial_rotary_factor = 1.0;  // qwen3_5: RoPE on the first head_dim·factor dims of each head
   double attention_factor = 1.0;  // cos and sin are multiplied by it (YaRN, LongRoPE: scales q·k by its square)
 };
@@ -59,6 +61,10 @@ struct MoeConfig {
   double router_aux_loss_coef = 0.0;
 };
 
+// The gated MLP's activation (hidden_act / hidden_activation): silu(gate)·up (SwiGLU) or
+// gelu_tanh(gate)·up (GeGLU with transformers' gelu_pytorch_tanh).
+enum class MlpActivation { SiLU, GeluTanh };
+
 struct ModelConfig {
   std::string model_type;  // a row of model/family.cpp
   std::string weight_prefix = "model.";  // the family's checkpoint prefix of the decoder's tensors
@@ -83,6 +89,16 @@ struct ModelConfig {
   bool zero_centered_norm = false;
   // qwen3_5: q_proj holds per head D query rows then D gate rows; σ(gate) scales the attention output.
   bool attn_output_gate = false;
+  MlpActivation mlp_activation = MlpActivation::SiLU;
+  // Gemma 2/3: RMSNorms on the mixer's and the feed-forward's outputs as well as their inputs:
+  // x_mid = x_in + post_attention_layernorm(mixer(input_layernorm(x_in))),
+  // x_out = x_mid + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x_mid))).
+  bool sandwich_norms = false;
+  // Gemma: the embedding's rows times this (√hidden, rounded to the activation dtype); 0: none.
+  double embedding_multiplier = 0;
+  // Gemma 2: the LM head's logits soft-capped before the loss, cap·tanh(logit / cap)
+  // (final_logit_softcapping); 0: none.
+  double final_logit_softcap = 0;
   LinearAttentionConfig linear_attention;
   RopeConfig rope;
   // The sliding-window layers' RoPE where a family gives them their own (AttentionSpec::sliding_rope).

@@ -159,6 +159,16 @@ Decoder::Decoder(Backend& backend, ModelWeights& weights, DecoderOptions options
   if (c.sliding_rope) sliding_inv_freq_ = upload(rope_inverse_frequencies(*c.sliding_rope, c.rotary_dim()));
 }
 
+double Decoder::embedding_multiplier() const {
+  // transformers rounds the multiplier to the weights' dtype before it multiplies (Gemma's √hidden).
+  const double m = weights_.config.embedding_multiplier;
+  switch (weights_.dtype) {
+    case DType::F64: return m;
+    case DType::BF16: return static_cast<double>(bf16_to_f32(f32_to_bf16(static_cast<float>(m))));
+    default: return static_cast<double>(static_cast<float>(m));
+  }
+}
+
 bool Decoder::offloads(int64_t l, bool recomputed) const {
   return options_.offload && recomputed && l + 1 < weights_.config.num_layers && !regenerates(l) &&
          (options_.offload_layers < 0 || l < options_.offload_layers);
@@ -250,7 +260,9 @@ Tensor Decoder::forward(const MicroBatch& batch, bool keep, std::vector<LayerAct
   };
   if (layers) allocate_layer(0);
   before_forward(ParameterUnit::embedding());
-  be.embedding_forward(st, batch.input_ids, weights_.embed->value, layers ? acts[0].x_in : x_final);
+  Tensor& embedded = layers ? acts[0].x_in : x_final;
+  be.embedding_forward(st, batch.input_ids, weights_.embed->value, embedded);
+  if (c.embedding_multiplier != 0) be.scale(st, embedded, embedding_multiplier());
   after_forward(ParameterUnit::embedding());
   for (int64_t l = 0; l < layers; ++l) {
     if (l + 1 < layers) allocate_layer(l + 1);
@@ -286,6 +298,7 @@ void Decoder::logits(const MicroBatch& batch, const Tensor& rows, Tensor& out) {
   backend_.rmsnorm_forward(stream_, h, rmsnorm_multiplier(backend_, stream_, weights_.final_norm->value, c.zero_centered_norm),
                            c.rms_norm_eps, hn, rstd);
   backend_.gemm(stream_, hn, false, weights_.lm_head->value, true, out, 1.0, 0.0);
+  if (c.final_logit_softcap > 0) backend_.softcap_forward(stream_, out, c.final_logit_softcap, out);
   after_forward(ParameterUnit::head());
 }
 
@@ -360,6 +373,7 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   loss.weights = &batch.weights;
   loss.loss_scale = loss_scale;
   loss.chunk_rows = lm_head_chunk_rows(c.vocab_size, dt, options_.logits_budget_bytes);
+  loss.logit_softcap = c.final_logit_softcap;
   loss.loss_sum = &loss_sum;
   loss.token_ce = token_ce;
   loss.dhidden = backward ? &dhn : nullptr;
@@ -447,6 +461,7 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   }
   if (weights_.embed->trainable) {
     before_backward(ParameterUnit::embedding());
+    if (c.embedding_multiplier != 0) be.scale(st, d_res, embedding_multiplier());
     be.embedding_backward(st, batch.input_ids, d_res, weights_.embed->grad);
     after_backward(ParameterUnit::embedding());
   }

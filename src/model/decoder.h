@@ -144,6 +144,8 @@ class Decoder {
   // Whether layer l's kept tensors go to host memory in a training step (DecoderOptions::offload,
   // offload_layers), given whether it is recomputed.
   bool offloads(int64_t l, bool recomputed) const;
+  // ModelConfig::embedding_multiplier rounded to the weights' dtype.
+  double embedding_multiplier() const;
   // Sparse checkpoints (DecoderOptions::checkpoint_stride): whether a training step keeps no input
   // for layer l (backward regenerates it), the checkpoint layer its group starts at, and whether l is
   // its group's top (backward regenerates the whole group there).

@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "model/families/dense.h"
+#include "model/families/gemma.h"
 #include "model/families/qwen3_moe.h"
 #include "model/families/qwen3_5.h"
 #include "model/families/qwen3_5_moe.h"
@@ -12,10 +13,16 @@ namespace spindle {
 
 namespace {
 
+constexpr std::string_view kGemmaCpuOnly =
+    "the CUDA backend has no GeGLU, soft-capped logits or sandwich norms yet; run Gemma with --device cpu";
+
 const ModelFamily kFamilies[] = {
     {"llama", "model.", read_llama_config},
     {"qwen2", "model.", read_qwen2_config},
     {"qwen3", "model.", read_qwen3_config},
+    {"mistral", "model.", read_mistral_config},
+    {"gemma2", "model.", read_gemma2_config, {}, {}, kGemmaCpuOnly},
+    {"gemma3_text", "model.", read_gemma3_text_config, {}, {}, kGemmaCpuOnly},
     {"qwen3_moe", "model.", read_qwen3_moe_config},
     // Qwen3.5 (gated DeltaNet + gated attention): the multimodal checkpoint's text tower, and the
     // text-only Qwen3_5ForCausalLM folder.

@@ -82,15 +82,23 @@ DecoderLayer::DecoderLayer(ParameterSink& sink, const ModelConfig& c, int64_t la
   const std::string pre = layer_prefix(c, layer);
   input_norm_ = &sink.add(pre + "input_layernorm.weight", Shape{c.hidden_size});
   mixer_ = make_mixer(kind.mixer, sink, c, layer, pre);
-  post_norm_ = &sink.add(pre + "post_attention_layernorm.weight", Shape{c.hidden_size});
+  if (c.sandwich_norms) {
+    mixer_out_norm_ = &sink.add(pre + "post_attention_layernorm.weight", Shape{c.hidden_size});
+    ff_in_norm_ = &sink.add(pre + "pre_feedforward_layernorm.weight", Shape{c.hidden_size});
+  } else {
+    ff_in_norm_ = &sink.add(pre + "post_attention_layernorm.weight", Shape{c.hidden_size});
+  }
   feed_forward_ = make_feed_forward(kind.feed_forward, sink, c, pre);
+  if (c.sandwich_norms) ff_out_norm_ = &sink.add(pre + "post_feedforward_layernorm.weight", Shape{c.hidden_size});
 }
 
 std::vector<Parameter*> DecoderLayer::parameters() const {
   std::vector<Parameter*> out{input_norm_};
   for (Parameter* p : mixer_->parameters()) out.push_back(p);
-  out.push_back(post_norm_);
+  if (mixer_out_norm_) out.push_back(mixer_out_norm_);
+  out.push_back(ff_in_norm_);
   for (Parameter* p : feed_forward_->parameters()) out.push_back(p);
+  if (ff_out_norm_) out.push_back(ff_out_norm_);
   return out;
 }
 
@@ -118,8 +126,17 @@ void DecoderLayer::allocate(Backend& be, DType dt, int64_t t, ActivationNeeds ne
     a.x_mid = be.empty(Shape{t, h}, dt);
     a.xn2 = be.empty(Shape{t, h}, dt);
     a.rstd2 = be.empty(Shape{t}, st);
+    if (mixer_out_norm_) {
+      a.mixer_out = be.empty(Shape{t, h}, dt);
+      a.mixer_out_rstd = be.empty(Shape{t}, st);
+      a.ff_out = be.empty(Shape{t, h}, dt);
+      a.ff_out_rstd = be.empty(Shape{t}, st);
+    }
   }
   const int64_t tile = feed_forward_->kind() == FeedForwardKind::SwiGLU ? needs.mlp_tile_tokens : 0;
+  SPINDLE_CHECK(!(tile > 0 && ff_out_norm_),
+                "--mlp-tile-tokens is not supported with sandwich norms (Gemma): the norm after the MLP needs its "
+                "whole output; leave --mlp-tile-tokens at 0");
   feed_forward_->allocate(be, dt, t, {true, false, needs.product, tile}, a.feed_forward);
 }
 
@@ -128,16 +145,29 @@ void DecoderLayer::forward_to_feed_forward(const LayerContext& ctx, LayerActivat
   const Stream st = ctx.stream;
   be.rmsnorm_forward(st, a.x_in, rmsnorm_multiplier(be, st, input_norm_->value, zero_centered_norm_), norm_eps_, a.xn1,
                      a.rstd1);
-  mixer_->forward(ctx, a.xn1, a.mixer, a.x_mid, run_core);
+  if (mixer_out_norm_) {
+    mixer_->forward(ctx, a.xn1, a.mixer, a.mixer_out, run_core);
+    be.rmsnorm_forward(st, a.mixer_out, rmsnorm_multiplier(be, st, mixer_out_norm_->value, zero_centered_norm_),
+                       norm_eps_, a.x_mid, a.mixer_out_rstd);
+  } else {
+    mixer_->forward(ctx, a.xn1, a.mixer, a.x_mid, run_core);
+  }
   be.axpy(st, 1.0, a.x_in, a.x_mid);
-  be.rmsnorm_forward(st, a.x_mid, rmsnorm_multiplier(be, st, post_norm_->value, zero_centered_norm_), norm_eps_, a.xn2,
+  be.rmsnorm_forward(st, a.x_mid, rmsnorm_multiplier(be, st, ff_in_norm_->value, zero_centered_norm_), norm_eps_, a.xn2,
                      a.rstd2);
 }
 
 void DecoderLayer::forward(const LayerContext& ctx, LayerActivations& a, Tensor& x_out, bool run_core) const {
   forward_to_feed_forward(ctx, a, run_core);
-  feed_forward_->forward(ctx, a.xn2, a.feed_forward, x_out);
-  ctx.backend.axpy(ctx.stream, 1.0, a.x_mid, x_out);
+  Backend& be = ctx.backend;
+  if (ff_out_norm_) {
+    feed_forward_->forward(ctx, a.xn2, a.feed_forward, a.ff_out);
+    be.rmsnorm_forward(ctx.stream, a.ff_out, rmsnorm_multiplier(be, ctx.stream, ff_out_norm_->value, zero_centered_norm_),
+                       norm_eps_, x_out, a.ff_out_rstd);
+  } else {
+    feed_forward_->forward(ctx, a.xn2, a.feed_forward, x_out);
+  }
+  be.axpy(ctx.stream, 1.0, a.x_mid, x_out);
 }
 
 void DecoderLayer::recompute(const LayerContext& ctx, LayerActivations& a, bool run_core) const {
@@ -156,16 +186,32 @@ void DecoderLayer::backward(const LayerContext& ctx, LayerActivations& a, Tensor
   const Stream st = ctx.stream;
   const Shape hidden{ctx.tokens(), a.x_in.dim(1)};
   Tensor d_xn2 = be.empty(hidden, ctx.dtype);
-  feed_forward_->backward(ctx, a.xn2, a.feed_forward, d_res, d_xn2);
-  be.rmsnorm_backward(st, a.x_mid, rmsnorm_multiplier(be, st, post_norm_->value, zero_centered_norm_), a.rstd2, d_xn2,
-                      d_res, trainable_grad(*post_norm_), true);
+  if (ff_out_norm_) {
+    Tensor d_ff_out = be.empty(hidden, ctx.dtype);  // [T, H] ∂L/∂(the feed-forward's output)
+    be.rmsnorm_backward(st, a.ff_out, rmsnorm_multiplier(be, st, ff_out_norm_->value, zero_centered_norm_),
+                        a.ff_out_rstd, d_res, d_ff_out, trainable_grad(*ff_out_norm_), false);
+    a.ff_out = a.ff_out_rstd = Tensor();
+    feed_forward_->backward(ctx, a.xn2, a.feed_forward, d_ff_out, d_xn2);
+  } else {
+    feed_forward_->backward(ctx, a.xn2, a.feed_forward, d_res, d_xn2);
+  }
+  be.rmsnorm_backward(st, a.x_mid, rmsnorm_multiplier(be, st, ff_in_norm_->value, zero_centered_norm_), a.rstd2, d_xn2,
+                      d_res, trainable_grad(*ff_in_norm_), true);
   // Read: free before the mixer's backward allocates its own (three [T, H] less at its peak, and the
   // feed-forward's record; stream-ordered, so the kernels above have read them first).
   d_xn2 = a.x_mid = a.xn2 = a.rstd2 = Tensor();
   a.feed_forward = FeedForwardActivations();
   Tensor d_xn1;  // [T, H], allocated here or by the mixer as late as it can (Mixer::allocates_dxn)
   if (!mixer_->allocates_dxn()) d_xn1 = be.empty(hidden, ctx.dtype);
-  mixer_->backward(ctx, a.xn1, a.mixer, d_res, d_xn1);
+  if (mixer_out_norm_) {
+    Tensor d_mixer_out = be.empty(hidden, ctx.dtype);  // [T, H] ∂L/∂(the mixer's output)
+    be.rmsnorm_backward(st, a.mixer_out, rmsnorm_multiplier(be, st, mixer_out_norm_->value, zero_centered_norm_),
+                        a.mixer_out_rstd, d_res, d_mixer_out, trainable_grad(*mixer_out_norm_), false);
+    a.mixer_out = a.mixer_out_rstd = Tensor();
+    mixer_->backward(ctx, a.xn1, a.mixer, d_mixer_out, d_xn1);
+  } else {
+    mixer_->backward(ctx, a.xn1, a.mixer, d_res, d_xn1);
+  }
   if (need_input_grad || input_norm_->trainable)
     be.rmsnorm_backward(st, a.x_in, rmsnorm_multiplier(be, st, input_norm_->value, zero_centered_norm_), a.rstd1,
                         d_xn1, d_res, trainable_grad(*input_norm_), true);

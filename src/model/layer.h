@@ -1,4 +1,6 @@
-// A decoder layer: x_mid = x_in + mixer(norm₁(x_in)), x_out = x_mid + feed_forward(norm₂(x_mid)).
+// A decoder layer: x_mid = x_in + mixer(norm₁(x_in)), x_out = x_mid + feed_forward(norm₂(x_mid)); with
+// sandwich norms (Gemma) the mixer's and the feed-forward's outputs are normed too before they join
+// the residual stream.
 // The mixer and feed-forward are blocks (model/block.h) of the kinds the family's config gives
 // this layer (ModelConfig::layer_kinds).
 #pragma once
@@ -25,7 +27,10 @@ struct LayerActivations {
   Tensor x_in;          // [T, H]   layer input (the residual stream), always kept
   Tensor xn1, rstd1;    // [T, H], [T]   input RMSNorm
   Tensor x_mid;         // [T, H]   x_in + mixer(xn1)
-  Tensor xn2, rstd2;    // [T, H], [T]   post-mixer RMSNorm
+  Tensor xn2, rstd2;    // [T, H], [T]   the feed-forward's input RMSNorm
+  // Sandwich norms only: the mixer's and the feed-forward's outputs before their RMSNorms.
+  Tensor mixer_out, mixer_out_rstd;  // [T, H], [T]
+  Tensor ff_out, ff_out_rstd;        // [T, H], [T]
   MixerActivations mixer;
   FeedForwardActivations feed_forward;
 };
@@ -65,9 +70,11 @@ class DecoderLayer {
   int64_t index_;
   int64_t hidden_;
   double norm_eps_;
-  bool zero_centered_norm_;  // qwen3_5: the norms multiply by 1 + w (model/norm.h)
-  Parameter* input_norm_;  // [H]
-  Parameter* post_norm_;   // [H]
+  bool zero_centered_norm_;  // qwen3_5, Gemma: the norms multiply by 1 + w (model/norm.h)
+  Parameter* input_norm_;    // [H] input_layernorm
+  Parameter* ff_in_norm_;    // [H] post_attention_layernorm, or pre_feedforward_layernorm with sandwich norms
+  Parameter* mixer_out_norm_ = nullptr;  // [H] sandwich norms: post_attention_layernorm
+  Parameter* ff_out_norm_ = nullptr;     // [H] sandwich norms: post_feedforward_layernorm
   std::unique_ptr<Mixer> mixer_;
   std::unique_ptr<FeedForward> feed_forward_;
 

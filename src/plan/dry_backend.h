@@ -108,6 +108,10 @@ class DryBackend final : public Backend {
   void attention_sink_forward(Stream, Tensor&, Tensor&, const Tensor&) override {}
   void attention_sink_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&) override {}
   void swiglu_forward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
+  void geglu_tanh_forward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
+  void geglu_tanh_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
+  void softcap_forward(Stream, const Tensor&, double, Tensor&) override {}
+  void softcap_backward(Stream, const Tensor&, double, Tensor&) override {}
   void swiglu_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
   void gather_rows(Stream, const Tensor&, const Tensor&, Tensor&) override {}
   void scatter_add_rows(Stream, const Tensor&, const Tensor&, Tensor&) override {}

@@ -242,6 +242,40 @@ TEST_F(CpuOps, AttentionSpecBackwardMatchesFiniteDifferences) {
   }
 }
 
+// GeGLU with GELU-tanh (Gemma's MLP) and soft-capped logits, against F64 finite differences.
+TEST_F(CpuOps, GegluTanhAndSoftcapMatchFiniteDifferences) {
+  const Shape shape{5, 7};
+  Tensor gate = random_tensor(*be, shape, DType::F64, rng, 3.0), up = random_tensor(*be, shape, DType::F64, rng);
+  Tensor proj = random_tensor(*be, shape, DType::F64, rng), out = be->empty(shape, DType::F64);
+  auto geglu = [&] {
+    be->geglu_tanh_forward(st, gate, up, out);
+    return dot(*be, out, proj);
+  };
+  geglu();
+  // gelu_tanh(1) = 0.8411920…, transformers' gelu_pytorch_tanh at 1.
+  Tensor one = be->empty(Shape{1}, DType::F64), ones = be->empty(Shape{1}, DType::F64), y = be->empty(Shape{1}, DType::F64);
+  be->fill(st, one, 1.0);
+  be->fill(st, ones, 1.0);
+  be->geglu_tanh_forward(st, one, ones, y);
+  EXPECT_NEAR(to_host(*be, y)[0], 0.8411919906082768, 1e-15);
+  Tensor dgate = be->empty(shape, DType::F64), dup = be->empty(shape, DType::F64);
+  be->geglu_tanh_backward(st, gate, up, proj, dgate, dup);
+  expect_grad_matches(*be, gate, geglu, dgate, 1e-6, "dgate");
+  expect_grad_matches(*be, up, geglu, dup, 1e-6, "dup");
+
+  Tensor x = random_tensor(*be, shape, DType::F64, rng, 4.0), capped = be->empty(shape, DType::F64);
+  auto softcap = [&] {
+    be->softcap_forward(st, x, 1.5, capped);
+    return dot(*be, capped, proj);
+  };
+  softcap();
+  for (double v : to_host(*be, capped)) EXPECT_LT(std::fabs(v), 1.5);
+  Tensor d = be->empty(shape, DType::F64);
+  be->copy(st, proj, d);
+  be->softcap_backward(st, capped, 1.5, d);
+  expect_grad_matches(*be, x, softcap, d, 1e-6, "dx");
+}
+
 // The window as transformers defines it: query q sees keys q − W + 1 … q of its document.
 TEST_F(CpuOps, SlidingWindowSeesTheLastWindowKeys) {
   const int t = 6, d = 2;

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cmath>
 #include <nlohmann/json.hpp>
 
@@ -76,13 +78,85 @@ TEST(ModelConfig, Llama3ScalingKeepsHighFrequenciesAndSlowsLowOnes) {
   EXPECT_FLOAT_EQ(scaled.back(), orig.back() / 8.0f);  // wavelength > 64: divided by factor
 }
 
-TEST(ModelConfig, RejectsWhatItCannotRunWithAClearMessage) {
+// transformers' MistralConfig: a window of 4096 when the key is absent, none when it is null, the
+// given one otherwise, on every layer; the scale stays 1/√head_dim.
+TEST(ModelConfig, MistralSlidesEveryLayerAsTransformersDefaultsIt) {
   json j = base();
   j["model_type"] = "mistral";
-  EXPECT_NE(error_of(j).find("model_type \"mistral\" is not supported"), std::string::npos);
+  j["head_dim"] = 24;
+  ModelConfig absent = ModelConfig::from_json(j, "absent");
+  ASSERT_EQ(absent.attention_specs.size(), static_cast<size_t>(absent.num_layers));
+  for (int64_t l = 0; l < absent.num_layers; ++l) {
+    EXPECT_EQ(absent.attention_spec(l).window, 4096);
+    EXPECT_DOUBLE_EQ(absent.attention_spec(l).scale, 1.0 / std::sqrt(24.0));
+  }
+  EXPECT_FALSE(absent.qkv_bias || absent.o_bias);
+  j["sliding_window"] = nullptr;
+  EXPECT_EQ(ModelConfig::from_json(j, "null").attention_spec(0).window, 0);
+  j["sliding_window"] = 5;
+  EXPECT_EQ(ModelConfig::from_json(j, "five").attention_spec(1).window, 5);
+  j["sliding_window"] = -3;
+  EXPECT_NE(error_of(j).find("\"sliding_window\" must be a positive integer"), std::string::npos);
+}
+
+// YaRN as transformers 5.17 computes it, on gpt-oss's released values (d 64, θ 150000, factor 32,
+// original 4096, untruncated): the blend's bounds 8.09 and 17.40, attention factor 1.3465736.
+TEST(ModelConfig, YarnBlendsFrequenciesAsTransformersDoes) {
+  json j = base();
+  j["hidden_size"] = 256;
+  j["num_attention_heads"] = 4;
+  j["num_key_value_heads"] = 4;
+  j["head_dim"] = 64;
+  j["max_position_embeddings"] = 131072;
+  j["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 150000.0}, {"factor", 32.0},
+                          {"beta_fast", 32.0}, {"beta_slow", 1.0}, {"truncate", false},
+                          {"original_max_position_embeddings", 4096}};
+  const ModelConfig c = ModelConfig::from_json(j, "gpt-oss rope");
+  EXPECT_NEAR(c.rope.attention_factor, 1.3465736, 1e-7);
+  const std::vector<float> inv = rope_inverse_frequencies(c);
+  ASSERT_EQ(inv.size(), 32u);
+  const double low = 64 * std::log(4096 / (32 * 2 * M_PI)) / (2 * std::log(150000.0));
+  const double high = 64 * std::log(4096 / (1 * 2 * M_PI)) / (2 * std::log(150000.0));
+  EXPECT_NEAR(low, 8.0928, 1e-4);
+  EXPECT_NEAR(high, 17.3980, 1e-4);
+  for (int i = 0; i < 32; ++i) {
+    const double original = std::pow(150000.0, -2.0 * i / 64), ramp = std::clamp((i - low) / (high - low), 0.0, 1.0);
+    const double want = ramp * original / 32 + (1 - ramp) * original;
+    EXPECT_NEAR(inv[i], want, 2e-6 * want) << i;
+  }
+  // The defaults: truncated bounds, attention factor 0.1·ln(factor) + 1; a missing factor is the ratio
+  // of the windows; mscale over mscale_all_dim when both are given.
+  j["rope_parameters"] = {{"rope_type", "yarn"}, {"original_max_position_embeddings", 4096}};
+  const ModelConfig defaults = ModelConfig::from_json(j, "defaults");
+  EXPECT_DOUBLE_EQ(defaults.rope.factor, 32.0);
+  EXPECT_TRUE(defaults.rope.truncate);
+  EXPECT_DOUBLE_EQ(defaults.rope.attention_factor, 0.1 * std::log(32.0) + 1);
+  j["rope_parameters"]["mscale"] = 1.0;
+  j["rope_parameters"]["mscale_all_dim"] = 0.5;
+  EXPECT_DOUBLE_EQ(ModelConfig::from_json(j, "mscale").rope.attention_factor,
+                   (0.1 * std::log(32.0) + 1) / (0.05 * std::log(32.0) + 1));
+}
+
+// Per-layer-type RoPE (transformers 5): the sliding layers' own settings become sliding_rope.
+TEST(ModelConfig, SlidingLayersMayHaveTheirOwnRope) {
+  json j = base();
+  j["rope_parameters"] = {{"full_attention", {{"rope_type", "linear"}, {"rope_theta", 1e6}, {"factor", 8.0}}},
+                          {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 1e4}}}};
+  const ModelConfig c = ModelConfig::from_json(j, "two ropes");
+  EXPECT_EQ(c.rope.type, "linear");
+  ASSERT_TRUE(c.sliding_rope.has_value());
+  EXPECT_EQ(c.sliding_rope->theta, 1e4);
+  j["rope_parameters"]["chunked_attention"] = {{"rope_type", "default"}, {"rope_theta", 5.0}};
+  EXPECT_NE(error_of(j).find("layer type \"chunked_attention\""), std::string::npos);
+}
+
+TEST(ModelConfig, RejectsWhatItCannotRunWithAClearMessage) {
+  json j = base();
+  j["model_type"] = "falcon";
+  EXPECT_NE(error_of(j).find("model_type \"falcon\" is not supported"), std::string::npos);
   j = base();
-  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
-  EXPECT_NE(error_of(j).find("RoPE scaling \"yarn\" is not supported"), std::string::npos);
+  j["rope_scaling"] = {{"rope_type", "longrope"}, {"factor", 4.0}};
+  EXPECT_NE(error_of(j).find("RoPE scaling \"longrope\" is not supported"), std::string::npos);
   j = base();
   j.erase("hidden_size");
   EXPECT_NE(error_of(j).find("missing \"hidden_size\""), std::string::npos);

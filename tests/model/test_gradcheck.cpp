@@ -6,6 +6,8 @@
 
 #include <random>
 
+#include <nlohmann/json.hpp>
+
 #include "backend/op_test_util.h"
 #include "model/decoder.h"
 #include "model/router_aux_loss.h"
@@ -227,4 +229,69 @@ TEST(WholeModelGradients, Qwen3MoeDownProjLoraOverFourBitExperts) {
   EXPECT_EQ(w.find("base_model.model.model.layers.0.mlp.experts.lora_A.weight")->value.shape(), (Shape{4 * 3, 6}));
   EXPECT_EQ(w.find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"), nullptr);
   check_model(w, *be, {}, 0.5);
+}
+
+namespace {
+
+// A tiny model of a wave-2 family from its config.json fields.
+ModelWeights tiny_from_json(Backend& be, nlohmann::json j, uint64_t seed) {
+  nlohmann::json base = {{"vocab_size", 11}, {"hidden_size", 8},        {"intermediate_size", 12},
+                         {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+                         {"head_dim", 2},    {"rms_norm_eps", 1e-6},    {"rope_theta", 100.0}};
+  base.update(j);
+  ModelWeights w = random_weights(be, ModelConfig::from_json(base, "test config"), DType::F64, seed, 20.0);
+  w.train_all(be);
+  return w;
+}
+
+}  // namespace
+
+// Gemma 2: a window of 3 keys on the sliding layer (shorter than both documents), soft-capped
+// attention and final logits, query_pre_attn_scalar, four (1 + w) norms per layer, GeGLU, √hidden
+// embeddings under a tied head; once with every layer recomputed and logits in chunks of 3 rows.
+TEST(WholeModelGradients, Gemma2WindowsSoftcapsSandwichNormsAndGeglu) {
+  auto be = make_cpu_backend();
+  for (bool recompute : {false, true}) {
+    SCOPED_TRACE(recompute ? "recompute" : "kept");
+    ModelWeights w = tiny_from_json(*be, {{"model_type", "gemma2"}, {"sliding_window", 3}, {"query_pre_attn_scalar", 3},
+                                          {"attn_logit_softcapping", 2.0}, {"final_logit_softcapping", 3.0}},
+                                    21);
+    ASSERT_EQ(w.config.attention_spec(0).window, 3);
+    ASSERT_EQ(w.config.attention_spec(1).window, 0);
+    DecoderOptions options;
+    if (recompute) {
+      options.recompute = {true, true};
+      options.logits_budget_bytes = 3 * 11 * 8;
+    }
+    check_model(w, *be, options);
+  }
+}
+
+// Gemma 3: q/k (1 + w) norms, a sliding layer with its own RoPE table and a full layer with a
+// linearly scaled one, no soft-caps.
+TEST(WholeModelGradients, Gemma3QkNormsAndTwoRopeTables) {
+  auto be = make_cpu_backend();
+  ModelWeights w = tiny_from_json(
+      *be,
+      {{"model_type", "gemma3_text"},
+       {"sliding_window", 3},
+       {"layer_types", {"sliding_attention", "full_attention"}},
+       {"rope_parameters",
+        {{"full_attention", {{"rope_type", "linear"}, {"rope_theta", 1000.0}, {"factor", 2.0}}},
+         {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 10.0}}}}}},
+      22);
+  ASSERT_TRUE(w.config.attention_spec(0).sliding_rope);
+  check_model(w, *be, {});
+}
+
+// Mistral's window on every layer with YaRN RoPE (the documents run past its original window of 2).
+TEST(WholeModelGradients, MistralWindowWithYarn) {
+  auto be = make_cpu_backend();
+  ModelWeights w = tiny_from_json(*be,
+                                  {{"model_type", "mistral"},
+                                   {"sliding_window", 2},
+                                   {"rope_scaling",
+                                    {{"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 2}}}},
+                                  23);
+  check_model(w, *be, {});
 }

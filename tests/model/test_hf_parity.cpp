@@ -215,6 +215,14 @@ TEST_P(HfParity, PerTokenCrossEntropyMatchesTransformersLogits) {
 
 INSTANTIATE_TEST_SUITE_P(Models, HfParity, ::testing::Values("llama", "qwen2", "qwen3", "qwen2_lora", "llama_rslora",
                                                                 "qwen3_moe", "qwen3_moe_lora"));
+// mistral: a sliding window of 5 keys on every layer, shorter than the packed documents; YaRN RoPE
+// (qwen3: untruncated bounds, mscale ratio, v4 spelling; llama: the defaults, v5 spelling) on
+// documents longer than the original window.
+INSTANTIATE_TEST_SUITE_P(Wave2, HfParity, ::testing::Values("mistral", "mistral_lora", "qwen3_yarn", "llama_yarn"));
+// gemma2: sliding/full layers, soft-capped attention and final logits, sandwich (1 + w) norms, GeGLU,
+// √hidden embeddings, tied head (and LoRA on it); gemma3_text: q/k norms and the sliding layers' own
+// RoPE against the full layers' scaled one.
+INSTANTIATE_TEST_SUITE_P(Gemma, HfParity, ::testing::Values("gemma2", "gemma2_lora", "gemma3_text"));
 // Gated DeltaNet and gated attention layers (qwen3_5, text-only; slow-decay DeltaNet heads).
 INSTANTIATE_TEST_SUITE_P(Qwen35, HfParity, ::testing::Values("qwen3_5", "qwen3_5_lora"));
 // Qwen3.5-MoE / Qwen3.6: the multimodal checkpoint (tiny vision tower, experts fused as released, mtp.*

@@ -24,7 +24,8 @@ The gdn part runs a tiny qwen3_5 (gated DeltaNet layers with slow-decay heads, g
 KV heads) on every kind of mesh up to sp 8: DeltaNet heads over Ulysses, the recurrent state passed
 from rank to rank (ring, hybrid, a Ulysses degree that does not divide the DeltaNet key heads).
 
-usage: parity_matrix.py SPINDLE ROOT PART   (PART: sp2, sp4, sp8, dp, variants, lora, qlora, moe, gdn, sft, errors)
+usage: parity_matrix.py SPINDLE ROOT PART   (PART: sp2, sp4, sp8, dp, variants, lora, qlora, moe, gdn, wave2, sft,
+       errors)
 """
 import json
 import os
@@ -34,7 +35,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
-from tiny_model import config, qwen3_5_config, qwen3_moe_config, write_model  # noqa: E402
+from tiny_model import (config, gemma2_config, gemma3_text_config, mistral_config, qwen3_5_config,  # noqa: E402
+                        qwen3_moe_config, write_model)
 
 spindle, root, part = sys.argv[1], sys.argv[2], sys.argv[3]
 work = tempfile.mkdtemp(prefix=f"spindle-parity-{part}-")
@@ -289,6 +291,25 @@ elif part == "gdn":
                          dtype="f64"))
     # sp 8 on a model with 2 KV heads and 2 DeltaNet key heads: ulysses 2 (both head counts), ring 4.
     results.append(check("qwen3_5 hybrid u2 x r4 (sp8)", sp=8, ulysses=2, ring=4, model_dir=hybrid_model))
+elif part == "wave2":
+    # Sliding windows (5 keys: they cross the shard and zigzag-chunk boundaries of 48-token rows),
+    # soft-capped attention and final logits, sandwich norms, GeGLU, two RoPE tables, on every kind of
+    # mesh. The ring exchanges every block; a query's window is cut by the shared visibility rule.
+    mistral = os.path.join(work, "mistral")
+    write_model(mistral, mistral_config())
+    gemma2 = os.path.join(work, "gemma2")
+    write_model(gemma2, gemma2_config())
+    gemma3 = os.path.join(work, "gemma3")
+    write_model(gemma3, gemma3_text_config())
+    results.append(check("mistral ring sp4", sp=4, ring=4, model_dir=mistral))
+    results.append(check("mistral ulysses sp2 dp2", sp=2, ulysses=2, dp=2, model_dir=mistral))
+    results.append(check("mistral LoRA hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=mistral,
+                         extra=["--lora-rank", "4"]))
+    results.append(check("gemma2 hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=gemma2))
+    results.append(check("gemma2 ring sp2 dp2 recompute all, f64", sp=2, ring=2, dp=2, model_dir=gemma2,
+                         extra=["--full", "--recompute", "all"], dtype="f64"))
+    results.append(check("gemma3 ulysses sp4 (KV heads replicated)", sp=4, ulysses=4, model_dir=gemma3))
+    results.append(check("gemma3 ring sp8", sp=8, ring=8, model_dir=gemma3))
 elif part == "errors":
     # A wrong mesh is an error naming the flags, before anything is allocated.
     for args, expect in ((["--nproc-per-node", "2", "--sp", "3"], "--sp"),

@@ -50,6 +50,33 @@ def qwen3_moe_config(**overrides):
     return config(**c)
 
 
+def mistral_config(**overrides):
+    """mistral: llama without biases, every layer a sliding window of 5 keys (shorter than most
+    documents of the parity data, and than the shards of a 48-token row over 4 ranks)."""
+    c = dict(model_type="mistral", sliding_window=5, architectures=["MistralForCausalLM"])
+    c.update(overrides)
+    return config(**c)
+
+
+def gemma2_config(**overrides):
+    """gemma2: a sliding layer (window 5) then a full one, soft-capped attention and final logits,
+    query_pre_attn_scalar, sandwich (1 + w) norms, GeGLU, √hidden embeddings, tied head."""
+    c = dict(model_type="gemma2", sliding_window=5, query_pre_attn_scalar=6, attn_logit_softcapping=3.0,
+             final_logit_softcapping=5.0, hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+             tie_word_embeddings=True, architectures=["Gemma2ForCausalLM"])
+    c.update(overrides)
+    return config(**c)
+
+
+def gemma3_text_config(**overrides):
+    """gemma3_text: q/k norms, a sliding layer with its own RoPE then a full one."""
+    c = dict(model_type="gemma3_text", sliding_window=5, hidden_activation="gelu_pytorch_tanh",
+             hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, rope_local_base_freq=100.0,
+             layer_types=["sliding_attention", "full_attention"], architectures=["Gemma3ForCausalLM"])
+    c.update(overrides)
+    return config(**c)
+
+
 def is_moe_layer(c, layer):
     """transformers' rule for qwen3_moe: sparse unless in mlp_only_layers, every decoder_sparse_step-th layer."""
     if c["model_type"] != "qwen3_moe":
@@ -148,7 +175,10 @@ def layer_tensors(c, layer):
         out += [(p + "mlp.gate_proj.weight", (inter, h), "matrix"), (p + "mlp.up_proj.weight", (inter, h), "matrix"),
                 (p + "mlp.down_proj.weight", (h, inter), "matrix")]
     out += [(p + "input_layernorm.weight", (h,), "norm"), (p + "post_attention_layernorm.weight", (h,), "norm")]
-    if c["model_type"] in ("qwen3", "qwen3_moe"):
+    if c["model_type"] in ("gemma2", "gemma3_text"):  # sandwich norms around the MLP too
+        out += [(p + "pre_feedforward_layernorm.weight", (h,), "norm"),
+                (p + "post_feedforward_layernorm.weight", (h,), "norm")]
+    if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
         out += [(p + "self_attn.q_norm.weight", (d,), "norm"), (p + "self_attn.k_norm.weight", (d,), "norm")]
     return out
 

@@ -684,6 +684,71 @@ class CpuBackend final : public Backend {
     });
   }
 
+  // gelu_tanh(x) and its derivative, in double.
+  static double gelu_tanh(double x, double* derivative) {
+    constexpr double kC = 0.7978845608028654;  // √(2/π)
+    const double inner = kC * (x + 0.044715 * x * x * x), t = std::tanh(inner);
+    if (derivative) *derivative = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * kC * (1 + 3 * 0.044715 * x * x);
+    return 0.5 * x * (1 + t);
+  }
+
+  void geglu_tanh_forward(Stream, const Tensor& gate, const Tensor& up, Tensor& out) override {
+    require_compute(gate, "geglu_tanh_forward");
+    require_same(gate, up, "geglu_tanh_forward");
+    require_same(gate, out, "geglu_tanh_forward");
+    dispatch(gate, [&](auto z) {
+      using T = decltype(z);
+      const T *g = gate.data_as<T>(), *u = up.data_as<T>();
+      T* o = out.data_as<T>();
+      for (int64_t i = 0; i < gate.numel(); ++i) o[i] = static_cast<T>(gelu_tanh(g[i], nullptr) * u[i]);
+    });
+  }
+
+  void geglu_tanh_backward(Stream, const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate,
+                           Tensor& dup) override {
+    require_compute(gate, "geglu_tanh_backward");
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&up, &dout, &dgate, &dup})
+      require_same(gate, *t, "geglu_tanh_backward");
+    dispatch(gate, [&](auto z) {
+      using T = decltype(z);
+      const T *g = gate.data_as<T>(), *u = up.data_as<T>(), *go = dout.data_as<T>();
+      T *dg = dgate.data_as<T>(), *du = dup.data_as<T>();
+      for (int64_t i = 0; i < gate.numel(); ++i) {
+        double slope;
+        const double act = gelu_tanh(g[i], &slope);
+        du[i] = static_cast<T>(go[i] * act);
+        dg[i] = static_cast<T>(go[i] * u[i] * slope);
+      }
+    });
+  }
+
+  void softcap_forward(Stream, const Tensor& x, double cap, Tensor& y) override {
+    require_compute(x, "softcap_forward");
+    require_same(x, y, "softcap_forward");
+    SPINDLE_CHECK(cap > 0 && x.numel() == y.numel(), "softcap_forward: cap {} x {} y {}", cap, x.describe(), y.describe());
+    dispatch(x, [&](auto z) {
+      using T = decltype(z);
+      const T* in = x.data_as<T>();
+      T* out = y.data_as<T>();
+      for (int64_t i = 0; i < x.numel(); ++i) out[i] = static_cast<T>(cap * std::tanh(in[i] / cap));
+    });
+  }
+
+  void softcap_backward(Stream, const Tensor& y, double cap, Tensor& d) override {
+    require_compute(y, "softcap_backward");
+    require_same(y, d, "softcap_backward");
+    SPINDLE_CHECK(cap > 0 && y.numel() == d.numel(), "softcap_backward: cap {} y {} d {}", cap, y.describe(), d.describe());
+    dispatch(y, [&](auto z) {
+      using T = decltype(z);
+      const T* capped = y.data_as<T>();
+      T* grad = d.data_as<T>();
+      for (int64_t i = 0; i < y.numel(); ++i) {
+        const double t = capped[i] / cap;
+        grad[i] = static_cast<T>(grad[i] * (1 - t * t));
+      }
+    });
+  }
+
   void gather_rows(Stream, const Tensor& src, const Tensor& idx, Tensor& dst) override {
     require_i32(idx, "gather_rows");
     require_cpu(src, "gather_rows");

@@ -17,9 +17,20 @@ LinearActivations first_rows(const LinearActivations& a, int64_t n) {
 
 }  // namespace
 
+void SwigluMlp::activate(Backend& be, Stream st, const Tensor& gate, const Tensor& up, Tensor& out) const {
+  if (activation_ == MlpActivation::GeluTanh) be.geglu_tanh_forward(st, gate, up, out);
+  else be.swiglu_forward(st, gate, up, out);
+}
+
+void SwigluMlp::activate_backward(Backend& be, Stream st, const Tensor& gate, const Tensor& up, const Tensor& dout,
+                                  Tensor& dgate, Tensor& dup) const {
+  if (activation_ == MlpActivation::GeluTanh) be.geglu_tanh_backward(st, gate, up, dout, dgate, dup);
+  else be.swiglu_backward(st, gate, up, dout, dgate, dup);
+}
+
 SwigluMlp::SwigluMlp(ParameterSink& sink, const ModelConfig& c, const std::string& layer_prefix, int64_t width,
                      const std::string& module)
-    : width_(width) {
+    : width_(width), activation_(c.mlp_activation) {
   const std::string pre = layer_prefix + module + ".";
   const int64_t h = c.hidden_size;
   gate_ = sink.add_linear({"gate_proj", pre + "gate_proj", width, h, false});
@@ -61,7 +72,7 @@ void SwigluMlp::forward(const LayerContext& ctx, const Tensor& xn, FeedForwardAc
   up_.forward(be, st, xn, a.up, a.up_proj);
   // A kept layer does not keep act (see SwigluActivations): it lives until the down projection.
   Tensor act = a.act.defined() ? a.act : be.empty(a.gate.shape(), a.gate.dtype());
-  be.swiglu_forward(st, a.gate, a.up, act);
+  activate(be, st, a.gate, a.up, act);
   down_.forward(be, st, act, out, a.down_proj);
 }
 
@@ -73,7 +84,7 @@ void SwigluMlp::recompute_output(const LayerContext& ctx, const FeedForwardActiv
   Tensor act = a.act;
   if (!act.defined()) {
     act = be.empty(a.gate.shape(), ctx.dtype);
-    be.swiglu_forward(st, a.gate, a.up, act);
+    activate(be, st, a.gate, a.up, act);
   }
   LinearActivations down;  // its LoRA intermediate again; the record's stays for backward
   down_.allocate(be, down, ctx.tokens(), ctx.dtype);
@@ -94,12 +105,12 @@ void SwigluMlp::backward(const LayerContext& ctx, const Tensor& xn, const FeedFo
   Tensor act = a.act;
   if (!act.defined()) {
     act = be.empty(a.gate.shape(), dt);
-    be.swiglu_forward(st, a.gate, a.up, act);
+    activate(be, st, a.gate, a.up, act);
   }
   Tensor d_act = be.empty(Shape{ctx.tokens(), width_}, dt);
   down_.backward(be, st, act, dout, a.down_proj, &d_act, false);
   Tensor d_gate = be.empty(d_act.shape(), dt), d_up = be.empty(d_act.shape(), dt);
-  be.swiglu_backward(st, a.gate, a.up, d_act, d_gate, d_up);
+  activate_backward(be, st, a.gate, a.up, d_act, d_gate, d_up);
   gate_.backward(be, st, xn, d_gate, a.gate_proj, &dxn, false);
   up_.backward(be, st, xn, d_up, a.up_proj, &dxn, true);
 }
@@ -128,7 +139,7 @@ void SwigluMlp::forward_tiled(const LayerContext& ctx, const Tensor& xn, int64_t
     LinearActivations gl = first_rows(gate_lora, n), ul = first_rows(up_lora, n), dl = first_rows(down_lora, n);
     gate_.forward(be, st, x, g, gl);
     up_.forward(be, st, x, u, ul);
-    be.swiglu_forward(st, g, u, p);
+    activate(be, st, g, u, p);
     down_.forward(be, st, p, y, dl);
   }
 }
@@ -164,11 +175,11 @@ void SwigluMlp::backward_tiled(const LayerContext& ctx, const Tensor& xn, int64_
     LinearActivations gl = first_rows(gate_lora, n), ul = first_rows(up_lora, n), dl = first_rows(down_lora, n);
     gate_.forward(be, st, x, g, gl);
     up_.forward(be, st, x, u, ul);
-    be.swiglu_forward(st, g, u, p);
+    activate(be, st, g, u, p);
     down_.save_for_backward(be, st, p, dl);
     down_.backward(be, st, p, dy, dl, &dp, false);
     Tensor& dg = p;  // the product is dead from here: its rows take ∂L/∂gate
-    be.swiglu_backward(st, g, u, dp, dg, du);
+    activate_backward(be, st, g, u, dp, dg, du);
     gate_.backward(be, st, x, dg, gl, &dx, false);
     up_.backward(be, st, x, du, ul, &dx, true);
   }

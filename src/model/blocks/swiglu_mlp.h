@@ -1,4 +1,4 @@
-// The dense SwiGLU MLP: out = down(silu(gate(xn)) · up(xn)).
+// The dense gated MLP: out = down(act(gate(xn)) · up(xn)), act silu (SwiGLU) or GELU-tanh (GeGLU, Gemma).
 //
 // Token tiling (SwigluActivations::tile_tokens > 0, --mlp-tile-tokens): every op of the MLP acts on
 // each token's row alone, so forward and backward can walk the tokens in tiles of N rows with only
@@ -40,7 +40,13 @@ class SwigluMlp final : public FeedForward {
   void backward_tiled(const LayerContext& ctx, const Tensor& xn, int64_t tile, const Tensor& dout,
                       Tensor& dxn) const;
 
+  // act(gate)·up into out, and its backward, for the configured activation.
+  void activate(Backend& be, Stream st, const Tensor& gate, const Tensor& up, Tensor& out) const;
+  void activate_backward(Backend& be, Stream st, const Tensor& gate, const Tensor& up, const Tensor& dout,
+                         Tensor& dgate, Tensor& dup) const;
+
   int64_t width_;
+  MlpActivation activation_;
   Linear gate_, up_, down_;
 };
 
