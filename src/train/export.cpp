@@ -40,13 +40,14 @@ const char* torch_dtype_name(DType dtype) {
     case DType::F32: return "float32";
     case DType::BF16: return "bfloat16";
     case DType::F16: return "float16";
+    case DType::F64: return "float64";  // a --dtype f64 run's checkpoints keep its exact weights
     default: return nullptr;
   }
 }
 
 void require_export_dtype(DType dtype, const char* what) {
   if (!torch_dtype_name(dtype))
-    fail("cannot save {} as {}: choose bf16, f16 or f32", what, dtype_name(dtype));
+    fail("cannot save {} as {}: choose bf16, f16, f32 or f64", what, dtype_name(dtype));
 }
 
 void fsync_path(const fs::path& path, bool directory) {
@@ -330,7 +331,9 @@ void save_peft_adapter(Backend& backend, const ModelWeights& weights, const fs::
          dir.string());
   require_export_dtype(dtype, "a LoRA adapter");
   StagedFolder folder(dir);
-  auto host = make_cpu_backend(1);
+  // 0 threads: a CPU backend given a count sets it for the whole process (OpenMP, OpenBLAS), and a
+  // checkpoint written mid-run would then change how the training steps after it round.
+  auto host = make_cpu_backend(0);
   io::NamedTensors tensors;
   for (const Parameter& p : weights.parameters()) {
     if (!is_lora_parameter(p)) continue;
@@ -410,7 +413,7 @@ void save_hf_model(Backend& backend, const ModelWeights& weights, const fs::path
   for (const PackedTensor& packed : weights.packed_tensors()) any_packed |= packed.read;
   const bool direct = !options.merge_lora && options.dtype == weights.dtype && quant_state.empty() && !any_packed;
   StagedFolder folder(out_dir);
-  auto host = make_cpu_backend(1);
+  auto host = make_cpu_backend(0);  // the process's thread count stays as training set it (save_peft_adapter)
   io::NamedTensors tensors;
   // Parameters the checkpoint held packed (fused experts) are written packed again, where their
   // first part would be (staged on the host, so such a model is not written directly).

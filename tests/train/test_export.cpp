@@ -549,7 +549,7 @@ TEST(HfModelExport, BadRequestsAreClearErrorsThatWriteNothing) {
   EXPECT_TRUE(contains(error_of([&] { save_hf_model(*be, w, case_dir("qwen2"), out, merge); }), "no LoRA adapters"));
   HfModelExportOptions ints;
   ints.dtype = DType::I32;
-  EXPECT_TRUE(contains(error_of([&] { save_hf_model(*be, w, case_dir("qwen2"), out, ints); }), "choose bf16, f16 or f32"));
+  EXPECT_TRUE(contains(error_of([&] { save_hf_model(*be, w, case_dir("qwen2"), out, ints); }), "choose bf16, f16, f32 or f64"));
   EXPECT_TRUE(contains(error_of([&] { save_hf_model(*be, w, scratch.path() / "nowhere", out); }), "config.json is missing"));
   EXPECT_FALSE(fs::exists(out));
 
