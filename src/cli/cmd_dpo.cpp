@@ -32,8 +32,12 @@ void add_dpo_command(CLI::App& app, CommandList& commands) {
   commands.push_back({cmd,
                       [config, recompute_option] {
                         DpoConfig resolved = *config;
+                        resolved.validate();
+                        const ProcessGroupInfo process = process_group_from_environment();
+                        if (process.rank == 0)  // before the memory plan: a refused folder is the one message
+                          check_run_output_before_work(resolved.train, "dpo", resolved.identity_options(),
+                                                       process.world_size);
                         if (resolved.train.recompute == "auto") {
-                          resolved.validate();
                           // dpo's step beyond sft's: every micro-batch of the optimizer step laid out
                           // at once, the backward's own per-token weights, and a reference model
                           // whenever one is loaded (dpo_trainer.cpp: --ref-model, or a full fine-tune
@@ -50,16 +54,17 @@ void add_dpo_command(CLI::App& app, CommandList& commands) {
                                                    p.reference_model = reference;
                                                  });
                         }
-                        const TrainSummary summary = run_dpo(resolved);
-                        return summary.steps > 0 ? 0 : 1;
+                        return exit_status(run_dpo(resolved));
                       },
                       [config](int world_size) {
-                        config->validate();
+                        // The job's shape first (the mesh against the models' heads), then inputs and output.
                         const parallel::MeshFlags flags = config->train.mesh_flags();
                         check_mesh_before_launch(flags, config->train.model, world_size);
                         // The reference runs on the same mesh: its heads must suit it too.
                         if (!config->ref_model.empty())
                           check_mesh_before_launch(flags, config->ref_model, world_size, "--ref-model");
+                        config->validate();
+                        check_run_output_before_work(config->train, "dpo", config->identity_options(), world_size);
                       }});
 }
 

@@ -62,7 +62,8 @@ void add_prepare_command(CLI::App& app, CommandList& commands) {
   sub->add_option("--format", flags->format,
                   "auto, pretokenized, text, prompt-completion, alpaca, messages or preference")
       ->capture_default_str();
-  sub->add_option("--truncation", flags->truncation,
+  // --over-length as sft, dpo and eval name it; --truncation is its older name.
+  sub->add_option("--over-length,--truncation", flags->truncation,
                   "over-long documents: truncate (keep the start), truncate-left (keep the end), "
                   "drop, or error")
       ->capture_default_str();

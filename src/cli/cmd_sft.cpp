@@ -4,6 +4,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -14,7 +15,9 @@
 #include "model/config.h"
 #include "parallel/mesh.h"
 #include "plan/auto_recompute.h"
+#include "train/run_folder.h"
 #include "train/setup.h"
+#include "train/stop_signal.h"
 #include "train/trainer.h"
 
 namespace spindle::cli {
@@ -31,6 +34,10 @@ std::string option_name(std::string key) {
 // out, so the command line wins (whole lists included).
 std::vector<std::string> yaml_to_args(const std::string& path, CLI::App& cmd, const std::vector<std::string>& given) {
   YAML::Node root;
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error))
+    fail("--config {}: {}", path,
+         std::filesystem::exists(path, error) ? "not a file" : "no such file (a YAML file of sft's options)");
   try {
     root = YAML::LoadFile(path);
   } catch (const YAML::Exception& e) {
@@ -107,7 +114,14 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--model", c.model, "Hugging Face model folder");
   cmd->add_option("--data", c.data, "training data: JSONL (any supported format) or a prepared dataset; PATH or "
                                     "PATH:WEIGHT to mix several")->expected(1, 1 << 20);
-  cmd->add_option("--output", c.output, "output folder: adapter/ or model/, checkpoint-N/, metrics.jsonl, metrics.svg");
+  cmd->add_option("--output", c.output, "output folder: adapter/ or model/, checkpoint-N/, metrics.jsonl, metrics.svg "
+                                        "(new or empty, or holding this run with --resume)");
+  cmd->add_flag("--overwrite-output", c.overwrite_output,
+                "replace the run --output holds (what a run writes there; other files stay), and a model in "
+                "--merge-output");
+  cmd->add_option("--tokenizer", c.tokenizer, "folder with tokenizer.json for JSONL text data (default: --model)");
+  cmd->add_flag("--skip-bad-samples", c.skip_bad_samples,
+                "skip malformed JSONL lines (counted and reported) instead of stopping at the first");
   cmd->add_option("--max-length", c.max_length, "tokens per packed row")->capture_default_str();
   cmd->add_flag("--no-packing", c.no_packing, "one document per row");
   cmd->add_option("--over-length", c.over_length, "documents longer than --max-length: truncate, truncate-left, "
@@ -124,7 +138,16 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--adam-beta2", c.adam_beta2)->capture_default_str();
   cmd->add_option("--adam-eps", c.adam_eps)->capture_default_str();
   cmd->add_option("--grad-accum", c.grad_accum, "rows (micro-batches) per optimizer step")->capture_default_str();
-  cmd->add_option("--seed", c.seed, "data order and LoRA initialisation")->capture_default_str();
+  cmd->add_option("--seed", c.seed, "data order and LoRA initialisation")
+      ->check(CLI::Validator(
+          [](std::string& value) {
+            // CLI11 reads "-1" into the unsigned seed as 2^64 - 1; a seed is never negative.
+            if (!value.empty() && value.front() == '-')
+              return "must be a whole number from 0 to 18446744073709551615, got " + value;
+            return std::string();
+          },
+          "", "non-negative"))
+      ->capture_default_str();
   cmd->add_option("--lora-rank", c.lora_rank)->capture_default_str();
   cmd->add_option("--lora-alpha", c.lora_alpha)->capture_default_str();
   cmd->add_option("--lora-targets", c.lora_targets, "projections to adapt")->capture_default_str();
@@ -240,6 +263,22 @@ void resolve_auto_recompute(TrainConfig& config, bool asked, const std::function
   if (process.rank == 0) std::fprintf(stderr, "%s\n", choice.summary(0).c_str());
 }
 
+void check_run_output_before_work(const TrainConfig& config, const std::string& command,
+                                  const nlohmann::json& command_options, int world_size) {
+  // Under spindle's launcher the parent checked before starting the ranks; the ranks check again in the run.
+  if (std::getenv("SPINDLE_LAUNCHER")) return;
+  const ModelConfig model = ModelConfig::from_file(config.model);
+  const parallel::MeshConfig mesh = parallel::resolve_mesh(config.mesh_flags(), world_size,
+                                                           static_cast<int>(model.num_heads),
+                                                           static_cast<int>(model.num_kv_heads));
+  check_run_output(config, run_identity(config, command, command_options, mesh.dp));
+}
+
+int exit_status(const TrainSummary& summary) {
+  if (summary.stopped()) return kExitStoppedResumable;
+  return summary.steps > 0 ? 0 : 1;
+}
+
 void add_sft_command(CLI::App& app, CommandList& commands) {
   auto config = std::make_shared<TrainConfig>();
   // sft plans its memory by default: the fastest recompute/offload setting that fits (measured within
@@ -257,13 +296,18 @@ void add_sft_command(CLI::App& app, CommandList& commands) {
   commands.push_back({cmd,
                       [config, recompute_option] {
                         TrainConfig resolved = *config;
+                        resolved.validate();
+                        const ProcessGroupInfo process = process_group_from_environment();
+                        if (process.rank == 0)  // before the memory plan: a refused folder is the one message
+                          check_run_output_before_work(resolved, "sft", nlohmann::json(), process.world_size);
                         if (resolved.recompute == "auto") resolve_auto_recompute(resolved, recompute_option->count() > 0);
-                        const TrainSummary summary = run_sft(resolved);
-                        return summary.steps > 0 ? 0 : 1;
+                        return exit_status(run_sft(resolved));
                       },
                       [config](int world_size) {
-                        config->validate();
+                        // The job's shape first (the mesh against the model's heads), then its inputs and output.
                         check_mesh_before_launch(config->mesh_flags(), config->model, world_size);
+                        config->validate();
+                        check_run_output_before_work(*config, "sft", nlohmann::json(), world_size);
                       }});
 }
 

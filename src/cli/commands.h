@@ -6,8 +6,13 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "train/train_config.h"
 
+namespace spindle {
+struct TrainSummary;
+}
 namespace spindle::plan {
 struct PlanOptions;
 }
@@ -29,6 +34,14 @@ using CommandList = std::vector<Command>;
 // the plan what the command's step holds beyond sft's (dpo: plan::PlanOptions::preference).
 void resolve_auto_recompute(TrainConfig& config, bool asked,
                             const std::function<void(plan::PlanOptions&)>& adjust = {});
+
+// sft and dpo (defined in cmd_sft.cpp): the output folder, --merge-output and an outside
+// --metrics-file checked against the run before its memory plan or its processes start, so a
+// refusal comes first and alone (run_folder.h). `world_size`: the job's processes.
+void check_run_output_before_work(const TrainConfig& config, const std::string& command,
+                                  const nlohmann::json& command_options, int world_size);
+// What sft and dpo exit with: 0, kExitStoppedResumable after a stop signal, 1 when no step ran.
+int exit_status(const TrainSummary& summary);
 
 // Each cmd_*.cpp defines one add_*_command; register_all (commands.cpp) calls them all.
 void add_eval_command(CLI::App& app, CommandList& commands);

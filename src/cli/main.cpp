@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 #include <exception>
+#include <regex>
 
 #include "cli/commands.h"
 #include "core/error.h"
@@ -24,6 +25,7 @@ int main(int argc, char** argv) {
   }
   CLI::App app{"spindle: long-context fine-tuning of Hugging Face decoder LLMs"};
   app.footer("Any command: --nproc-per-node N runs it as N processes on this machine (docs/parallelism.md).");
+  app.set_version_flag("--version", std::string("spindle ") + SPINDLE_VERSION + " (" + SPINDLE_BUILD_FEATURES + ")");
   app.require_subcommand(1);
   spindle::cli::CommandList commands;
   spindle::cli::register_all(app, commands);
@@ -33,6 +35,15 @@ int main(int argc, char** argv) {
     args = spindle::cli::expand_config_file(app, args);  // `--config FILE.yaml` becomes flags
     std::reverse(args.begin(), args.end());              // CLI11 consumes a vector from the back
     app.parse(args);
+  } catch (const CLI::ArgumentMismatch& e) {
+    // CLI11 says "--lr: At Most 1 required but received 2" for an option given twice.
+    static const std::regex repeated("(--[A-Za-z0-9_-]+): At Most 1 required but received ([0-9]+)");
+    std::smatch m;
+    const std::string what = e.what();
+    if (!std::regex_search(what, m, repeated)) return app.exit(e);
+    std::fprintf(stderr, "spindle: error: %s is given %s times; give it once (on the command line it also replaces "
+                 "the same key of a --config file)\n", m[1].str().c_str(), m[2].str().c_str());
+    return 2;
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const spindle::Error& e) {

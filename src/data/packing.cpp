@@ -106,7 +106,7 @@ std::optional<DocumentSlice> fit_document(int64_t index, const DocumentView& doc
         return std::nullopt;
       case OverLength::kFail:
         fail("{} has {} tokens, more than the maximum length {}; raise --max-length or choose "
-             "--truncation truncate, truncate-left or drop",
+             "--over-length truncate, truncate-left or drop",
              origin, n, options.max_length);
     }
   }

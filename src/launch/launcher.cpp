@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -24,6 +25,7 @@
 #include "comm/process_group.h"
 #include "comm/tcp_store.h"
 #include "core/error.h"
+#include "launch/exit_status.h"
 
 extern char** environ;
 
@@ -46,7 +48,16 @@ int parse_process_count(const std::string& flag, const std::string& text) {
 // Variables that would make a child believe it belongs to another launcher's job.
 constexpr const char* kInheritedJobVariables[] = {
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SPINDLE_STORE_PORT",
-    "SPINDLE_LAUNCHER", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"};
+    "SPINDLE_LAUNCHER", "SPINDLE_TERMINAL_COLUMNS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"};
+
+// The width a rank's lines have on the launcher's terminal, after the rank prefix; 0 when the
+// launcher's stderr is no terminal.
+int forwarded_terminal_columns(int prefix_width) {
+  if (::isatty(STDERR_FILENO) != 1) return 0;
+  winsize size{};
+  const int columns = ::ioctl(STDERR_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 0 ? size.ws_col : 100;
+  return std::max(20, columns - prefix_width);
+}
 
 std::vector<std::string> child_environment(int rank, int nproc, int port) {
   std::vector<std::string> environment;
@@ -64,6 +75,10 @@ std::vector<std::string> child_environment(int rank, int nproc, int port) {
   environment.push_back("MASTER_ADDR=127.0.0.1");
   environment.push_back(fmt::format("MASTER_PORT={}", port));
   environment.push_back("SPINDLE_LAUNCHER=1");
+  // A progress bar draws on the launcher's terminal through the pipe (train/progress.h reads this).
+  const int prefix_width = nproc > 1 ? static_cast<int>(fmt::format("[rank {}] ", rank).size()) : 0;
+  if (const int columns = forwarded_terminal_columns(prefix_width))
+    environment.push_back(fmt::format("SPINDLE_TERMINAL_COLUMNS={}", columns));
   return environment;
 }
 
@@ -93,27 +108,43 @@ void write_all(int fd, std::string_view text) {
   }
 }
 
-// One output stream of one child, forwarded line by line with a rank prefix.
+// One output stream of one child, forwarded line by line with a rank prefix. A carriage return
+// begins a redraw of the line on screen (a progress bar): it is passed on at once, with the prefix
+// after the '\r', and what follows up to the next line break continues that line.
 struct ForwardedStream {
   int fd = -1;         // read end of the child's pipe; -1 once closed
   int destination;     // 1 or 2
   std::string prefix;  // "[rank 3] " or empty
   std::string partial;
+  bool line_open = false;  // what was written last did not end its line
 
+  void emit(std::string_view segment) {
+    if (segment.empty()) return;
+    if (segment.front() == '\r') write_all(destination, "\r" + prefix + std::string(segment.substr(1)));
+    else if (line_open) write_all(destination, segment);
+    else write_all(destination, prefix + std::string(segment));
+    line_open = segment.back() != '\n';
+  }
   void forward(std::string_view data) {
     partial.append(data);
     size_t start = 0;
-    for (;;) {
-      size_t end = partial.find_first_of("\n\r", start);
+    while (start < partial.size()) {
+      const size_t end = partial.find_first_of("\n\r", start + (partial[start] == '\r' ? 1 : 0));
       if (end == std::string::npos) break;
-      write_all(destination, prefix + partial.substr(start, end + 1 - start));
-      start = end + 1;
+      const size_t next = partial[end] == '\n' ? end + 1 : end;  // a line ends after its newline, a redraw begins at '\r'
+      emit(std::string_view(partial).substr(start, next - start));
+      start = next;
     }
     partial.erase(0, start);
+    if (!partial.empty() && partial.front() == '\r') {  // a redraw in progress is shown now, not at the next one
+      emit(partial);
+      partial.clear();
+    }
     if (partial.size() > (64u << 10)) flush();  // a huge line without newline: don't hold it forever
   }
   void flush() {
-    if (!partial.empty()) write_all(destination, prefix + partial + "\n");
+    if (!partial.empty()) emit(partial + "\n");
+    else if (line_open) emit("\n");
     partial.clear();
   }
   void read_available() {
@@ -139,8 +170,18 @@ struct Child {
   ForwardedStream out, err;
 };
 
-// SIGINT/SIGTERM to the launcher are written here so the poll loop can forward them.
+const char* stop_signal_name(int signal) {
+  switch (signal) {
+    case SIGINT: return "SIGINT";
+    case SIGTERM: return "SIGTERM";
+    case SIGUSR1: return "SIGUSR1";
+    default: return strsignal(signal);
+  }
+}
+
+// SIGINT, SIGTERM and SIGUSR1 to the launcher are written here so the poll loop can forward them.
 int g_signal_pipe[2] = {-1, -1};
+constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGUSR1};
 void on_launcher_signal(int signal) {
   unsigned char byte = static_cast<unsigned char>(signal);
   (void)!::write(g_signal_pipe[1], &byte, 1);
@@ -166,8 +207,7 @@ void start_child(Child& child, const std::string& executable, const std::vector<
     if (::getppid() != parent) ::_exit(127);
     ::dup2(out_pipe[1], 1);
     ::dup2(err_pipe[1], 2);
-    ::signal(SIGINT, SIG_DFL);
-    ::signal(SIGTERM, SIG_DFL);
+    for (int forwarded : kForwardedSignals) ::signal(forwarded, SIG_DFL);
     ::execve(executable.c_str(), argv.data(), envp.data());
     const char message[] = "spindle launcher: exec failed\n";
     (void)!::write(2, message, sizeof message - 1);
@@ -266,11 +306,10 @@ int launch_local(int nproc, const std::vector<std::string>& arguments, const Lau
 
   if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
     fail("launcher: cannot create a pipe: {}", std::strerror(errno));
-  struct sigaction action {}, previous_int{}, previous_term{};
+  struct sigaction action {}, previous[std::size(kForwardedSignals)];
   action.sa_handler = on_launcher_signal;
   ::sigemptyset(&action.sa_mask);
-  ::sigaction(SIGINT, &action, &previous_int);
-  ::sigaction(SIGTERM, &action, &previous_term);
+  for (size_t i = 0; i < std::size(kForwardedSignals); ++i) ::sigaction(kForwardedSignals[i], &action, &previous[i]);
   std::fflush(stdout);
   std::fflush(stderr);
 
@@ -287,6 +326,8 @@ int launch_local(int nproc, const std::vector<std::string>& arguments, const Lau
   std::optional<int> first_failure;  // index into children
   std::string failure_message;
   int exit_code = 0;
+  int stop_signals = 0;     // stop signals the launcher received and forwarded
+  int stopped_ranks = 0;    // ranks that saved a checkpoint and exited with kExitStoppedResumable
   std::optional<Clock::time_point> kill_deadline;
   std::optional<Clock::time_point> drain_deadline;  // after the last exit: grandchildren may hold pipes
 
@@ -301,6 +342,12 @@ int launch_local(int nproc, const std::vector<std::string>& arguments, const Lau
     child.running = false;
     child.status = status;
     if (child.pidfd >= 0) ::close(child.pidfd), child.pidfd = -1;
+    // A rank that stopped on a signal with a checkpoint: the others stop after the same step (they
+    // agree on it), so it is no failure to stop them for.
+    if (WIFEXITED(status) && WEXITSTATUS(status) == kExitStoppedResumable) {
+      ++stopped_ranks;
+      return;
+    }
     bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     if (failed && !first_failure) {
       first_failure = child.rank;
@@ -351,15 +398,23 @@ int launch_local(int nproc, const std::vector<std::string>& arguments, const Lau
       if (fds[0].revents & POLLIN) {
         unsigned char signal = 0;
         while (::read(g_signal_pipe[0], &signal, 1) == 1) {
+          // The first stop signal goes on to every rank as it came: they finish their step, save a
+          // checkpoint and exit (stop_signal.h). A second one stops them at once.
+          if (++stop_signals == 1) {
+            write_all(2, fmt::format("spindle launcher: {} received: the ranks finish their step and save a "
+                                     "checkpoint (send it again to stop them at once)\n",
+                                     stop_signal_name(signal)));
+            stop_others(signal);
+          } else if (stop_signals == 2) {
+            if (!first_failure) {
+              first_failure = -1;
+              exit_code = 128 + signal;
+              failure_message = fmt::format("the launcher received a second stop signal ({})", stop_signal_name(signal));
+            }
+            write_all(2, "spindle launcher: second stop signal: stopping all ranks at once\n");
+            stop_others(SIGKILL);
+          }
         }
-        if (!first_failure) {
-          first_failure = -1;
-          exit_code = 128 + (signal ? signal : SIGTERM);
-          failure_message = fmt::format("the launcher received signal {} ({})", signal, strsignal(signal));
-          write_all(2, fmt::format("spindle launcher: {}; stopping all ranks\n", failure_message));
-          kill_deadline = Clock::now() + options.grace_period;
-        }
-        stop_others(SIGTERM);
       }
       for (size_t i = 1; i < fds.size(); ++i) {
         if (!fds[i].revents) continue;
@@ -383,8 +438,7 @@ int launch_local(int nproc, const std::vector<std::string>& arguments, const Lau
     if (c.out.fd >= 0) c.out.flush(), ::close(c.out.fd);
     if (c.err.fd >= 0) c.err.flush(), ::close(c.err.fd);
   }
-  ::sigaction(SIGINT, &previous_int, nullptr);
-  ::sigaction(SIGTERM, &previous_term, nullptr);
+  for (size_t i = 0; i < std::size(kForwardedSignals); ++i) ::sigaction(kForwardedSignals[i], &previous[i], nullptr);
   ::close(g_signal_pipe[0]);
   ::close(g_signal_pipe[1]);
 
@@ -395,6 +449,14 @@ int launch_local(int nproc, const std::vector<std::string>& arguments, const Lau
         others += fmt::format("{}rank {} {}", others.empty() ? "" : ", ", c.rank, describe_status(c.status));
     write_all(2, fmt::format("spindle launcher: failed: {}{}{}\n", failure_message,
                              others.empty() ? "" : "; then ", others));
+    return exit_code;
+  }
+  if (stopped_ranks > 0) {
+    if (stopped_ranks < nproc)
+      write_all(2, fmt::format("spindle launcher: {} of {} ranks stopped with a checkpoint, the others ended "
+                               "without one\n",
+                               stopped_ranks, nproc));
+    return kExitStoppedResumable;
   }
   return exit_code;
 }

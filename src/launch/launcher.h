@@ -1,9 +1,14 @@
 // spindle's own launcher: `spindle <command> ... --nproc-per-node N` runs N processes of the same
 // command on this machine, torchrun-style. Each child gets RANK, WORLD_SIZE, LOCAL_RANK,
 // LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT (a free port) and SPINDLE_LAUNCHER=1.
-// Every output line of every child is forwarded with a "[rank N] " prefix (none when N = 1). When a
-// child fails (non-zero exit or a signal) the others get SIGTERM, then SIGKILL after a grace
-// period, and the launcher returns the failing child's status. Before it starts any child it runs
+// Every output line of every child is forwarded with a "[rank N] " prefix (none when N = 1); a
+// carriage return passes on at once, so a rank's progress bar redraws on the launcher's terminal
+// (whose width the children get as SPINDLE_TERMINAL_COLUMNS). When a child fails (non-zero exit or
+// a signal) the others get SIGTERM, then SIGKILL after a grace period, and the launcher returns the
+// failing child's status. SIGTERM, SIGINT or SIGUSR1 sent to the launcher goes on to every child as
+// it came (a training run then stops after its step with a checkpoint, train/stop_signal.h); a
+// second one kills the children at once. When every child exits with kExitStoppedResumable
+// (launch/exit_status.h) the launcher returns it too. Before it starts any child it runs
 // the command's own check of the job (the mesh against the process count and the model's heads),
 // so a job that cannot run fails once, with one message, instead of once per rank.
 // docs/parallelism.md has the rules.

@@ -18,6 +18,17 @@ uint64_t mix(uint64_t x) {
 }
 }  // namespace
 
+DataSource parse_data_spec(const std::string& spec) {
+  const size_t colon = spec.rfind(':');
+  if (colon != std::string::npos && colon + 1 < spec.size()) {
+    const std::string tail = spec.substr(colon + 1);
+    char* end = nullptr;
+    const double weight = std::strtod(tail.c_str(), &end);
+    if (end && *end == '\0') return {spec.substr(0, colon), weight, spec.substr(0, colon)};
+  }
+  return {spec, 1.0, spec};
+}
+
 nlohmann::json LoaderState::to_json() const {
   return {{"rows_drawn", rows_drawn}, {"epoch", epoch}, {"cursor", cursor}};
 }
@@ -35,13 +46,13 @@ TrainDataLoader::TrainDataLoader(const std::vector<DataSource>& sources, const P
     : pack_(pack), seed_(seed) {
   if (sources.empty()) fail("no training data: pass --data FILE");
   for (const DataSource& src : sources) {
-    if (!(src.weight > 0)) fail("data weight of {} must be positive, got {}", src.path.string(), src.weight);
+    if (!(src.weight > 0)) fail("data weight of {} must be positive, got {}", src.name(), src.weight);
     PreparedDataset dataset = PreparedDataset::open(src.path);
     if (dataset.kind() != kind) {
       if (kind == DatasetKind::kDocuments)
-        fail("{} holds preference pairs; spindle sft trains on documents (use spindle dpo)", src.path.string());
+        fail("{} holds preference pairs; spindle sft trains on documents (use spindle dpo)", src.name());
       fail("{} holds documents, not preference pairs; spindle dpo needs chosen/rejected pairs (docs/formats.md) "
-           "(use spindle sft for documents)", src.path.string());
+           "(use spindle sft for documents)", src.name());
     }
     PackStats stats;
     std::vector<RowPlan> rows;
@@ -56,7 +67,7 @@ TrainDataLoader::TrainDataLoader(const std::vector<DataSource>& sources, const P
       }
     }
     stats_.add(stats);
-    if (rows.empty()) fail("{} yields no training row (every document was dropped: {})", src.path.string(), stats.summary());
+    if (rows.empty()) fail("{} yields no training row (every document was dropped: {})", src.name(), stats.summary());
     sources_.push_back({std::move(dataset), std::move(rows), std::move(item_start), {}, src.weight});
   }
   state_.epoch.assign(sources_.size(), 0);

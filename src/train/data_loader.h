@@ -21,7 +21,12 @@ namespace spindle {
 struct DataSource {
   std::filesystem::path path;  // a prepared dataset (dataset.bin or its folder)
   double weight = 1.0;         // share of rows drawn from this source
+  std::string given;           // the --data path the user gave, which messages name (empty: `path`)
+  std::string name() const { return given.empty() ? path.string() : given; }
 };
+
+// "PATH" or "PATH:WEIGHT" (the weight only when what follows the last ':' is a number).
+DataSource parse_data_spec(const std::string& spec);
 
 // What the loader hands out at a time.
 struct LoaderItem {

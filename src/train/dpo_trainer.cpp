@@ -19,6 +19,7 @@
 #include "train/data_loader.h"
 #include "train/preference_step.h"
 #include "train/run_common.h"
+#include "train/run_folder.h"
 #include "train/setup.h"
 #include "train/step_runner.h"
 #include "train/trainable_state.h"
@@ -47,6 +48,13 @@ void DpoConfig::validate() const {
 nlohmann::json DpoConfig::fingerprint() const {
   return {{"loss_type", loss_type}, {"beta", beta}, {"label_smoothing", label_smoothing}, {"rpo_alpha", rpo_alpha},
           {"ref_model", ref_model}};
+}
+
+nlohmann::json DpoConfig::identity_options() const {
+  nlohmann::json j = fingerprint();
+  j["precompute_ref"] = precompute_ref;
+  if (!ref_model.empty()) j["ref_model"] = {{"config", file_fingerprint(fs::path(ref_model) / "config.json")}};
+  return j;
 }
 
 namespace {
@@ -199,14 +207,17 @@ TrainSummary run_dpo(const DpoConfig& dpo) {
   const parallel::MeshConfig& mesh = run.mesh_config;
   const bool main_rank = run.is_main();
   comm::Communicator* world = run.world.get();  // null for one process
-  if (main_rank) fs::create_directories(config.output);
+  const int cpu_threads = effective_cpu_threads(threads_per_process(config, run));
+  auto backend = make_backend(device, threads_per_process(config, run));
   nlohmann::json fingerprint = config.fingerprint();
   fingerprint["dpo"] = dpo.fingerprint();
   if (mesh.dp > 1) fingerprint["data_parallel"] = mesh.dp;  // items per step = grad_accum · dp
-  const ResumePoint resume = find_resume_point(config, fingerprint);
+  // The output folder, the resume point and the data, checked and prepared by the main rank first.
+  RunStart run_start = start_run(config, "dpo", dpo.identity_options(), fingerprint, run, *backend);
+  const ResumePoint& resume = run_start.resume;
+  const TrainingData& data = run_start.data;
 
   // Data: rows of whole pairs ("items"); a step takes grad_accum items per data-parallel replica.
-  const TrainingData data = prepare_training_data(config, run);
   const PackOptions pack = pack_options(config);
   TrainDataLoader loader(data.sources, pack, config.seed, DatasetKind::kPreferencePairs);
   std::optional<TrainDataLoader> eval_data;
@@ -225,7 +236,6 @@ TrainSummary run_dpo(const DpoConfig& dpo) {
 
   // Policy.
   const DType dtype = device.dtype;
-  auto backend = make_backend(device, threads_per_process(config, run));
   const DType source_dtype = export_dtype(config);
   ModelWeights weights = load_training_weights(*backend, config, model_config, resume.dir, dtype);
   const DecoderOptions options = decoder_options(config, model_config);
@@ -319,62 +329,68 @@ TrainSummary run_dpo(const DpoConfig& dpo) {
   restore_run_state(resume, loader, state);
   if (main_rank && !resume.empty())
     std::fprintf(stderr, "resuming from %s at step %lld\n", resume.dir.string().c_str(), static_cast<long long>(step));
+  note_thread_change(resume, *backend, cpu_threads, main_rank);
   RunReporter reporter(config, main_rank, total_steps, resume);
-  RunCheckpointer checkpointer{config, *backend, weights, state, fingerprint, main_rank};
+  for (const fs::path& file : reporter.created_files()) run_start.claim.created(file);
+  RunCheckpointer checkpointer{config, *backend, weights, state, fingerprint, run_start.identity, cpu_threads, main_rank};
 
   TrainSummary summary;
   summary.output = config.output;
-  while (step < total_steps) {
-    const auto step_start = std::chrono::steady_clock::now();
-    // Every rank draws the same items; lay_out gives each its rows and shards.
-    std::vector<LoaderItem> items;
-    for (int64_t i = 0; i < items_per_step; ++i) items.push_back(loader.next_item());
-    const LaidOutPairs laid = lay_out(*backend, items, run, dtype);
-    std::vector<double> cached;
-    PreferenceStepOptions step_options;
-    step_options.loss = loss;
-    step_options.num_pairs = laid.num_pairs();
-    // Pairs are numbered over the whole step and each rank holds disjoint parts of their tokens:
-    // one all-reduce over the world completes every response's sums (no separate pair group).
-    step_options.sequence_group = world;
-    state.zero_grads();
-    const PreferenceStepResult result = preference_step(*backend, decoder, weights, laid.batches,
-                                                        reference_source(train_cache, laid, cached), step_options);
-    if (world && state.all_reduce_gradients())  // replicated weights: sum the ranks' shares
-      for (Parameter& p : weights.parameters())
-        if (p.trainable) world->all_reduce_sum(backend->default_stream(), p.grad);
-    const double lr = learning_rate(plan.lr, step);
-    const double grad_norm = optimizer.step(lr);
-    ++step;
+  run_start.claim.keep();  // training starts: what the run wrote stays
+  StepBoundary boundary(config, *backend, run, checkpointer, reporter);
+  try {
+    while (step < total_steps) {
+      const auto step_start = std::chrono::steady_clock::now();
+      // Every rank draws the same items; lay_out gives each its rows and shards.
+      std::vector<LoaderItem> items;
+      for (int64_t i = 0; i < items_per_step; ++i) items.push_back(loader.next_item());
+      const LaidOutPairs laid = lay_out(*backend, items, run, dtype);
+      std::vector<double> cached;
+      PreferenceStepOptions step_options;
+      step_options.loss = loss;
+      step_options.num_pairs = laid.num_pairs();
+      // Pairs are numbered over the whole step and each rank holds disjoint parts of their tokens:
+      // one all-reduce over the world completes every response's sums (no separate pair group).
+      step_options.sequence_group = world;
+      state.zero_grads();
+      const PreferenceStepResult result = preference_step(*backend, decoder, weights, laid.batches,
+                                                          reference_source(train_cache, laid, cached), step_options);
+      if (world && state.all_reduce_gradients())  // replicated weights: sum the ranks' shares
+        for (Parameter& p : weights.parameters())
+          if (p.trainable) world->all_reduce_sum(backend->default_stream(), p.grad);
+      const double lr = learning_rate(plan.lr, step);
+      const double grad_norm = optimizer.step(lr);
+      ++step;
 
-    const PreferenceMetrics& pm = result.metrics;
-    StepMetrics m;
-    m.step = step;
-    m.loss = pm.loss;
-    m.grad_norm = grad_norm;
-    m.lr = lr;
-    m.num_items = laid.targets;
-    m.tokens = laid.tokens;
-    m.preference = StepMetrics::Preference{pm.rewards_chosen, pm.rewards_rejected, pm.margins,  pm.accuracy,
-                                           pm.logps_chosen,   pm.logps_rejected,   pm.nll_loss, pm.pairs};
-    m.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
-    m.tokens_per_s = m.step_seconds > 0 ? static_cast<double>(m.tokens) / m.step_seconds : 0;
-    m.peak_memory_bytes = backend->memory_stats().peak_allocated_bytes;  // live tensors: the GPU pool on CUDA, tensor bytes on the CPU
-    m.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    m.epoch = loader.epochs_done();
-    if (config.eval_steps > 0 && (step % config.eval_steps == 0 || step == total_steps) && eval_data) {
-      const auto [eval, eval_targets] = evaluate_pairs();
-      m.eval_loss = eval.loss;
-      m.eval_num_items = eval_targets;
-      m.eval_accuracy = eval.accuracy;
+      const PreferenceMetrics& pm = result.metrics;
+      StepMetrics m;
+      m.step = step;
+      m.loss = pm.loss;
+      m.grad_norm = grad_norm;
+      m.lr = lr;
+      m.num_items = laid.targets;
+      m.tokens = laid.tokens;
+      m.preference = StepMetrics::Preference{pm.rewards_chosen, pm.rewards_rejected, pm.margins,  pm.accuracy,
+                                             pm.logps_chosen,   pm.logps_rejected,   pm.nll_loss, pm.pairs};
+      m.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+      m.tokens_per_s = m.step_seconds > 0 ? static_cast<double>(m.tokens) / m.step_seconds : 0;
+      m.peak_memory_bytes = backend->memory_stats().peak_allocated_bytes;  // live tensors: the GPU pool on CUDA, tensor bytes on the CPU
+      m.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      m.epoch = loader.epochs_done();
+      if (config.eval_steps > 0 && (step % config.eval_steps == 0 || step == total_steps) && eval_data) {
+        const auto [eval, eval_targets] = evaluate_pairs();
+        m.eval_loss = eval.loss;
+        m.eval_num_items = eval_targets;
+        m.eval_accuracy = eval.accuracy;
+      }
+      reporter.record(m);
+      summary.final_loss = m.loss;
+      summary.steps = step;
+      if (boundary.after_step(step, total_steps, loader.state(), summary)) return summary;
     }
-    reporter.record(m);
-    summary.final_loss = m.loss;
-    if ((config.save_steps > 0 && step % config.save_steps == 0) || step == total_steps) {
-      checkpointer.save(step, loader.state());
-      if (world) world->barrier();
-      if (step < total_steps) reporter.message(fmt::format("checkpoint-{} saved", step));
-    }
+  } catch (...) {
+    reporter.finish_failed(config, total_steps);  // the steps logged so far: their plot and summary
+    throw;
   }
   summary.steps = step;
 

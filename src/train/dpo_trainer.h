@@ -33,6 +33,8 @@ struct DpoConfig {
   PreferenceLossOptions loss_options() const;
   void validate() const;               // throws Error naming the option to change
   nlohmann::json fingerprint() const;  // with TrainConfig's: what a resumed run must share
+  // What dpo adds to a run's identity (run_folder.h): the loss options, and the reference by contents.
+  nlohmann::json identity_options() const;
 };
 
 // Runs a whole `spindle dpo` job (resuming when config.train.resume). Throws Error for bad

@@ -48,9 +48,17 @@ std::string render_bar(double fraction, int columns) {
 
 }  // namespace
 
-bool stderr_is_terminal() { return ::isatty(STDERR_FILENO) == 1; }
+bool stderr_is_terminal() {
+  // Under spindle's launcher stderr is a pipe to it; it says whether its own stderr is a terminal.
+  if (std::getenv(kLauncherTerminalColumns)) return true;
+  return ::isatty(STDERR_FILENO) == 1;
+}
 
 int stderr_terminal_columns(int fallback) {
+  if (const char* forwarded = std::getenv(kLauncherTerminalColumns)) {
+    const int value = std::atoi(forwarded);
+    if (value > 0) return value;
+  }
   winsize size{};
   if (::ioctl(STDERR_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 0) return size.ws_col;
   if (const char* columns = std::getenv("COLUMNS")) {

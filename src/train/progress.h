@@ -18,7 +18,12 @@
 
 namespace spindle::train {
 
-// True when stderr is a terminal; and its width in columns, or `fallback` when it cannot be asked.
+// Set by spindle's launcher for its ranks when its own stderr is a terminal: the columns a rank's
+// lines have after the launcher's "[rank N] " prefix.
+inline constexpr const char* kLauncherTerminalColumns = "SPINDLE_TERMINAL_COLUMNS";
+
+// True when stderr is a terminal (or the launcher's is); and its width in columns, or `fallback`
+// when it cannot be asked.
 bool stderr_is_terminal();
 int stderr_terminal_columns(int fallback = 100);
 

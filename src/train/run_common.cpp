@@ -14,6 +14,7 @@
 #include "model/config.h"
 #include "train/export.h"
 #include "train/loss_plot.h"
+#include "train/stop_signal.h"
 #include "train/trainer.h"
 
 namespace spindle {
@@ -41,18 +42,60 @@ fs::path latest_checkpoint(const fs::path& output) {
   return best;
 }
 
-ResumePoint find_resume_point(const TrainConfig& config, const nlohmann::json& fingerprint) {
+namespace {
+
+ResumePoint read_resume_point(const TrainConfig& config) {
   ResumePoint resume;
   if (!config.resume) return resume;
   resume.dir = latest_checkpoint(config.output);
-  if (resume.dir.empty()) fail("--resume: no checkpoint in {} (checkpoints are written every --save-steps)", config.output);
-  std::ifstream in(resume.dir / "trainer_state.json");
-  in >> resume.state;
-  if (resume.state["config"] != fingerprint)
-    fail("--resume: {} was written with other settings ({}); resume with the same model, data, max-length, "
-         "grad-accum, data-parallel degree, seed and LoRA options",
-         resume.dir.string(), resume.state["config"].dump());
+  if (resume.dir.empty())
+    fail("--resume: no checkpoint in {} (checkpoints are written every --save-steps, on a stop signal and at the end)",
+         config.output);
+  const fs::path state_file = resume.dir / "trainer_state.json";
+  std::ifstream in(state_file);
+  resume.state = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (resume.state.is_discarded() || !resume.state.is_object() || !resume.state.contains("step"))
+    fail("--resume: {} is damaged (not the JSON spindle writes); remove {} to resume from the checkpoint before it",
+         state_file.string(), resume.dir.string());
   return resume;
+}
+
+}  // namespace
+
+ResumePoint find_resume_point(const TrainConfig& config, const nlohmann::json& identity,
+                              const nlohmann::json& fingerprint) {
+  ResumePoint resume = read_resume_point(config);
+  if (resume.empty()) return resume;
+  // A checkpoint records its run's identity; one written by an earlier spindle, its settings alone.
+  const bool has_identity = resume.state.contains("identity");
+  const std::vector<std::string> changed =
+      has_identity ? identity_differences(resume.state["identity"], identity)
+                   : identity_differences(resume.state.value("config", nlohmann::json()), fingerprint);
+  if (!changed.empty()) {
+    std::string list;
+    for (const std::string& line : changed) list += "\n  " + line;
+    fail("--resume: {} was written by a run with other settings:{}\nresume with the settings the run was started "
+         "with, or start this run in a new --output",
+         resume.dir.string(), list);
+  }
+  return resume;
+}
+
+RunStart start_run(const TrainConfig& config, const std::string& command, const nlohmann::json& command_options,
+                   const nlohmann::json& fingerprint, const RunTopology& run, Backend& backend) {
+  RunStart start;
+  on_main_rank(backend, run, [&] {
+    start.identity = run_identity(config, command, command_options, run.mesh_config.dp);
+    check_run_output(config, start.identity);
+    start.claim = RunOutputClaim(config, start.identity);
+    start.resume = find_resume_point(config, start.identity, fingerprint);
+    start.data = training_data(config, run, &start.claim);
+  });
+  if (!run.is_main()) {  // the main rank checked them: the others only read where they are
+    start.resume = read_resume_point(config);
+    start.data = training_data(config, run, nullptr);
+  }
+  return start;
 }
 
 void restore_run_state(const ResumePoint& resume, TrainDataLoader& loader, TrainableState& state) {
@@ -70,21 +113,62 @@ void RunCheckpointer::save(int64_t step, const LoaderState& loader) {
   const fs::path tmp = fs::path(config.output) / fmt::format(".checkpoint-{}.tmp.{}", step, getpid());
   fs::remove_all(tmp);
   fs::create_directories(tmp);
-  if (config.full) {
-    HfModelExportOptions exact;
-    exact.dtype = weights.dtype;  // resume must continue from the very same weights
-    save_hf_model(backend, weights, config.model, tmp / "model", exact);
+  try {
+    if (config.full) {
+      HfModelExportOptions exact;
+      exact.dtype = weights.dtype;  // resume must continue from the very same weights
+      save_hf_model(backend, weights, config.model, tmp / "model", exact);
+    } else {
+      save_peft_adapter(backend, weights, tmp / "adapter", config.model, weights.dtype);  // exact resume
+    }
+    io::write_safetensors((tmp / "optimizer.safetensors").string(), optimizer_state, backend);
+    nlohmann::ordered_json json;
+    json["step"] = step;
+    json["optimizer_steps"] = state.optimizer().steps_taken();
+    json["loader"] = loader.to_json();
+    json["config"] = fingerprint;
+    json["identity"] = identity;
+    json["cpu_threads"] = cpu_threads;
+    train::write_file_atomically(tmp / "trainer_state.json", json.dump(1));
+    fs::remove_all(final_dir);
+    fs::rename(tmp, final_dir);
+  } catch (...) {
+    // A checkpoint that could not be written (a full disk) leaves nothing half-written behind.
+    std::error_code error;
+    fs::remove_all(tmp, error);
+    throw;
   }
-  else save_peft_adapter(backend, weights, tmp / "adapter", config.model, weights.dtype);  // exact resume
-  io::write_safetensors((tmp / "optimizer.safetensors").string(), optimizer_state, backend);
-  nlohmann::ordered_json json;
-  json["step"] = step;
-  json["optimizer_steps"] = state.optimizer().steps_taken();
-  json["loader"] = loader.to_json();
-  json["config"] = fingerprint;
-  train::write_file_atomically(tmp / "trainer_state.json", json.dump(1));
-  fs::remove_all(final_dir);
-  fs::rename(tmp, final_dir);
+}
+
+void note_thread_change(const ResumePoint& resume, const Backend& backend, int cpu_threads, bool main_rank) {
+  if (resume.empty() || !main_rank || backend.device().kind != DeviceKind::CPU) return;
+  const int64_t written_with = resume.state.value("cpu_threads", int64_t{0});
+  if (written_with > 0 && written_with != cpu_threads)
+    std::fprintf(stderr,
+                 "note: %s was written by processes computing on %lld CPU threads, this one uses %d: the steps "
+                 "from here differ from an uninterrupted run in their last bits (--threads %lld keeps them equal)\n",
+                 resume.dir.string().c_str(), static_cast<long long>(written_with), cpu_threads,
+                 static_cast<long long>(written_with));
+}
+
+StepBoundary::StepBoundary(const TrainConfig& config, Backend& backend, const RunTopology& run,
+                           RunCheckpointer& checkpointer, RunReporter& reporter)
+    : config_(config), backend_(backend), run_(run), checkpointer_(checkpointer), reporter_(reporter) {}
+
+bool StepBoundary::after_step(int64_t step, int64_t total_steps, const LoaderState& loader, TrainSummary& summary) {
+  const StopDecision stop = agree_to_stop(backend_, run_.world.get(), signals_.received());
+  const bool stopping = stop.stop && step < total_steps;
+  if ((config_.save_steps > 0 && step % config_.save_steps == 0) || step == total_steps || stopping) {
+    checkpointer_.save(step, loader);
+    if (run_.world) run_.world->barrier();
+    reporter_.write_plot();
+    if (step < total_steps && !stopping) reporter_.message(fmt::format("checkpoint-{} saved", step));
+  }
+  if (!stopping) return false;
+  summary.stopped_by = stop.reason;
+  summary.checkpoint = fs::path(config_.output) / fmt::format("checkpoint-{}", step);
+  reporter_.finish_stopped(config_, total_steps, stop.reason, summary.checkpoint);
+  return true;
 }
 
 RunSchedule plan_schedule(const TrainConfig& config, int64_t items_per_epoch, int64_t items_per_step) {
@@ -105,8 +189,10 @@ RunSchedule plan_schedule(const TrainConfig& config, int64_t items_per_epoch, in
 RunReporter::RunReporter(const TrainConfig& config, bool main_rank, int64_t total_steps, const ResumePoint& resume) {
   metrics_path_ = config.metrics_file.empty() ? fs::path(config.output) / "metrics.jsonl" : fs::path(config.metrics_file);
   // Only the main rank writes; a new run starts a new log, a resumed one keeps the lines up to its checkpoint.
-  if (main_rank)
+  if (main_rank) {
+    new_log_ = resume.empty() && !fs::exists(metrics_path_);
     metrics_.emplace(resume.empty() ? MetricsLog::start_new(metrics_path_) : MetricsLog::resume(metrics_path_, resume.step()));
+  }
   if (main_rank && !config.tensorboard.empty())
     tensorboard_.emplace(train::TensorBoardLog::start(config.tensorboard, resume.step()));
   train::ProgressOptions options;
@@ -121,6 +207,13 @@ RunReporter::RunReporter(const TrainConfig& config, bool main_rank, int64_t tota
     for (const StepMetrics& m : metrics_->read()) total_tokens_ += m.tokens;
 }
 
+std::vector<fs::path> RunReporter::created_files() const {
+  std::vector<fs::path> files;
+  if (metrics_ && new_log_) files.push_back(metrics_path_);
+  if (tensorboard_) files.push_back(tensorboard_->path());
+  return files;
+}
+
 void RunReporter::record(StepMetrics& m) {
   total_tokens_ += m.tokens;
   m.total_tokens = total_tokens_;
@@ -129,18 +222,57 @@ void RunReporter::record(StepMetrics& m) {
   progress_->update(m);
 }
 
+fs::path RunReporter::plot_path() const {
+  fs::path plot = metrics_path_;
+  plot.replace_extension(".svg");
+  return plot;
+}
+
+void RunReporter::write_plot() {
+  if (metrics_) train::write_loss_plot_svg(metrics_->read(), plot_path());
+}
+
+std::vector<train::OutputLocation> RunReporter::outputs(const TrainConfig& config) const {
+  std::vector<train::OutputLocation> outputs = {{"metrics", metrics_path_}, {"loss plot", plot_path()}};
+  if (tensorboard_) outputs.push_back({"tensorboard", tensorboard_->path().parent_path()});
+  return outputs;
+}
+
 void RunReporter::finish(const TrainConfig& config, int64_t total_steps, const fs::path& final_output) {
   if (!metrics_) return;
   progress_->finish();
   std::vector<StepMetrics> history = metrics_->read();
-  fs::path plot = metrics_path_;
-  plot.replace_extension(".svg");
-  train::write_loss_plot_svg(history, plot);
-  std::vector<train::OutputLocation> outputs = {{config.full ? "model" : "adapter", final_output},
-                                                {"metrics", metrics_path_}, {"loss plot", plot}};
-  if (tensorboard_) outputs.push_back({"tensorboard", tensorboard_->path().parent_path()});
-  outputs.push_back({"checkpoints", config.output});
-  train::write_run_summary(std::cerr, train::summarize_run(history), total_steps, outputs);
+  train::write_loss_plot_svg(history, plot_path());
+  std::vector<train::OutputLocation> locations = {{config.full ? "model" : "adapter", final_output}};
+  if (!config.merge_output.empty()) locations.push_back({"merged model", config.merge_output});
+  for (const train::OutputLocation& o : outputs(config)) locations.push_back(o);
+  locations.push_back({"checkpoints", config.output});
+  train::write_run_summary(std::cerr, train::summarize_run(history), total_steps, locations);
+}
+
+void RunReporter::finish_stopped(const TrainConfig& config, int64_t total_steps, const std::string& reason,
+                                 const fs::path& checkpoint) {
+  if (!metrics_) return;
+  progress_->finish();
+  std::vector<StepMetrics> history = metrics_->read();
+  train::write_loss_plot_svg(history, plot_path());
+  std::vector<train::OutputLocation> locations = {{"checkpoint", checkpoint}};
+  for (const train::OutputLocation& o : outputs(config)) locations.push_back(o);
+  train::write_run_summary(std::cerr, train::summarize_run(history), total_steps, locations);
+  std::fprintf(stderr, "Stopped by %s: the same command with --resume continues from %s (exit status %d)\n",
+               reason.c_str(), checkpoint.string().c_str(), kExitStoppedResumable);
+}
+
+void RunReporter::finish_failed(const TrainConfig& config, int64_t total_steps) {
+  if (!metrics_) return;
+  progress_->finish();
+  std::vector<StepMetrics> history = metrics_->read();
+  if (history.empty()) return;
+  train::write_loss_plot_svg(history, plot_path());
+  std::vector<train::OutputLocation> locations = outputs(config);
+  const fs::path checkpoint = latest_checkpoint(config.output);
+  if (!checkpoint.empty()) locations.insert(locations.begin(), {"checkpoint", checkpoint});
+  train::write_run_summary(std::cerr, train::summarize_run(history), total_steps, locations);
 }
 
 DType export_dtype(const TrainConfig& config) {

@@ -2,6 +2,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <unistd.h>
 #include <thread>
 
 #include "core/error.h"
@@ -9,6 +13,8 @@
 #include "data/sample_encoder.h"
 #include "io/checkpoint.h"
 #include "parallel/sp_attention.h"
+#include "train/metrics.h"
+#include "train/run_folder.h"
 #if SPINDLE_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
 #endif
@@ -19,38 +25,72 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// "PATH" or "PATH:WEIGHT" (the weight only when what follows the last ':' is a number).
-DataSource parse_data_spec(const std::string& spec) {
-  const size_t colon = spec.rfind(':');
-  if (colon != std::string::npos && colon + 1 < spec.size()) {
-    const std::string tail = spec.substr(colon + 1);
-    char* end = nullptr;
-    const double weight = std::strtod(tail.c_str(), &end);
-    if (end && *end == '\0') return {spec.substr(0, colon), weight};
-  }
-  return {spec, 1.0};
-}
-
 bool is_prepared(const fs::path& p) {
   return (fs::is_directory(p) && fs::exists(p / kPreparedDataFile)) || p.extension() == ".bin";
 }
 
+// Beside a dataset tokenized into OUTPUT/data/<name>: what it was made from. A later session of the
+// run (--resume) finds the same record and reads the dataset instead of tokenizing again.
+constexpr const char* kPreparedFromFile = "prepared_from.json";
+
+nlohmann::ordered_json preparation_record(const TrainConfig& config, const fs::path& input) {
+  nlohmann::ordered_json j;
+  j["input"] = file_fingerprint(input);
+  j["max_length"] = config.max_length;
+  j["over_length"] = config.over_length;
+  j["skip_bad_samples"] = config.skip_bad_samples;
+  for (const char* file : {"tokenizer.json", "tokenizer_config.json"})
+    if (fs::exists(fs::path(config.tokenizer_folder()) / file))
+      j["tokenizer"][file] = file_fingerprint(fs::path(config.tokenizer_folder()) / file);
+  return j;
+}
+
+bool prepared_from(const fs::path& folder, const nlohmann::ordered_json& record) {
+  std::ifstream in(folder / kPreparedFromFile);
+  if (!in || !fs::exists(folder / kPreparedDataFile)) return false;
+  const nlohmann::ordered_json stored = nlohmann::ordered_json::parse(in, nullptr, /*allow_exceptions=*/false);
+  return stored == record;
+}
+
 // JSONL inputs are tokenized once into OUTPUT/data/<name>; prepared datasets are used as they are.
-// Only the main rank (build = true) tokenizes; the others get the folder it writes to.
-fs::path prepared_path(const TrainConfig& config, const fs::path& input, const std::string& name,
-                       const TextEncoder* encoder, bool build) {
-  if (is_prepared(input)) return input;
-  if (!fs::exists(input)) fail("--data {} does not exist", input.string());
-  if (!build) return fs::path(config.output) / "data" / name;
+// Only the main rank (build = true) tokenizes, into a staging folder renamed into place when whole;
+// the others get the folder it writes to.
+fs::path prepared_path(const TrainConfig& config, const DataSource& input, const std::string& name,
+                       const std::function<const TextEncoder*()>& encoder, bool build, RunOutputClaim* claim) {
+  if (is_prepared(input.path)) return input.path;
+  if (!fs::exists(input.path)) fail("--data {} does not exist", input.name());
+  const fs::path data_folder = fs::path(config.output) / "data";
+  const fs::path target = data_folder / name;
+  if (!build) return target;
+  const nlohmann::ordered_json record = preparation_record(config, input.path);
+  if (prepared_from(target, record)) {
+    std::fprintf(stderr, "%s: tokenized earlier into %s, read from there\n", input.name().c_str(), target.string().c_str());
+    return target;
+  }
+  if (!fs::exists(data_folder) && claim) claim->created(data_folder);
+  fs::path staging = data_folder / fmt::format(".{}.tmp.{}", name, getpid());
+  fs::remove_all(staging);
   PrepareOptions options;
-  options.data = input;
-  options.output_dir = fs::path(config.output) / "data" / name;
+  options.data = input.path;
+  options.output_dir = staging;
+  options.encode.read.on_bad_sample = config.skip_bad_samples ? BadSamplePolicy::kSkip : BadSamplePolicy::kFail;
   options.fit.max_length = config.max_length;
   options.fit.over_length = parse_over_length(config.over_length);
-  options.tokenizer_description = config.model;
-  PrepareReport report = prepare_dataset(options, encoder);
-  std::fprintf(stderr, "%s: %s\n", input.string().c_str(), report.summary().c_str());
-  return options.output_dir;
+  options.tokenizer_description = config.tokenizer_folder();
+  try {
+    PrepareReport report = prepare_dataset(options, encoder());
+    train::write_file_atomically(staging / kPreparedFromFile, record.dump(1) + "\n");
+    fs::remove_all(target);
+    fs::rename(staging, target);
+    if (claim) claim->created(target);
+    report.file = target / kPreparedDataFile;
+    std::fprintf(stderr, "%s: %s\n", input.name().c_str(), report.summary().c_str());
+  } catch (...) {
+    std::error_code error;
+    fs::remove_all(staging, error);
+    throw;
+  }
+  return target;
 }
 
 }  // namespace
@@ -134,25 +174,66 @@ void check_mesh_before_launch(const parallel::MeshFlags& flags, const std::strin
                                static_cast<int>(config.num_kv_heads));
 }
 
-TrainingData prepare_training_data(const TrainConfig& config, const RunTopology& run) {
+TrainingData training_data(const TrainConfig& config, const RunTopology& run, RunOutputClaim* claim) {
   const bool main_rank = run.is_main();
-  if (main_rank) fs::create_directories(config.output);
-  const bool has_tokenizer = fs::exists(fs::path(config.model) / "tokenizer.json");
-  std::unique_ptr<TextEncoder> encoder = has_tokenizer && main_rank ? load_text_encoder(config.model) : nullptr;
+  // The tokenizer loads only when a dataset has to be tokenized (not for prepared or reused ones).
+  std::unique_ptr<TextEncoder> loaded;
+  auto encoder = [&]() -> const TextEncoder* {
+    if (!loaded && fs::exists(fs::path(config.tokenizer_folder()) / "tokenizer.json"))
+      loaded = load_text_encoder(config.tokenizer_folder());
+    return loaded.get();
+  };
   TrainingData data;
   for (size_t i = 0; i < config.data.size(); ++i) {
     DataSource src = parse_data_spec(config.data[i]);
-    src.path = prepared_path(config, src.path, fmt::format("train-{}", i), encoder.get(), main_rank);
+    src.path = prepared_path(config, src, fmt::format("train-{}", i), encoder, main_rank, claim);
     data.sources.push_back(src);
   }
-  if (!config.eval_data.empty()) data.eval = prepared_path(config, config.eval_data, "eval", encoder.get(), main_rank);
+  if (!config.eval_data.empty())
+    data.eval = prepared_path(config, DataSource{config.eval_data, 1.0, config.eval_data}, "eval", encoder, main_rank,
+                              claim);
+  return data;
+}
+
+TrainingData prepare_training_data(const TrainConfig& config, const RunTopology& run) {
+  if (run.is_main()) fs::create_directories(config.output);
+  TrainingData data = training_data(config, run, nullptr);
   if (run.world) run.world->barrier();
   return data;
+}
+
+void on_main_rank(Backend& backend, const RunTopology& run, const std::function<void()>& work) {
+  std::exception_ptr failure;
+  if (run.is_main()) {
+    try {
+      work();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  if (run.world) {
+    float failed = failure ? 1.0f : 0.0f;
+    Tensor flag = backend.empty(Shape{1}, DType::F32);
+    backend.copy_from_host(backend.default_stream(), &failed, flag);
+    run.world->all_reduce_sum(backend.default_stream(), flag);
+    backend.copy_to_host(backend.default_stream(), flag, &failed);
+    if (failed > 0 && !failure) fail("rank 0 stopped the run before training (its message above says why)");
+  }
+  if (failure) std::rethrow_exception(failure);
 }
 
 int threads_per_process(const TrainConfig& config, const RunTopology& run) {
   if (config.threads > 0 || run.process.local_world_size <= 1) return config.threads;
   return std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / run.process.local_world_size);
+}
+
+int effective_cpu_threads(int requested) {
+  if (requested > 0) return requested;
+  if (const char* omp = std::getenv("OMP_NUM_THREADS")) {
+    const int value = std::atoi(omp);
+    if (value > 0) return value;
+  }
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
 ModelWeights load_training_weights(Backend& backend, const TrainConfig& config, const ModelConfig& model_config,

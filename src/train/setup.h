@@ -3,6 +3,7 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -46,14 +47,28 @@ struct TrainingData {
   std::filesystem::path eval;       // prepared --eval-data, or empty
 };
 
-// JSONL inputs are tokenized once into OUTPUT/data/<name> by the main rank while the others wait;
-// prepared datasets are used as they are. Collective over the run's world.
+class RunOutputClaim;
+
+// JSONL inputs are tokenized once into OUTPUT/data/<name> by the main rank; prepared datasets are
+// used as they are, and a dataset the run tokenized in an earlier session (same input, tokenizer and
+// options: OUTPUT/data/<name>/prepared_from.json) is read again. The other ranks only learn the
+// paths. Not collective: the main rank calls it inside on_main_rank. `claim`: told what is created.
+TrainingData training_data(const TrainConfig& config, const RunTopology& run, RunOutputClaim* claim);
+// The same, collective over the run's world: the others wait for the main rank (spindle check).
 TrainingData prepare_training_data(const TrainConfig& config, const RunTopology& run);
+
+// Collective: `work` runs on the main rank while the others wait; if it throws, every rank throws
+// (the main rank its own error, the others one saying the main rank stopped the run), so no rank
+// waits for a rank that gave up.
+void on_main_rank(Backend& backend, const RunTopology& run, const std::function<void()>& work);
 
 PackOptions pack_options(const TrainConfig& config);
 
 // CPU threads for this process: --threads, else the machine's cores shared by its processes.
 int threads_per_process(const TrainConfig& config, const RunTopology& run);
+// The threads a CPU backend made with `requested` threads computes on (0: OpenMP's default,
+// OMP_NUM_THREADS or the machine's cores).
+int effective_cpu_threads(int requested);
 
 // The model from --model (or a full fine-tune's checkpoint when resuming), made trainable as the
 // config says: --full, the adapter of the checkpoint being resumed, --adapter, or new LoRA

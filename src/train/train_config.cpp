@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "model/quantized_weights.h"
 #include "model/recompute.h"
+#include "train/data_loader.h"
 #include "train/schedule.h"
 
 namespace spindle {
@@ -19,7 +20,18 @@ void TrainConfig::validate() const {
     fail("--model {}: no config.json there{}", model,
          random_weights ? " (with --random-weights, a folder with a config.json or the file itself)" : "");
   if (data.empty()) fail("--data is required: one or more JSONL or prepared datasets");
+  for (const std::string& spec : data) {
+    const DataSource source = parse_data_spec(spec);
+    std::error_code error;
+    if (!fs::exists(source.path, error))
+      fail("--data {} does not exist{}", source.name(),
+           source.name() == spec ? "" : fmt::format(" (from \"{}\": PATH:WEIGHT)", spec));
+  }
+  if (!tokenizer.empty() && !fs::exists(fs::path(tokenizer) / "tokenizer.json"))
+    fail("--tokenizer {}: no tokenizer.json there (a Hugging Face model or tokenizer folder)", tokenizer);
   if (output.empty()) fail("--output is required: the folder for the trained adapter or model");
+  if (resume && overwrite_output)
+    fail("--resume continues the run in --output and --overwrite-output replaces it: give one of them");
   if (max_length <= 0) fail("--max-length must be positive, got {}", max_length);
   if (max_steps < 0) fail("--max-steps must be >= 0, got {}", max_steps);
   if (max_steps == 0 && !(epochs > 0)) fail("--epochs must be positive when --max-steps is not set, got {}", epochs);
@@ -77,6 +89,38 @@ void TrainConfig::validate() const {
   if (!adapter.empty() && !fs::exists(fs::path(adapter) / "adapter_config.json"))
     fail("--adapter {}: no adapter_config.json there", adapter);
   if (!eval_data.empty() && !fs::exists(eval_data)) fail("--eval-data {} does not exist", eval_data);
+}
+
+nlohmann::ordered_json TrainConfig::trajectory_options() const {
+  nlohmann::ordered_json j;
+  j["max_length"] = max_length;
+  j["no_packing"] = no_packing;
+  j["over_length"] = over_length;
+  j["skip_bad_samples"] = skip_bad_samples;
+  j["max_steps"] = max_steps;
+  j["epochs"] = max_steps > 0 ? 0.0 : epochs;  // not used when --max-steps is given
+  j["lr"] = lr;
+  j["lr_scheduler"] = lr_scheduler;
+  j["warmup_steps"] = warmup_steps;
+  j["warmup_ratio"] = warmup_steps > 0 ? 0.0 : warmup_ratio;  // not used when --warmup-steps is given
+  j["weight_decay"] = weight_decay;
+  j["max_grad_norm"] = max_grad_norm;
+  j["adam_beta1"] = adam_beta1;
+  j["adam_beta2"] = adam_beta2;
+  j["adam_eps"] = adam_eps;
+  j["grad_accum"] = grad_accum;
+  j["seed"] = seed;
+  j["full"] = full;
+  j["lora_rank"] = full ? 0 : lora_rank;
+  j["lora_alpha"] = full ? 0.0 : lora_alpha;
+  j["lora_targets"] = full ? std::vector<std::string>{} : lora_targets;
+  j["rslora"] = !full && rslora;
+  j["router_aux_loss_coef"] = router_aux_loss_coef;
+  j["random_weights"] = random_weights;
+  j["quantize"] = quantize;
+  j["double_quant"] = !quantize.empty() && double_quant;
+  j["quant_block_size"] = quantize.empty() ? 0 : quant_block_size;
+  return j;
 }
 
 parallel::MeshFlags TrainConfig::mesh_flags() const {

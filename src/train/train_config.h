@@ -15,6 +15,10 @@ struct TrainConfig {
   std::string model;                  // HF model folder
   std::vector<std::string> data;      // JSONL or prepared datasets, each "PATH" or "PATH:WEIGHT"
   std::string output;                 // output folder (final adapter/model, checkpoints, metrics)
+  // Replace the run the output folder holds (what a run writes there) instead of refusing it.
+  bool overwrite_output = false;
+  std::string tokenizer;              // folder with tokenizer.json for JSONL text data; empty: --model
+  bool skip_bad_samples = false;      // malformed JSONL lines are counted and reported, not an error
   int64_t max_length = 4096;          // tokens per packed row
   bool no_packing = false;
   std::string over_length = "truncate";
@@ -74,6 +78,10 @@ struct TrainConfig {
 
   void validate() const;                   // before any work: errors name the option to change
   nlohmann::json fingerprint() const;      // what a resumed run must share with the original
+  // The options that decide what a run computes, step by step (run_folder.h compares them).
+  nlohmann::ordered_json trajectory_options() const;
+  // The folder of tokenizer.json: --tokenizer, else --model.
+  std::string tokenizer_folder() const { return tokenizer.empty() ? model : tokenizer; }
 };
 
 }  // namespace spindle

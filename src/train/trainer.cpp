@@ -27,6 +27,7 @@
 #include "train/schedule.h"
 #include "train/setup.h"
 #include "train/step_runner.h"
+#include "train/stop_signal.h"
 #include "train/trainable_state.h"
 #include "parallel/sp_attention.h"
 
@@ -86,17 +87,16 @@ TrainSummary run_sft(const TrainConfig& config) {
   RunTopology run = connect_training_run(config, model_config, device);
   const parallel::MeshConfig& mesh = run.mesh_config;
   const bool main_rank = run.is_main();
-  auto barrier = [&] {
-    if (run.world) run.world->barrier();
-  };
-  if (main_rank) fs::create_directories(config.output);
-  // Resume point, checked against this run's settings before any work.
+  const int cpu_threads = effective_cpu_threads(threads_per_process(config, run));
+  auto backend = make_backend(device, threads_per_process(config, run));
   nlohmann::json fingerprint = config.fingerprint();
   if (mesh.dp > 1) fingerprint["data_parallel"] = mesh.dp;  // rows per step = grad_accum · dp
-  const ResumePoint resume = find_resume_point(config, fingerprint);
+  // The output folder checked and claimed, the resume point checked, JSONL tokenized: by the main
+  // rank, before anything is loaded; an error there stops every rank.
+  RunStart run_start = start_run(config, "sft", nlohmann::json(), fingerprint, run, *backend);
+  const ResumePoint& resume = run_start.resume;
+  const TrainingData& data = run_start.data;
 
-  // Data: the main rank tokenizes JSONL inputs once; the others wait and read the result.
-  const TrainingData data = prepare_training_data(config, run);
   const PackOptions pack = pack_options(config);
   TrainDataLoader loader(data.sources, pack, config.seed);
   if (main_rank)
@@ -114,7 +114,6 @@ TrainSummary run_sft(const TrainConfig& config) {
 
   // Model.
   const DType dtype = device.dtype;
-  auto backend = make_backend(device, threads_per_process(config, run));
   const DType source_dtype = export_dtype(config);
   // LoRA adapters start from --seed on every rank: identical initial adapters without a broadcast.
   ModelWeights weights = load_training_weights(*backend, config, model_config, resume.dir, dtype);
@@ -141,51 +140,60 @@ TrainSummary run_sft(const TrainConfig& config) {
   restore_run_state(resume, loader, state);
   if (main_rank && !resume.empty())
     std::fprintf(stderr, "resuming from %s at step %lld\n", resume.dir.string().c_str(), static_cast<long long>(step));
+  note_thread_change(resume, *backend, cpu_threads, main_rank);
   RunReporter reporter(config, main_rank, total_steps, resume);
-  RunCheckpointer checkpointer{config, *backend, weights, state, fingerprint, main_rank};
+  for (const fs::path& file : reporter.created_files()) run_start.claim.created(file);
+  RunCheckpointer checkpointer{config, *backend, weights, state, fingerprint, run_start.identity, cpu_threads, main_rank};
 
   TrainSummary summary;
   summary.output = config.output;
-  while (step < total_steps) {
-    const auto step_start = std::chrono::steady_clock::now();
-    // One optimizer step: every rank draws all rows of the global batch (the same ones) and takes its share.
-    std::vector<PackedRow> rows;
-    for (int64_t m = 0; m < rows_per_step; ++m) rows.push_back(loader.next());
-    state.zero_grads();
-    backend->reset_offload_stats();  // this step's copies only
-    const StepTotals totals = runner.run(rows, /*backward=*/true);
-    const double lr = learning_rate(plan.lr, step);
-    const double grad_norm = optimizer.step(lr);
-    ++step;
+  run_start.claim.keep();  // training starts: what the run wrote stays
+  StepBoundary boundary(config, *backend, run, checkpointer, reporter);
+  try {
+    while (step < total_steps) {
+      const auto step_start = std::chrono::steady_clock::now();
+      // One optimizer step: every rank draws all rows of the global batch (the same ones) and takes its share.
+      std::vector<PackedRow> rows;
+      for (int64_t m = 0; m < rows_per_step; ++m) rows.push_back(loader.next());
+      state.zero_grads();
+      backend->reset_offload_stats();  // this step's copies only
+      const StepTotals totals = runner.run(rows, /*backward=*/true);
+      const double lr = learning_rate(plan.lr, step);
+      const double grad_norm = optimizer.step(lr);
+      ++step;
 
-    StepMetrics m;
-    m.step = step;
-    m.loss = totals.loss;
-    m.grad_norm = grad_norm;
-    m.lr = lr;
-    m.num_items = totals.num_items;
-    m.tokens = totals.tokens;
-    m.aux_loss = totals.aux_loss;
-    m.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
-    m.tokens_per_s = m.step_seconds > 0 ? static_cast<double>(totals.tokens) / m.step_seconds : 0;
-    const MemoryStats memory = backend->memory_stats();
-    m.peak_memory_bytes = memory.peak_allocated_bytes;  // live tensors: the GPU pool on CUDA, tensor bytes on the CPU
-    m.offload_host_bytes = memory.peak_host_allocated_bytes;  // --offload activations
-    const OffloadStats copies = backend->offload_stats();
-    m.offload_copy_bytes = copies.bytes;
-    m.offload_copy_seconds = copies.copy_seconds;
-    m.offload_wait_seconds = copies.wait_seconds;
-    m.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    m.epoch = loader.epochs_done();
-    if (config.eval_steps > 0 && (step % config.eval_steps == 0 || step == total_steps) && !eval_rows.empty())
-      m.eval_loss = runner.run(eval_rows, /*backward=*/false).loss;
-    reporter.record(m);
-    summary.final_loss = m.loss;
-    if ((config.save_steps > 0 && step % config.save_steps == 0) || step == total_steps) {
-      checkpointer.save(step, loader.state());
-      barrier();
-      if (step < total_steps) reporter.message(fmt::format("checkpoint-{} saved", step));
+      StepMetrics m;
+      m.step = step;
+      m.loss = totals.loss;
+      m.grad_norm = grad_norm;
+      m.lr = lr;
+      m.num_items = totals.num_items;
+      m.tokens = totals.tokens;
+      m.aux_loss = totals.aux_loss;
+      m.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+      m.tokens_per_s = m.step_seconds > 0 ? static_cast<double>(totals.tokens) / m.step_seconds : 0;
+      const MemoryStats memory = backend->memory_stats();
+      m.peak_memory_bytes = memory.peak_allocated_bytes;  // live tensors: the GPU pool on CUDA, tensor bytes on the CPU
+      m.offload_host_bytes = memory.peak_host_allocated_bytes;  // --offload activations
+      const OffloadStats copies = backend->offload_stats();
+      m.offload_copy_bytes = copies.bytes;
+      m.offload_copy_seconds = copies.copy_seconds;
+      m.offload_wait_seconds = copies.wait_seconds;
+      m.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      m.epoch = loader.epochs_done();
+      if (config.eval_steps > 0 && (step % config.eval_steps == 0 || step == total_steps) && !eval_rows.empty()) {
+        const StepTotals eval = runner.run(eval_rows, /*backward=*/false);
+        m.eval_loss = eval.loss;
+        m.eval_num_items = eval.num_items;
+      }
+      reporter.record(m);
+      summary.final_loss = m.loss;
+      summary.steps = step;
+      if (boundary.after_step(step, total_steps, loader.state(), summary)) return summary;
     }
+  } catch (...) {
+    reporter.finish_failed(config, total_steps);  // the steps logged so far: their plot and summary
+    throw;
   }
   summary.steps = step;
 

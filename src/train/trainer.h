@@ -27,10 +27,16 @@ struct TrainSummary {
   int64_t steps = 0;
   double final_loss = 0;
   std::filesystem::path output;
+  // A run stopped by a signal (stop_signal.h): why ("SIGTERM (rank 0)"), and the checkpoint it
+  // saved, which --resume continues from; the command then exits with kExitStoppedResumable.
+  std::string stopped_by;
+  std::filesystem::path checkpoint;
+  bool stopped() const { return !stopped_by.empty(); }
 };
 
 // Runs a whole `spindle sft` job as configured (resuming when config.resume). Throws Error for bad
-// configuration before any work is done.
+// configuration, inputs or output folder before the first step. From the first step on, SIGTERM,
+// SIGINT and SIGUSR1 stop it after the step in progress, with a checkpoint (stop_signal.h).
 TrainSummary run_sft(const TrainConfig& config);
 
 // The folder of the newest complete checkpoint in `output` (checkpoint-<step>), or empty.
