@@ -122,6 +122,10 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--tokenizer", c.tokenizer, "folder with tokenizer.json for JSONL text data (default: --model)");
   cmd->add_flag("--skip-bad-samples", c.skip_bad_samples,
                 "skip malformed JSONL lines (counted and reported) instead of stopping at the first");
+  cmd->add_option("--format", c.format,
+                  "JSONL sample format: auto (detected from the fields), pretokenized, text, prompt-completion, "
+                  "alpaca, messages or preference (docs/formats.md)")
+      ->capture_default_str();
   cmd->add_option("--max-length", c.max_length, "tokens per packed row")->capture_default_str();
   cmd->add_flag("--no-packing", c.no_packing, "one document per row");
   cmd->add_option("--over-length", c.over_length, "documents longer than --max-length: truncate, truncate-left, "

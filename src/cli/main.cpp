@@ -40,12 +40,13 @@ int main(int argc, char** argv) {
     static const std::regex repeated("(--[A-Za-z0-9_-]+): At Most 1 required but received ([0-9]+)");
     std::smatch m;
     const std::string what = e.what();
-    if (!std::regex_search(what, m, repeated)) return app.exit(e);
+    if (!std::regex_search(what, m, repeated)) return app.exit(e) == 0 ? 0 : 2;
     std::fprintf(stderr, "spindle: error: %s is given %s times; give it once (on the command line it also replaces "
                  "the same key of a --config file)\n", m[1].str().c_str(), m[2].str().c_str());
     return 2;
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version end here with 0; every usage error exits 2, as spindle's own errors do.
+    return app.exit(e) == 0 ? 0 : 2;
   } catch (const spindle::Error& e) {
     std::fprintf(stderr, "spindle: error: %s\n", e.what());
     return 2;

@@ -179,7 +179,7 @@ SampleFormat parse_sample_format(std::string_view name) {
                       SampleFormat::kPromptCompletion, SampleFormat::kAlpaca, SampleFormat::kMessages,
                       SampleFormat::kPreference})
     if (sample_format_name(format) == name) return format;
-  fail("unknown dataset format '{}'; use auto, pretokenized, text, prompt-completion, alpaca, "
+  fail("unknown --format '{}'; use auto, pretokenized, text, prompt-completion, alpaca, "
        "messages or preference",
        name);
 }

@@ -78,6 +78,11 @@ ResumePoint find_resume_point(const TrainConfig& config, const nlohmann::json& i
          "with, or start this run in a new --output",
          resume.dir.string(), list);
   }
+  if (has_identity && resume.state["identity"].value(kRunLength, nlohmann::json()) != identity.value(kRunLength, nlohmann::json()))
+    std::fprintf(stderr,
+                 "note: the run was started with other --max-steps or --epochs (%s, now %s): it continues to the "
+                 "new length, and a decaying learning-rate schedule spans the new total from here\n",
+                 resume.state["identity"][kRunLength].dump().c_str(), identity[kRunLength].dump().c_str());
   return resume;
 }
 
@@ -263,16 +268,20 @@ void RunReporter::finish_stopped(const TrainConfig& config, int64_t total_steps,
                reason.c_str(), checkpoint.string().c_str(), kExitStoppedResumable);
 }
 
-void RunReporter::finish_failed(const TrainConfig& config, int64_t total_steps) {
+void RunReporter::finish_failed(const TrainConfig& config, int64_t total_steps) noexcept {
   if (!metrics_) return;
-  progress_->finish();
-  std::vector<StepMetrics> history = metrics_->read();
-  if (history.empty()) return;
-  train::write_loss_plot_svg(history, plot_path());
-  std::vector<train::OutputLocation> locations = outputs(config);
-  const fs::path checkpoint = latest_checkpoint(config.output);
-  if (!checkpoint.empty()) locations.insert(locations.begin(), {"checkpoint", checkpoint});
-  train::write_run_summary(std::cerr, train::summarize_run(history), total_steps, locations);
+  // The run's own error is what the user must see: one here (the disk that failed it is full) is dropped.
+  try {
+    progress_->finish();
+    std::vector<StepMetrics> history = metrics_->read();
+    if (history.empty()) return;
+    std::vector<train::OutputLocation> locations = outputs(config);
+    const fs::path checkpoint = latest_checkpoint(config.output);
+    if (!checkpoint.empty()) locations.insert(locations.begin(), {"checkpoint", checkpoint});
+    train::write_run_summary(std::cerr, train::summarize_run(history), total_steps, locations);
+    train::write_loss_plot_svg(history, plot_path());
+  } catch (const std::exception&) {
+  }
 }
 
 DType export_dtype(const TrainConfig& config) {

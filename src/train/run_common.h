@@ -102,7 +102,7 @@ class RunReporter {
   void finish_stopped(const TrainConfig& config, int64_t total_steps, const std::string& reason,
                       const std::filesystem::path& checkpoint);
   // Main rank: the same for a run that failed during training: what it logged stays readable.
-  void finish_failed(const TrainConfig& config, int64_t total_steps);
+  void finish_failed(const TrainConfig& config, int64_t total_steps) noexcept;
   // The files this reporter created (the metrics log of a new run, a TensorBoard file).
   std::vector<std::filesystem::path> created_files() const;
 

@@ -290,6 +290,7 @@ Json run_identity(const TrainConfig& config, const std::string& command, const n
   if (!config.adapter.empty()) j["adapter"] = file_fingerprint(fs::path(config.adapter) / "adapter_model.safetensors");
   j["options"] = config.trajectory_options();
   j["data_parallel"] = data_parallel;
+  j[kRunLength] = {{"max_steps", config.max_steps}, {"epochs", config.max_steps > 0 ? 0.0 : config.epochs}};
   if (!command_options.is_null()) j[command] = command_options;
   return j;
 }
@@ -297,7 +298,16 @@ Json run_identity(const TrainConfig& config, const std::string& command, const n
 std::vector<std::string> identity_differences(const nlohmann::json& folder_run, const nlohmann::json& this_run) {
   const Json a = folder_run, b = this_run;
   std::vector<std::string> out;
-  differences(&a, &b, "", out);
+  // Another command's run differs in options this command does not have: that it is another is enough.
+  if (a.contains("command") && b.contains("command") && a["command"] != b["command"]) {
+    out.push_back(fmt::format("the folder holds a spindle {} run, this is spindle {}", a["command"].get<std::string>(),
+                              b["command"].get<std::string>()));
+    return out;
+  }
+  Json a_compared = a, b_compared = b;
+  a_compared.erase(kRunLength);  // a resumed run may be longer or shorter
+  b_compared.erase(kRunLength);
+  differences(&a_compared, &b_compared, "", out);
   return out;
 }
 

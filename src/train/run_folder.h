@@ -21,6 +21,9 @@
 namespace spindle {
 
 inline constexpr const char* kRunFile = "run.json";
+// The key of a run's identity that holds its length (--max-steps, --epochs): recorded, but a resumed
+// run may change it (identity_differences leaves it out).
+inline constexpr const char* kRunLength = "length";
 
 // Size and CRC-32C of a file's contents, {"bytes": N, "crc32c": "1a2b3c4d"}; for a folder (a
 // prepared dataset) of its dataset.bin. Cached per process for an unchanged file (size and mtime).

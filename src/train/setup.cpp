@@ -39,6 +39,7 @@ nlohmann::ordered_json preparation_record(const TrainConfig& config, const fs::p
   j["max_length"] = config.max_length;
   j["over_length"] = config.over_length;
   j["skip_bad_samples"] = config.skip_bad_samples;
+  j["format"] = config.format;
   for (const char* file : {"tokenizer.json", "tokenizer_config.json"})
     if (fs::exists(fs::path(config.tokenizer_folder()) / file))
       j["tokenizer"][file] = file_fingerprint(fs::path(config.tokenizer_folder()) / file);
@@ -73,6 +74,7 @@ fs::path prepared_path(const TrainConfig& config, const DataSource& input, const
   PrepareOptions options;
   options.data = input.path;
   options.output_dir = staging;
+  options.encode.format = parse_sample_format(config.format);
   options.encode.read.on_bad_sample = config.skip_bad_samples ? BadSamplePolicy::kSkip : BadSamplePolicy::kFail;
   options.fit.max_length = config.max_length;
   options.fit.over_length = parse_over_length(config.over_length);

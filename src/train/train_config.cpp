@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "model/quantized_weights.h"
 #include "model/recompute.h"
+#include "data/sample_formats.h"
 #include "train/data_loader.h"
 #include "train/schedule.h"
 
@@ -27,6 +28,7 @@ void TrainConfig::validate() const {
       fail("--data {} does not exist{}", source.name(),
            source.name() == spec ? "" : fmt::format(" (from \"{}\": PATH:WEIGHT)", spec));
   }
+  parse_sample_format(format);
   if (!tokenizer.empty() && !fs::exists(fs::path(tokenizer) / "tokenizer.json"))
     fail("--tokenizer {}: no tokenizer.json there (a Hugging Face model or tokenizer folder)", tokenizer);
   if (output.empty()) fail("--output is required: the folder for the trained adapter or model");
@@ -97,8 +99,7 @@ nlohmann::ordered_json TrainConfig::trajectory_options() const {
   j["no_packing"] = no_packing;
   j["over_length"] = over_length;
   j["skip_bad_samples"] = skip_bad_samples;
-  j["max_steps"] = max_steps;
-  j["epochs"] = max_steps > 0 ? 0.0 : epochs;  // not used when --max-steps is given
+  j["format"] = format;
   j["lr"] = lr;
   j["lr_scheduler"] = lr_scheduler;
   j["warmup_steps"] = warmup_steps;

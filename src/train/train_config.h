@@ -19,6 +19,7 @@ struct TrainConfig {
   bool overwrite_output = false;
   std::string tokenizer;              // folder with tokenizer.json for JSONL text data; empty: --model
   bool skip_bad_samples = false;      // malformed JSONL lines are counted and reported, not an error
+  std::string format = "auto";        // the JSONL sample format (data/sample_formats.h); auto: detected
   int64_t max_length = 4096;          // tokens per packed row
   bool no_packing = false;
   std::string over_length = "truncate";
@@ -78,7 +79,8 @@ struct TrainConfig {
 
   void validate() const;                   // before any work: errors name the option to change
   nlohmann::json fingerprint() const;      // what a resumed run must share with the original
-  // The options that decide what a run computes, step by step (run_folder.h compares them).
+  // The options that decide what a run computes, step by step (run_folder.h compares them). The
+  // run's length (--max-steps, --epochs) is not among them: --resume may lengthen or shorten a run.
   nlohmann::ordered_json trajectory_options() const;
   // The folder of tokenizer.json: --tokenizer, else --model.
   std::string tokenizer_folder() const { return tokenizer.empty() ? model : tokenizer; }

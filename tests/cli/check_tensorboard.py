@@ -90,13 +90,13 @@ with tempfile.TemporaryDirectory() as tmp:
     # SFT with evaluation every 2 steps and checkpoints every 2, the TensorBoard folder from YAML.
     with open(os.path.join(tmp, "sft.yaml"), "w") as f:
         f.write("tensorboard: tb_sft\n")
-    def sft(lr):
+    def sft(steps):
         return ["--model", sft_case, "--data", os.path.join(sft_case, "data.jsonl"), "--threads", "1",
-                "--max-length", "32", "--lora-rank", "4", "--lr", lr, "--max-steps", "4",
+                "--max-length", "32", "--lora-rank", "4", "--lr", "0.01", "--max-steps", steps,
                 "--eval-data", os.path.join(sft_case, "data.jsonl"), "--eval-steps", "2", "--save-steps", "2",
                 "--output", "sft", "--log-every", "100"]
 
-    if run("sft", ["--config", "sft.yaml", *sft("0.01")], tmp):
+    if run("sft", ["--config", "sft.yaml", *sft("4")], tmp):
         tb = os.path.join(tmp, "tb_sft")
         records = jsonl(os.path.join(tmp, "sft", "metrics.jsonl"))
         check_files("sft", tb, 1)
@@ -108,13 +108,13 @@ with tempfile.TemporaryDirectory() as tmp:
         if [r["step"] for r in records if "eval_loss" in r] != [2, 4]:
             failures.append(f"sft: eval at steps {[r['step'] for r in records if 'eval_loss' in r]}, expected [2, 4]")
 
-        # Killed after step 4 but its last checkpoint at step 2: resume from there at another
-        # learning rate, so steps 3 and 4 differ; TensorBoard must show only the resumed run's.
+        # Killed after step 4 but its last checkpoint at step 2: resume from there for 6 steps, so
+        # the linear schedule's steps 3 and 4 differ; TensorBoard must show only the resumed run's.
         first_run_lr = [r["lr"] for r in records]
         shutil.rmtree(os.path.join(tmp, "sft", "checkpoint-4"))
-        if run("sft", [*sft("0.02"), "--tensorboard", "tb_sft", "--resume"], tmp):
+        if run("sft", [*sft("6"), "--tensorboard", "tb_sft", "--resume"], tmp):
             resumed = jsonl(os.path.join(tmp, "sft", "metrics.jsonl"))
-            if [r["step"] for r in resumed] != [1, 2, 3, 4] or [r["lr"] for r in resumed][2:] == first_run_lr[2:]:
+            if [r["step"] for r in resumed] != [1, 2, 3, 4, 5, 6] or [r["lr"] for r in resumed][2:4] == first_run_lr[2:]:
                 failures.append(f"sft resume: metrics.jsonl steps/lr unexpected: {resumed}")
             check_files("sft resumed", tb, 2)
             check_scalars("sft resumed", tb, resumed)

@@ -33,7 +33,7 @@ TEST(SampleFormats, DetectedFromFields) {
   EXPECT_THROW_WITH(detect_sample_format(json::parse(R"({"messages": [], "text": "a"})")), BadSample,
                     "'messages' and 'text' select different formats", "--format");
   EXPECT_EQ(parse_sample_format("prompt-completion"), SampleFormat::kPromptCompletion);
-  EXPECT_THROW_WITH(parse_sample_format("sharegpt"), Error, "unknown dataset format 'sharegpt'");
+  EXPECT_THROW_WITH(parse_sample_format("sharegpt"), Error, "unknown --format 'sharegpt'");
 }
 
 TEST(SampleFormats, OpenAiMessagesWithPerMessageLossScale) {

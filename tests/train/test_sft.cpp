@@ -85,6 +85,7 @@ TEST(Sft, OneStepAtLrZeroReproducesTransformersLossAndGradNorm) {
     ASSERT_EQ(metrics.size(), 1u);
     ASSERT_TRUE(metrics[0].eval_loss.has_value()) << name;
     EXPECT_NEAR(*metrics[0].eval_loss, metrics[0].loss, 1e-6 * metrics[0].loss) << name;
+    EXPECT_EQ(metrics[0].eval_num_items, std::optional<int64_t>(44)) << name << ": eval_num_items is logged";
     EXPECT_NEAR(metrics[0].loss, reference_loss(dir), 1e-5 * reference_loss(dir)) << name;
     const double norm = reference_grad_norm(dir);
     EXPECT_NEAR(metrics[0].grad_norm, norm, 1e-4 * norm) << name;

@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Every `--option` a message names is an option of the command that prints it.
+
+Two ways in:
+- The messages themselves: each command is run with the mistakes users make (bad data lines, a
+  missing tokenizer, over-long documents, missing files, impossible values, reused folders), and every
+  `--name` in what it prints must be an option of that command's parser (read from its --help).
+- The source: every `--name` in a string literal of src/ must be an option of some command (or of
+  another program a message tells the user to run); one in src/data/ (the JSONL readers and packing,
+  which prepare, sft, dpo and check share) must be an option of all four of them, and one in src/train/
+  or in the options sft, dpo and check share (cmd_sft.cpp) of those that can reach it.
+
+usage: check_option_names.py SPINDLE ROOT"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+spindle, root = sys.argv[1], sys.argv[2]
+sys.path.insert(0, os.path.join(root, "tests", "support"))
+from tiny_model import config, write_model  # noqa: E402
+
+OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")
+COMMANDS = ["sft", "dpo", "check", "prepare", "eval", "generate", "tokenize", "bench", "plan"]
+# Options of every command: the launcher's, and CLI11's own.
+GLOBAL = {"--nproc-per-node", "--nproc_per_node", "--help", "--version"}
+# Other programs' options that messages tell the user to run.
+OTHER_PROGRAMS = {"--revision": "hf download", "--logdir": "tensorboard"}
+# Literals whose option only the commands that have it can print, though their file reaches others.
+ONLY_WHERE_SET = {
+    ("src/train/run_folder.cpp", "--ref-model"): "names dpo's reference only when both runs are dpo runs",
+    ("src/train/train_config.cpp", "--random-weights"): "printed only when --random-weights is set (sft)",
+    ("src/cli/cmd_sft.cpp", "--random-weights"): "sft's own option, added beside the shared ones",
+}
+failures = []
+
+
+def options_of(command):
+    text = subprocess.run([spindle, command, "--help"], capture_output=True, text=True).stdout
+    names = set(GLOBAL)
+    for line in text.splitlines():
+        m = re.match(r"\s+(-\S+)", line)
+        if m:
+            names.update(n for n in m.group(1).split(",") if n.startswith("--"))
+    return names
+
+
+parsers = {c: options_of(c) for c in COMMANDS}
+for c, names in parsers.items():
+    if len(names) <= len(GLOBAL):
+        failures.append(f"could not read the options of `spindle {c} --help`")
+
+
+def check_messages(command, args, cwd, expect_failure=True):
+    r = subprocess.run([spindle, command, *args], capture_output=True, text=True, cwd=cwd)
+    text = r.stdout + r.stderr
+    if expect_failure and r.returncode == 0:
+        failures.append(f"spindle {command} {' '.join(args)}: expected an error, it succeeded")
+    for name in sorted(set(OPTION.findall(text))):
+        if name not in parsers[command]:
+            line = next(l for l in text.splitlines() if name in l)
+            failures.append(f"spindle {command} prints {name}, which it does not accept: {line.strip()}")
+    return text
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    model = os.path.join(tmp, "model")
+    write_model(model, config(model_type="qwen2", vocab_size=300), tokenizer_dir=os.path.join(root, "demo", "tokenizer"))
+    bare = os.path.join(tmp, "bare")  # the same model without a tokenizer
+    write_model(bare, config(model_type="qwen2", vocab_size=300))
+    chat = os.path.join(root, "demo", "capitals.jsonl")
+    bad = os.path.join(tmp, "bad.jsonl")
+    with open(bad, "w") as f:
+        f.write(open(chat).readline())
+        f.write("{not json\n")
+    pairs = os.path.join(tmp, "pairs.jsonl")
+    with open(pairs, "w") as f:
+        f.write(json.dumps({"prompt": "Capital of Peru?", "chosen": "Lima.", "rejected": "Quito."}) + "\n")
+    tokens = os.path.join(tmp, "tokens.jsonl")
+    with open(tokens, "w") as f:
+        f.write(json.dumps({"input_ids": list(range(1, 40)), "labels": list(range(1, 40))}) + "\n")
+        f.write("[1, 2]\n")
+    user_files = os.path.join(tmp, "user_files")
+    os.makedirs(user_files)
+    open(os.path.join(user_files, "notes.txt"), "w").write("mine\n")
+
+    train = ["--model", model, "--max-steps", "1", "--threads", "1"]
+    for command in ["sft", "check"]:
+        out = ["--output", os.path.join(tmp, f"out-{command}")]
+        check_messages(command, train + out + ["--data", bad], tmp)                       # a malformed line
+        check_messages(command, ["--model", bare, "--max-steps", "1"] + out + ["--data", chat], tmp)  # no tokenizer
+        check_messages(command, train + out + ["--data", chat, "--max-length", "8", "--over-length", "error"], tmp)
+        check_messages(command, train + out + ["--data", os.path.join(tmp, "nosuch.jsonl")], tmp)
+        check_messages(command, train + out + ["--data", chat, "--over-length", "cut"], tmp)
+        check_messages(command, train + out + ["--data", chat, "--grad-accum", "0"], tmp)
+        check_messages(command, train + out + ["--data", chat, "--lr-scheduler", "step"], tmp)
+        check_messages(command, train + out + ["--data", chat, "--recompute-layers", "1"], tmp)
+        check_messages(command, train + out + ["--data", chat, "--device", "cuda"], tmp)
+        check_messages(command, train + out + ["--data", chat, "--lr", "1", "--lr", "2"], tmp)
+    check_messages("sft", train + ["--output", os.path.join(tmp, "o1"), "--data", pairs], tmp)  # pairs to sft
+    check_messages("dpo", train + ["--output", os.path.join(tmp, "o2"), "--data", chat], tmp)   # documents to dpo
+    check_messages("dpo", train + ["--output", os.path.join(tmp, "o3"), "--data", bad], tmp)
+    check_messages("dpo", ["--model", bare, "--max-steps", "1", "--output", os.path.join(tmp, "o4"), "--data", pairs], tmp)
+    check_messages("dpo", train + ["--output", os.path.join(tmp, "o5"), "--data", pairs, "--beta", "-1"], tmp)
+    check_messages("sft", train + ["--output", user_files, "--data", chat], tmp)                 # a folder of user files
+    check_messages("sft", train + ["--output", os.path.join(tmp, "o6"), "--data", chat, "--resume"], tmp)
+    check_messages("sft", train + ["--output", os.path.join(tmp, "o7"), "--data", chat, "--merge-output", model], tmp)
+    check_messages("sft", train + ["--output", os.path.join(tmp, "o8"), "--data", chat, "--seed", "-1"], tmp)
+    check_messages("sft", ["--config", os.path.join(tmp, "nosuch.yaml")], tmp)
+    # A run, then the same folder reused without --resume and resumed with other options.
+    done = ["--model", model, "--data", chat, "--output", os.path.join(tmp, "done"), "--max-steps", "2",
+            "--max-length", "64", "--threads", "1"]
+    r = subprocess.run([spindle, "sft", *done], capture_output=True, text=True)
+    if r.returncode != 0:
+        failures.append(f"a two-step run failed: {r.stderr[-500:]}")
+    check_messages("sft", done, tmp)
+    check_messages("sft", done[:-4] + ["--max-length", "32", "--threads", "1", "--resume"], tmp)
+    prepare = ["--tokenizer", model, "--max-length", "64"]
+    check_messages("prepare", prepare + ["--data", bad, "--output", os.path.join(tmp, "p1")], tmp)
+    check_messages("prepare", ["--max-length", "64", "--data", chat, "--output", os.path.join(tmp, "p2")], tmp)
+    check_messages("prepare", ["--tokenizer", model, "--max-length", "4", "--over-length", "error", "--data", chat,
+                               "--output", os.path.join(tmp, "p3")], tmp)
+    check_messages("eval", ["--model", model, "--data", tokens], tmp)
+    check_messages("eval", ["--model", model, "--data", tokens, "--max-length", "8", "--over-length", "error"], tmp)
+
+# The source: string literals of src/.
+def literals(path):
+    text = open(path, encoding="utf-8").read()
+    text = re.sub(r"//[^\n]*", "", text)
+    return re.findall(r'"((?:[^"\\\n]|\\.)*)"', text)
+
+
+everywhere = set().union(*parsers.values())
+data_commands = ["sft", "dpo", "check", "prepare"]
+train_commands = {"dpo_trainer.cpp": ["dpo"], "preference_step.cpp": ["dpo"], "check.cpp": ["check"],
+                  "trainer.cpp": ["sft"]}
+for folder, _, files in os.walk(os.path.join(root, "src")):
+    for name in files:
+        if not name.endswith((".cpp", ".h", ".cu")):
+            continue
+        path = os.path.join(folder, name)
+        relative = os.path.relpath(path, root)
+        if relative.startswith("src/data/"):
+            reach = data_commands
+        elif relative.startswith("src/train/"):
+            reach = train_commands.get(name, ["sft", "dpo", "check"])
+        elif relative == "src/cli/cmd_sft.cpp":
+            reach = ["sft", "dpo", "check"]
+        elif relative.startswith("src/cli/cmd_") and name[4:-4] in parsers:
+            reach = [name[4:-4]]
+        else:
+            reach = []
+        for literal in literals(path):
+            for option in OPTION.findall(literal):
+                if option in OTHER_PROGRAMS or option in GLOBAL:
+                    continue
+                if option not in everywhere:
+                    failures.append(f"{relative}: \"{literal[:120]}\" names {option}, which no command accepts")
+                    continue
+                if (relative, option) in ONLY_WHERE_SET:
+                    continue
+                missing = [c for c in reach if option not in parsers[c]]
+                if missing:
+                    failures.append(f"{relative}: \"{literal[:120]}\" names {option}, which {', '.join(missing)} "
+                                    "cannot take, though its messages reach them")
+
+for f in failures:
+    print("FAIL:", f)
+print("option names in messages:", "all exist" if not failures else f"{len(failures)} problems")
+sys.exit(1 if failures else 0)
