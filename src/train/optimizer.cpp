@@ -50,6 +50,10 @@ AdamWOptimizer::AdamWOptimizer(Backend& backend, std::vector<OptimizerSlot> slot
     s.target = std::move(target);
     slots_.push_back(std::move(s));
   }
+  // In name order: the squared gradient norm sums the slots in this order, and the same parameters
+  // can come in another one (new LoRA adapters follow --lora-targets, a loaded adapter the model's
+  // projection order), so a resumed run adds them up exactly as the run it continues did.
+  std::sort(slots_.begin(), slots_.end(), [](const Slot& a, const Slot& b) { return a.target.name < b.target.name; });
 }
 
 void AdamWOptimizer::refresh_master_copies() {

@@ -11,10 +11,10 @@ stops after the same step); SIGKILL of the launcher, then --resume. A second sig
 without a checkpoint.
 
 usage: check_preemption.py SPINDLE ROOT"""
-import filecmp
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -93,9 +93,18 @@ def same_curve(what, resumed, whole):
                 return
 
 
+def tensors(path):
+    """name -> (dtype, shape, bytes) of a safetensors file: the order of its tensors does not matter."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        data = f.read()
+    return {k: (v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]])
+            for k, v in header.items() if k != "__metadata__"}
+
+
 def same_weights(what, resumed, whole, full):
     trained = os.path.join("model", "model.safetensors") if full else os.path.join("adapter", "adapter_model.safetensors")
-    if not filecmp.cmp(os.path.join(resumed, trained), os.path.join(whole, trained), shallow=False):
+    if tensors(os.path.join(resumed, trained)) != tensors(os.path.join(whole, trained)):
         failures.append(f"{what}: the trained {trained} differs from the uninterrupted run's")
 
 
