@@ -117,6 +117,17 @@ with tempfile.TemporaryDirectory() as tmp:
         failures.append(f"a two-step run failed: {r.stderr[-500:]}")
     check_messages("sft", done, tmp)
     check_messages("sft", done[:-4] + ["--max-length", "32", "--threads", "1", "--resume"], tmp)
+    # The CLI's own messages, each in words of its own.
+    for args, needle in [(["sft", "--lr", "1", "--lr", "2"], "--lr is given 2 times; give it once"),
+                         (["sft", "--config", "nosuch.yaml"], "--config nosuch.yaml: no such file"),
+                         (["sft", "--seed", "-1"], "--seed: must be a whole number from 0 to 18446744073709551615")]:
+        r = subprocess.run([spindle, *args], capture_output=True, text=True, cwd=tmp)
+        if r.returncode != 2 or needle not in r.stderr:
+            failures.append(f"spindle {' '.join(args)}: exit status {r.returncode}, expected 2 and {needle!r}: "
+                            f"{r.stderr.strip()}")
+    r = subprocess.run([spindle, "--version"], capture_output=True, text=True)
+    if r.returncode != 0 or not r.stdout.startswith("spindle ") or "CPU backend" not in r.stdout:
+        failures.append(f"spindle --version: exit status {r.returncode}, printed {r.stdout!r} {r.stderr!r}")
     prepare = ["--tokenizer", model, "--max-length", "64"]
     check_messages("prepare", prepare + ["--data", bad, "--output", os.path.join(tmp, "p1")], tmp)
     check_messages("prepare", ["--max-length", "64", "--data", chat, "--output", os.path.join(tmp, "p2")], tmp)

@@ -82,6 +82,8 @@ expect("another run into the folder", run(base + ["--output", stale, "--save-ste
 expect("a resume with other options", run(base + ["--output", stale, "--save-steps", "2", "--max-steps", "6", "--resume"]),
        ["holds a run with other settings", "--lr: 0.01 in the folder's run, 0.0001 here"])
 expect("the same run again without --resume", run(first), ["already holds an identical run", "--resume"])
+expect("a resume at another --max-length", run([a if a != "128" else "64" for a in first] + ["--resume"]),
+       ["--max-length: 128 in the folder's run, 64 here"])
 if snapshot(stale) != before:
     failures.append("a refused run changed the folder")
 # The same run resumed for more steps: a longer run, the schedule over the new total.
@@ -126,6 +128,13 @@ for what, target, needle in [("--merge-output onto the model", model, "is the --
     expect(what, run(base + ["--output", out, "--max-steps", "2", "--merge-output", target]), [needle])
     if os.path.exists(out):
         failures.append(f"{what}: the output folder was created before the refusal")
+
+# The summary names the merged model.
+merged_run, merged = os.path.join(work, "merged-run"), os.path.join(work, "merged-model")
+r = run(base + ["--output", merged_run, "--max-steps", "1", "--merge-output", merged])
+expect("--merge-output", r, ["merged model", merged], code=0)
+if not os.path.isfile(os.path.join(merged, "config.json")):
+    failures.append("--merge-output wrote no model")
 
 # Missing and bad inputs leave nothing behind.
 nothing = os.path.join(work, "nothing")
