@@ -77,6 +77,7 @@ StopSignals::StopSignals() {
   g_first_signal = 0;
   g_launcher = std::getenv("SPINDLE_LAUNCHER") ? ::getppid() : 0;
   const char* rank = std::getenv("RANK");
+  if (!rank) rank = std::getenv("SLURM_PROCID");  // srun without a launcher: its task number is the rank
   g_announce = !rank || std::strcmp(rank, "0") == 0;
   g_terminal = train::stderr_is_terminal();
   struct sigaction action {};
