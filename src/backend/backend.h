@@ -268,6 +268,19 @@ class Backend {
   // dgate, dup (overwritten) from dout.
   virtual void swiglu_backward(Stream stream, const Tensor& gate, const Tensor& up, const Tensor& dout,
                                Tensor& dgate, Tensor& dup) = 0;
+  // gpt_oss's clamped SwiGLU over interleaved projections: gate_up [N, 2I] holds gate k at column
+  // 2k and up k at 2k + 1; out [N, I] = (clamp(up, −limit, limit) + 1) · g · σ(alpha·g) with
+  // g = min(gate, limit). A clamped input passes no gradient (inclusive bounds, as torch.clamp).
+  virtual void clamped_swiglu_forward(Stream stream, const Tensor& gate_up, double alpha, double limit, Tensor& out) {
+    fail("{}: the clamped SwiGLU of gpt_oss's experts is not implemented on this backend; run with --device cpu",
+         name());
+  }
+  // d_gate_up [N, 2I] (overwritten, interleaved as gate_up) from dout [N, I].
+  virtual void clamped_swiglu_backward(Stream stream, const Tensor& gate_up, const Tensor& dout, double alpha,
+                                       double limit, Tensor& d_gate_up) {
+    fail("{}: the clamped SwiGLU of gpt_oss's experts is not implemented on this backend; run with --device cpu",
+         name());
+  }
 
   // ---- rows ------------------------------------------------------------------------------------
   // dst[n, :] = src[idx[n], :]; idx I32 [N].

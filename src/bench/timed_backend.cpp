@@ -234,6 +234,14 @@ void TimedBackend::swiglu_backward(Stream s, const Tensor& gate, const Tensor& u
   timed(s, C::OtherOps, "swiglu_backward", 0, bytes_of({&gate, &up, &dout, &dgate, &dup}),
         [&] { inner_.swiglu_backward(s, gate, up, dout, dgate, dup); });
 }
+void TimedBackend::clamped_swiglu_forward(Stream s, const Tensor& gate_up, double alpha, double limit, Tensor& out) {
+  timed(s, C::OtherOps, "clamped_swiglu_forward", [&] { inner_.clamped_swiglu_forward(s, gate_up, alpha, limit, out); });
+}
+void TimedBackend::clamped_swiglu_backward(Stream s, const Tensor& gate_up, const Tensor& dout, double alpha,
+                                           double limit, Tensor& d_gate_up) {
+  timed(s, C::OtherOps, "clamped_swiglu_backward",
+        [&] { inner_.clamped_swiglu_backward(s, gate_up, dout, alpha, limit, d_gate_up); });
+}
 void TimedBackend::copy_columns(Stream stream, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
                                 int64_t width) {
   const double copied = src.rank() == 2 ? 2.0 * static_cast<double>(src.dim(0) * width * dtype_size(src.dtype())) : 0;

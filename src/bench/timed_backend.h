@@ -143,6 +143,9 @@ class TimedBackend final : public Backend {
   void softcap_backward(Stream stream, const Tensor& y, double cap, Tensor& d) override;
   void swiglu_backward(Stream stream, const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate,
                        Tensor& dup) override;
+  void clamped_swiglu_forward(Stream stream, const Tensor& gate_up, double alpha, double limit, Tensor& out) override;
+  void clamped_swiglu_backward(Stream stream, const Tensor& gate_up, const Tensor& dout, double alpha, double limit,
+                               Tensor& d_gate_up) override;
   void gather_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) override;
   void scatter_add_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) override;
   // 4-bit base weights: dequantised before every use, counted with the other ops (label dequantize_4bit).

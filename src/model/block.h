@@ -45,6 +45,8 @@ struct PackedTensor {
   std::string name;               // "model.layers.0.mlp.experts.gate_up_proj"
   Shape shape;                    // [E, 2I, H]
   std::vector<Parameter*> parts;  // in storage order; their sizes add up to shape.numel()
+  // Each part, a matrix [out, in], is stored transposed, [in, out] (gpt_oss's experts).
+  bool transposed_parts = false;
   bool read = false;              // this layout was the checkpoint's
 };
 
@@ -120,6 +122,9 @@ struct MoeActivations {
   Tensor offsets;      // I32 [E + 1] each expert's first routed row
   std::vector<int64_t> expert_rows;  // [E + 1] offsets on the host (see blocks/moe.cpp)
   Tensor gate, up;     // [N, I] each routed row's expert projections
+  // [N, 2I] instead of gate and up for interleaved experts (MoeGating::gpt_oss_experts): gate k at
+  // column 2k, up k at 2k + 1.
+  Tensor gate_up;
   Tensor act;          // [N, I] silu(gate)·up: recompute scratch set only (as SwigluActivations::act)
   LinearActivations router;
   std::vector<LinearActivations> gate_proj, up_proj, down_proj;  // [E] (LoRA intermediates)

@@ -46,7 +46,22 @@ struct LinearAttentionConfig {
   int64_t chunk_size = 64;      // tokens per chunk of the delta rule (not in config.json)
 };
 
-// Routed experts (qwen3_moe, qwen3_5_moe): what a MixtureOfExperts feed-forward reads. Zero experts: no MoE layer.
+// How a MixtureOfExperts routes and activates where a family departs from qwen3_moe's block: the
+// variant is parameters of the one block (blocks/moe.h), not a block of its own. gpt_oss sets all.
+struct MoeGating {
+  // The router is "mlp.router" with a bias, logits x·Wᵀ + b (qwen3_moe: "mlp.gate", no bias).
+  bool router_bias = false;
+  // transformers' GptOssExperts: per expert one projection whose output interleaves gate and up
+  // (gate k at column 2k, up k at 2k + 1), biased, as is down; the checkpoint stores them
+  // [E, in, out]: gate_up_proj [E, H, 2I], gate_up_proj_bias [E, 2I], down_proj [E, I, H],
+  // down_proj_bias [E, H]. The activation is then the clamped SwiGLU below.
+  bool gpt_oss_experts = false;
+  // (clamp(up, −limit, limit) + 1) · g · σ(alpha·g), g = min(gate, limit).
+  double swiglu_alpha = 1.702;
+  double swiglu_limit = 7.0;
+};
+
+// Routed experts (qwen3_moe, qwen3_5_moe, gpt_oss): what a MixtureOfExperts feed-forward reads. Zero experts: no MoE layer.
 struct MoeConfig {
   int64_t num_experts = 0;               // E
   int64_t experts_per_token = 0;         // k (num_experts_per_tok)
@@ -59,6 +74,7 @@ struct MoeConfig {
   // true (model/router_aux_loss.h); both as config.json gives them.
   bool output_router_logits = false;
   double router_aux_loss_coef = 0.0;
+  MoeGating gating;
 };
 
 // The gated MLP's activation (hidden_act / hidden_activation): silu(gate)·up (SwiGLU) or

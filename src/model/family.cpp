@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "model/families/dense.h"
 #include "model/families/gemma.h"
+#include "model/families/gpt_oss.h"
 #include "model/families/qwen3_moe.h"
 #include "model/families/qwen3_5.h"
 #include "model/families/qwen3_5_moe.h"
@@ -32,6 +33,9 @@ const ModelFamily kFamilies[] = {
     // the multimodal checkpoint's text tower, and the text-only Qwen3_5MoeForCausalLM folder.
     {"qwen3_5_moe", "model.language_model.", read_qwen3_5_moe_config, "text_config", {"model.visual.", "mtp."}},
     {"qwen3_5_moe_text", "model.", read_qwen3_5_moe_config, {}, {"model.visual.", "mtp."}},
+    // gpt-oss (sinks, alternating sliding windows, YaRN, biased clamped-SwiGLU experts).
+    {"gpt_oss", "model.", read_gpt_oss_config, {}, {},
+     "the CUDA kernels for gpt-oss's clamped-SwiGLU experts and attention sinks are not built yet"},
 };
 
 }  // namespace

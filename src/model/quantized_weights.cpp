@@ -113,6 +113,9 @@ std::optional<StoredQuantization> read_stored_quantization(const std::string& mo
   const std::string src = config_path.string() + ": quantization_config";
   if (!q.is_object()) fail("{} must be an object", src);
   const std::string method = q.value("quant_method", std::string());
+  // gpt-oss's MXFP4 experts are dequantised where their fused tensors are read (model/mxfp4.h); its
+  // projections are dense.
+  if (method == "mxfp4") return std::nullopt;
   if (method != "bitsandbytes")
     fail("{}: quant_method \"{}\" is not supported; spindle reads bitsandbytes' 4-bit checkpoints (and dense ones)",
          src, method);

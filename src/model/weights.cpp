@@ -1,6 +1,7 @@
 #include "model/weights.h"
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +13,7 @@
 #include "io/checkpoint.h"
 #include "io/load_tensor.h"
 #include "model/family.h"
+#include "model/mxfp4.h"
 
 namespace spindle {
 
@@ -108,7 +110,53 @@ void copy_host_tensor(Backend& backend, const Tensor& host, Tensor& t) {
   else backend.copy_from_host(backend.default_stream(), host.data(), t);
 }
 
+// gpt-oss's released experts: a transposed packed tensor [E, in, out] the checkpoint holds as MXFP4
+// "<name>_blocks" U8 [E, out, in/32, 16] and "<name>_scales" U8 [E, out, in/32], dequantised into
+// its parts ([out, in] each, so not transposed) as transformers' Mxfp4Config(dequantize=True)
+// loads them. False when the checkpoint has no such pair.
+bool read_mxfp4_packed(Backend& backend, const io::Checkpoint& checkpoint, PackedTensor& packed,
+                       std::set<const Parameter*>& filled) {
+  const io::TensorRecord* blocks = checkpoint.find(packed.name + "_blocks");
+  const io::TensorRecord* scales = checkpoint.find(packed.name + "_scales");
+  if (!packed.transposed_parts || !blocks || !scales) return false;
+  const int64_t experts = packed.shape[0], in = packed.shape[1], out = packed.shape[2];
+  if (in % 32) fail("{}_blocks: MXFP4 blocks of 32 values need an input width divisible by 32, got {}", packed.name, in);
+  const Shape block_shape{experts, out, in / 32, 16}, scale_shape{experts, out, in / 32};
+  if (blocks->shape != block_shape || blocks->dtype != DType::U8)
+    fail("{}_blocks is {} {}; MXFP4 experts of this config are U8 {}", packed.name, blocks->stored_dtype,
+         blocks->shape.str(), block_shape.str());
+  if (scales->shape != scale_shape || scales->dtype != DType::U8)
+    fail("{}_scales is {} {}; MXFP4 experts of this config are U8 {}", packed.name, scales->stored_dtype,
+         scales->shape.str(), scale_shape.str());
+  const std::vector<float> values = dequantize_mxfp4(static_cast<const uint8_t*>(blocks->data),
+                                                     static_cast<const uint8_t*>(scales->data), experts * out, in / 32);
+  Tensor whole = backend.empty(Shape{experts, out, in}, DType::F32);  // [E, out, in]
+  backend.copy_from_host(backend.default_stream(), values.data(), whole);
+  int64_t offset = 0;
+  for (Parameter* part : packed.parts) {
+    backend.copy(backend.default_stream(), whole.flat(offset, part->value.numel()), part->value);
+    offset += part->value.numel();
+    filled.insert(part);
+  }
+  backend.synchronize(backend.default_stream());
+  packed.read = true;  // written back dense, in the layout transformers saves a dequantised model in
+  return true;
+}
+
 }  // namespace
+
+void copy_transposed(Backend& backend, const Tensor& stored, Tensor& matrix) {
+  SPINDLE_CHECK(matrix.shape().rank() == 2 && stored.numel() == matrix.numel() && stored.dtype() == matrix.dtype(),
+                "copy_transposed: {} into {}", stored.describe(), matrix.describe());
+  const int64_t rows = matrix.dim(0), cols = matrix.dim(1);
+  const size_t element = dtype_size(matrix.dtype());
+  std::vector<char> in(stored.bytes()), out(matrix.bytes());  // [cols, rows], [rows, cols]
+  backend.copy_to_host(backend.default_stream(), stored, in.data());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      std::memcpy(out.data() + (r * cols + c) * element, in.data() + (c * rows + r) * element, element);
+  backend.copy_from_host(backend.default_stream(), out.data(), matrix);
+}
 
 // What a target that names a projection LoRA does not adapt by its module name (the router, one
 // routed expert's projection) is.
@@ -146,6 +194,11 @@ LoraConfig ModelWeights::resolve_expert_targets(const LoraConfig& in) const {
         const ExpertLora router{.module = lin->prefix, .tensor = "weight"};
         if (router.matches(entry)) fail("LoRA target parameter \"{}\": {}", entry, kRouterNotAdapted);
       }
+    if (experts.empty() && config.moe.gating.gpt_oss_experts)
+      fail("LoRA target parameter \"{}\": LoRA on gpt_oss's routed experts is not supported (their fused tensors "
+           "are [E, in, out] with biases, a layout spindle's expert adapters do not take); adapt the attention "
+           "projections (--lora-targets q_proj,k_proj,v_proj,o_proj) or train the experts in full (--full)",
+           entry);
     if (experts.empty())
       fail("LoRA target parameter \"{}\": this {} model has no routed experts, and target_parameters adapt only "
            "the routed experts' fused tensors ({}, {}); adapt its projections by module name instead",
@@ -221,11 +274,14 @@ ModelWeights ModelWeights::load(Backend& backend, const ModelConfig& config, con
   // A packed tensor the checkpoint holds fills its parts; every other parameter is read by its name.
   std::set<const Parameter*> filled;
   for (PackedTensor& packed : w.packed_) {
+    if (!checkpoint.find(packed.name) && read_mxfp4_packed(backend, checkpoint, packed, filled)) continue;
     if (!checkpoint.find(packed.name)) continue;
     const Tensor whole = io::load_tensor(backend, checkpoint.require(packed.name, packed.shape), dtype);
     int64_t offset = 0;
     for (Parameter* part : packed.parts) {
-      backend.copy(backend.default_stream(), whole.flat(offset, part->value.numel()), part->value);
+      const Tensor stored = whole.flat(offset, part->value.numel());
+      if (packed.transposed_parts) copy_transposed(backend, stored, part->value);
+      else backend.copy(backend.default_stream(), stored, part->value);
       offset += part->value.numel();
       filled.insert(part);
     }

@@ -35,6 +35,10 @@ struct LoraConfig {
   double scaling() const;            // alpha / r, or alpha / sqrt(r) with rsLoRA
 };
 
+// matrix [rows, cols] = the transpose of `stored` (its elements as [cols, rows]), both of one dtype:
+// a PackedTensor's transposed part (gpt_oss's [E, in, out] experts), read or written once per model.
+void copy_transposed(Backend& backend, const Tensor& stored, Tensor& matrix);
+
 class ModelWeights {
  public:
   ModelConfig config;

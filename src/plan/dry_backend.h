@@ -113,6 +113,8 @@ class DryBackend final : public Backend {
   void softcap_forward(Stream, const Tensor&, double, Tensor&) override {}
   void softcap_backward(Stream, const Tensor&, double, Tensor&) override {}
   void swiglu_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
+  void clamped_swiglu_forward(Stream, const Tensor&, double, double, Tensor&) override {}
+  void clamped_swiglu_backward(Stream, const Tensor&, const Tensor&, double, double, Tensor&) override {}
   void gather_rows(Stream, const Tensor&, const Tensor&, Tensor&) override {}
   void scatter_add_rows(Stream, const Tensor&, const Tensor&, Tensor&) override {}
   // Gated DeltaNet and gated attention (qwen3_5).

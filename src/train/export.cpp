@@ -442,7 +442,13 @@ void save_hf_model(Backend& backend, const ModelWeights& weights, const fs::path
       int64_t offset = 0;
       for (const Parameter* part : packed.parts) {
         Tensor slot = whole.flat(offset, part->value.numel());
-        host->copy(host->default_stream(), export_value(*part), slot);
+        if (packed.transposed_parts) {  // the part [out, in] stored as [in, out]
+          const Shape& matrix = part->value.shape();
+          Tensor stored = slot.reshape(Shape{matrix[1], matrix[0]});
+          copy_transposed(*host, export_value(*part), stored);
+        } else {
+          host->copy(host->default_stream(), export_value(*part), slot);
+        }
         offset += part->value.numel();
       }
       SPINDLE_CHECK(offset == packed.shape.numel(), "{}: parts of {} elements for {}", packed.name, offset,

@@ -27,7 +27,7 @@ nlohmann::json TinyModel::config_json() const {
   static const std::map<std::string, std::string> kArchitectures = {
       {"llama", "LlamaForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"}, {"qwen3", "Qwen3ForCausalLM"},
       {"qwen3_moe", "Qwen3MoeForCausalLM"}, {"qwen3_5_text", "Qwen3_5ForCausalLM"},
-      {"qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"}};
+      {"qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"}, {"gpt_oss", "GptOssForCausalLM"}};
   if (auto it = kArchitectures.find(model_type); it != kArchitectures.end()) j["architectures"] = {it->second};
   // Every qwen3_5_moe MLP is a mixture of experts: its config has no dense width (transformers
   // refuses the attribute).
@@ -45,6 +45,21 @@ TinyModel tiny_qwen3_5_moe() {
                   {"shared_expert_intermediate_size", 16},
                   {"output_router_logits", false},
                   {"router_aux_loss_coef", 0.001}});
+  return m;
+}
+
+TinyModel tiny_gpt_oss() {
+  TinyModel m;
+  m.model_type = "gpt_oss";
+  m.intermediate_size = 12;
+  m.extra = {{"layer_types", {"sliding_attention", "full_attention"}},
+             {"sliding_window", 4},
+             {"attention_bias", true},
+             {"num_local_experts", 4},
+             {"num_experts_per_tok", 2},
+             {"swiglu_limit", 7.0},
+             {"output_router_logits", false},
+             {"router_aux_loss_coef", 0.9}};
   return m;
 }
 
@@ -147,6 +162,7 @@ void write_json(const std::filesystem::path& dir, const nlohmann::json& config) 
 }  // namespace
 
 void write_config(const std::filesystem::path& dir, const TinyModel& model) { write_json(dir, model.config_json()); }
+void write_config(const std::filesystem::path& dir, const nlohmann::json& config) { write_json(dir, config); }
 
 void write_model_folder(const std::filesystem::path& dir, const nlohmann::json& config_json, uint64_t seed, double scale,
                         const FolderLayout& layout) {
@@ -164,7 +180,12 @@ void write_model_folder(const std::filesystem::path& dir, const nlohmann::json& 
       int64_t offset = 0;
       for (const Parameter* part : p.parts) {
         Tensor slice = whole.flat(offset, part->value.numel());
-        backend->copy(backend->default_stream(), part->value, slice);
+        if (p.transposed_parts) {  // gpt_oss: each expert's [out, in] stored [in, out]
+          Tensor stored = slice.reshape(Shape{part->value.dim(1), part->value.dim(0)});
+          copy_transposed(*backend, part->value, stored);
+        } else {
+          backend->copy(backend->default_stream(), part->value, slice);
+        }
         offset += part->value.numel();
         packed.insert(part);
       }

@@ -24,7 +24,7 @@ namespace spindle::test {
 // Defaults: the tiny GQA llama the sequence-parallel and FSDP tests train (4 query heads over 2 KV
 // heads, so Ulysses 4 replicates KV heads). Tests override the fields their tolerances were set on.
 struct TinyModel {
-  std::string model_type = "llama";  // llama | qwen2 | qwen3 | qwen3_moe | qwen3_5_text | qwen3_5_moe_text (presets below)
+  std::string model_type = "llama";  // llama | qwen2 | qwen3 | qwen3_moe | qwen3_5_text | qwen3_5_moe_text | gpt_oss (presets below)
   int64_t vocab_size = 64;
   int64_t hidden_size = 32;
   int64_t intermediate_size = 48;
@@ -57,6 +57,11 @@ TinyModel tiny_qwen3_5();
 // each with a mixture of experts (4 experts of width 12, 2 per token, always renormalised) and a
 // shared expert of width 16 behind its sigmoid gate; output_router_logits off.
 TinyModel tiny_qwen3_5_moe();
+
+// gpt_oss: 2 layers, sliding (window 4) then full attention, sinks on both, biased q/k/v/o; every
+// layer 4 experts of width 12 (intermediate_size), 2 per token, with the biased router and the
+// clamped SwiGLU; output_router_logits off.
+TinyModel tiny_gpt_oss();
 
 // The multimodal checkpoint's config.json around a text-only preset (qwen3_5_text or
 // qwen3_5_moe_text): model_type qwen3_5 / qwen3_5_moe, the text model under text_config, a tiny
@@ -100,5 +105,6 @@ void write_model_folder(const std::filesystem::path& dir, const nlohmann::json& 
 // config.json alone, unchecked, for what reads only the architecture (the launcher's mesh check,
 // bench's synthetic weights) or must refuse it.
 void write_config(const std::filesystem::path& dir, const TinyModel& model);
+void write_config(const std::filesystem::path& dir, const nlohmann::json& config);
 
 }  // namespace spindle::test

@@ -44,14 +44,20 @@ MixtureOfExperts::MixtureOfExperts(ParameterSink& sink, const ModelConfig& c, co
       top_k_(c.moe.experts_per_token),
       width_(c.moe.expert_intermediate_size),
       hidden_(c.hidden_size),
-      normalize_(c.moe.norm_topk_prob) {
+      normalize_(c.moe.norm_topk_prob),
+      gating_(c.moe.gating) {
   SPINDLE_CHECK(experts_ > 0 && top_k_ > 0 && top_k_ <= experts_ && width_ > 0, "MoE layer of {}: {} experts, k {}",
                 layer_prefix, experts_, top_k_);
   const std::string pre = layer_prefix + "mlp.";
   const int64_t h = c.hidden_size;
   // Every token multiplies the router; an expert sees k/E of the tokens on average.
   const double share = static_cast<double>(top_k_) / static_cast<double>(experts_);
-  router_ = sink.add_linear({"gate", pre + "gate", experts_, h, false, false});
+  if (gating_.gpt_oss_experts) {
+    router_ = sink.add_linear({"router", pre + "router", experts_, h, gating_.router_bias, false});
+    add_gpt_oss_experts(sink, pre, share);
+    return;
+  }
+  router_ = sink.add_linear({"gate", pre + "gate", experts_, h, gating_.router_bias, false});
   gate_.reserve(static_cast<size_t>(experts_));
   up_.reserve(static_cast<size_t>(experts_));
   down_.reserve(static_cast<size_t>(experts_));
@@ -75,11 +81,37 @@ MixtureOfExperts::MixtureOfExperts(ParameterSink& sink, const ModelConfig& c, co
   down_lora_ = {.module = pre + "experts", .tensor = "down_proj", .experts = experts_, .out = h, .in = width_};
 }
 
+void MixtureOfExperts::add_gpt_oss_experts(ParameterSink& sink, const std::string& pre, double share) {
+  const int64_t h = hidden_;
+  gate_up_.reserve(static_cast<size_t>(experts_));
+  down_.reserve(static_cast<size_t>(experts_));
+  for (int64_t e = 0; e < experts_; ++e) {
+    const std::string expert = fmt::format("{}experts.{}.", pre, e);
+    gate_up_.push_back(sink.add_linear({"experts.gate_up_proj", expert + "gate_up_proj", 2 * width_, h, true, false, share}));
+    down_.push_back(sink.add_linear({"experts.down_proj", expert + "down_proj", h, width_, true, false, share}));
+  }
+  // transformers' GptOssExperts tensors: the weights [E, in, out] (each expert's matrix transposed),
+  // the biases [E, out].
+  PackedTensor gate_up{pre + "experts.gate_up_proj", Shape{experts_, h, 2 * width_}, {}, true};
+  PackedTensor gate_up_bias{pre + "experts.gate_up_proj_bias", Shape{experts_, 2 * width_}, {}};
+  PackedTensor down{pre + "experts.down_proj", Shape{experts_, width_, h}, {}, true};
+  PackedTensor down_bias{pre + "experts.down_proj_bias", Shape{experts_, h}, {}};
+  for (int64_t e = 0; e < experts_; ++e) {
+    gate_up.parts.push_back(gate_up_[e].weight);
+    gate_up_bias.parts.push_back(gate_up_[e].bias);
+    down.parts.push_back(down_[e].weight);
+    down_bias.parts.push_back(down_[e].bias);
+  }
+  for (PackedTensor* packed : {&gate_up, &gate_up_bias, &down, &down_bias}) sink.add_packed(std::move(*packed));
+}
+
 std::vector<Parameter*> MixtureOfExperts::parameters() const {
   std::vector<Parameter*> out;
   append_parameters(out, router_);
-  for (int64_t e = 0; e < experts_; ++e)
-    for (const Linear* lin : {&gate_[e], &up_[e], &down_[e]}) append_parameters(out, *lin);
+  for (const Linear& lin : gate_up_) append_parameters(out, lin);
+  for (int64_t e = 0; e < experts_ && gate_up_.empty(); ++e)
+    for (const Linear* lin : {&gate_[e], &up_[e]}) append_parameters(out, *lin);
+  for (const Linear& lin : down_) append_parameters(out, lin);
   for (const ExpertLora* lora : {&gate_up_lora_, &down_lora_})
     for (Parameter* p : lora->parameters()) out.push_back(p);
   return out;
@@ -87,8 +119,8 @@ std::vector<Parameter*> MixtureOfExperts::parameters() const {
 
 std::vector<Linear*> MixtureOfExperts::linears() {
   std::vector<Linear*> out{&router_};
-  for (int64_t e = 0; e < experts_; ++e)
-    for (Linear* lin : {&gate_[e], &up_[e], &down_[e]}) out.push_back(lin);
+  for (std::vector<Linear>* experts : {&gate_up_, &gate_, &up_, &down_})
+    for (Linear& lin : *experts) out.push_back(&lin);
   return out;
 }
 
@@ -104,8 +136,12 @@ void MixtureOfExperts::allocate(Backend& be, DType dt, int64_t t, ActivationNeed
     a.rows_token = be.empty(Shape{n}, DType::I32);
     a.row_of_slot = be.empty(Shape{n}, DType::I32);
     a.offsets = be.empty(Shape{experts_ + 1}, DType::I32);
-    a.gate = be.empty(Shape{n, width_}, dt);
-    a.up = be.empty(Shape{n, width_}, dt);
+    if (gating_.gpt_oss_experts) {
+      a.gate_up = be.empty(Shape{n, 2 * width_}, dt);
+    } else {
+      a.gate = be.empty(Shape{n, width_}, dt);
+      a.up = be.empty(Shape{n, width_}, dt);
+    }
     router_.allocate(be, a.router, t, dt);
     // Per-expert LoRA intermediates depend on the routing: sized in forward.
     a.gate_proj.resize(static_cast<size_t>(experts_));
@@ -116,7 +152,7 @@ void MixtureOfExperts::allocate(Backend& be, DType dt, int64_t t, ActivationNeed
 }
 
 bool MixtureOfExperts::grouped_experts() const {
-  for (const std::vector<Linear>* experts : {&gate_, &up_, &down_})
+  for (const std::vector<Linear>* experts : {&gate_up_, &gate_, &up_, &down_})
     for (const Linear& lin : *experts)
       if (lin.quantized() || !lin.weight || lin.lora_a || lin.bias) return false;
   return true;
@@ -160,6 +196,22 @@ void MixtureOfExperts::forward(const LayerContext& ctx, const Tensor& xn, FeedFo
 
   Tensor x = be.empty(Shape{n, hidden_}, dt);  // [N, H] the routed rows' inputs
   be.gather_rows(st, xn, a.rows_token, x);
+  if (gating_.gpt_oss_experts) {
+    for (int64_t e = 0; e < experts_; ++e) {
+      const int64_t begin = a.expert_rows[e], end = a.expert_rows[e + 1];
+      if (begin == end) continue;
+      Tensor gue = a.gate_up.rows(begin, end);
+      gate_up_[e].allocate(be, a.gate_proj[e], end - begin, dt);
+      gate_up_[e].forward(be, st, x.rows(begin, end), gue, a.gate_proj[e]);
+    }
+    Tensor act = a.act.defined() ? a.act : be.empty(Shape{n, width_}, dt);  // [N, I]
+    be.clamped_swiglu_forward(st, a.gate_up, gating_.swiglu_alpha, gating_.swiglu_limit, act);
+    Tensor y = be.empty(Shape{n, hidden_}, dt);  // [N, H] the experts' outputs before weighting
+    Tensor down_xs;
+    run_down(be, st, a, act, y, a.down_proj, down_xs);
+    be.moe_combine(st, y, a.row_of_slot, a.topk_index, a.topk_weight, out);
+    return;
+  }
   if (grouped) {
     be.moe_grouped_gemm(st, x, expert_weights(gate_), true, a.offsets, a.gate, false);
     be.moe_grouped_gemm(st, x, expert_weights(up_), true, a.offsets, a.up, false);
@@ -199,7 +251,10 @@ void MixtureOfExperts::backward(const LayerContext& ctx, const Tensor& xn, const
   // act and the experts' outputs again, from the kept gate and up: the forward's kernels on the
   // same inputs, so they are the forward's values (the weights' gradient needs the outputs).
   Tensor act = a.act;
-  if (!act.defined()) {
+  if (!act.defined() && gating_.gpt_oss_experts) {
+    act = be.empty(Shape{n, width_}, dt);
+    be.clamped_swiglu_forward(st, a.gate_up, gating_.swiglu_alpha, gating_.swiglu_limit, act);
+  } else if (!act.defined()) {
     act = be.empty(a.gate.shape(), dt);
     be.swiglu_forward(st, a.gate, a.up, act);
   }
@@ -228,6 +283,22 @@ void MixtureOfExperts::backward(const LayerContext& ctx, const Tensor& xn, const
   }
   if (down_lora_.adapted()) down_lora_.backward(be, st, act, down_xs, a.offsets, {{&dy, 0, hidden_}}, &d_act);
   dy = Tensor();
+  if (gating_.gpt_oss_experts) {
+    Tensor d_gate_up = be.empty(a.gate_up.shape(), dt);  // [N, 2I]
+    be.clamped_swiglu_backward(st, a.gate_up, d_act, gating_.swiglu_alpha, gating_.swiglu_limit, d_gate_up);
+    d_act = Tensor();
+    Tensor x = be.empty(Shape{n, hidden_}, dt);  // the routed rows' inputs, gathered again
+    be.gather_rows(st, xn, a.rows_token, x);
+    Tensor dx = be.empty(Shape{n, hidden_}, dt);
+    for (int64_t e = 0; e < experts_; ++e) {
+      const int64_t begin = a.expert_rows[e], end = a.expert_rows[e + 1];
+      if (begin == end) continue;
+      Tensor dxe = dx.rows(begin, end);
+      gate_up_[e].backward(be, st, x.rows(begin, end), d_gate_up.rows(begin, end), a.gate_proj[e], &dxe, false);
+    }
+    route_backward(ctx, xn, a, d_weight, dx, dxn);
+    return;
+  }
   Tensor d_gate = be.empty(d_act.shape(), dt), d_up = be.empty(d_act.shape(), dt);
   be.swiglu_backward(st, a.gate, a.up, d_act, d_gate, d_up);
   d_act = Tensor();
@@ -257,10 +328,18 @@ void MixtureOfExperts::backward(const LayerContext& ctx, const Tensor& xn, const
     gate_up_lora_.backward(be, st, x, xs, a.offsets, {{&d_gate, 0, width_}, {&d_up, width_, 2 * width_}}, &dx);
   }
 
+  route_backward(ctx, xn, a, d_weight, dx, dxn);
+}
+
+void MixtureOfExperts::route_backward(const LayerContext& ctx, const Tensor& xn, const MoeActivations& a,
+                                      const Tensor& d_weight, const Tensor& dx, Tensor& dxn) const {
+  Backend& be = ctx.backend;
+  const Stream st = ctx.stream;
+  const int64_t t = ctx.tokens();
   // Router: the routing weights' gradient (and the load-balancing loss's) through top-k and softmax.
   Tensor aux;
   if (ctx.router_aux && ctx.router_aux->ready()) aux = ctx.router_aux->probability_gradient();
-  Tensor d_logits = be.empty(Shape{t, experts_}, dt);
+  Tensor d_logits = be.empty(Shape{t, experts_}, ctx.dtype);
   be.moe_router_backward(st, a.probs, a.topk_index, d_weight, normalize_, aux, ctx.batch.doc_ids, d_logits);
   router_.backward(be, st, xn, d_logits, a.router, &dxn, false);
   be.scatter_add_rows(st, dx, a.rows_token, dxn);
