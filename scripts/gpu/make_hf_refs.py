@@ -30,6 +30,11 @@ released checkpoints hold them, text model under model.language_model.); the vis
 never trains it) and model.safetensors also gets a few mtp.* tensors, which transformers ignores on load and
 spindle carries into a saved full model. qwen3_5_moe_text is the text-only Qwen3_5MoeForCausalLM.
 
+gpt_oss (gpt_oss, gpt_oss_lora) is a MoE case too: its routers (mlp.router) have a bias, its experts are
+transformers' GptOssExperts tensors [E, in, out] with biases (saved so, as spindle reads them), some of whose
+gate/up values are drawn past the clamped SwiGLU's limit (gpt_oss_experts_past_the_limit), and its
+attention sinks are drawn away from zero (N(0, 1)) so that they take a visible share of every softmax row.
+
 The expert LoRA cases (qwen3_moe_expert_lora, qwen3_5_moe_expert_lora) adapt the routed experts' fused
 tensors through PEFT's target_parameters (ParamWrapper: per expert e, W_e + s·B_e·A_e), so their
 adapters and gradients are in PEFT's layout for them: lora_A [E·r, in], lora_B [out, r·E] (docs/formats.md).
@@ -60,6 +65,8 @@ OUT = ARGS.out or ARGS.out_dir or "testdata/hf"
 ONLY = set(ARGS.only.split(",")) if ARGS.only else None
 
 VOCAB = 96
+# The model types whose feed-forwards are routed experts (router load-balancing loss, decisive routers).
+MOE_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss")
 
 
 def documents(rng):
@@ -108,27 +115,38 @@ def reference(model, docs, trainable):
 
 
 class RouterLogits:
-    """Raw router logits of every MoE layer (x·W_gᵀ, differentiable), recorded by forward hooks on the
-    routers; in transformers 5 the router module's own first output is its softmax, not the logits."""
+    """Raw router logits of every MoE layer (x·W_gᵀ, + b for gpt_oss's biased mlp.router; differentiable),
+    recorded by forward hooks on the routers; in transformers 5 the router module's own first output is its
+    softmax, not the logits."""
 
     def __init__(self, model):
         self.logits = []
         self.handles = [m.register_forward_hook(self.hook) for n, m in model.named_modules()
-                        if n.endswith("mlp.gate") and hasattr(m, "weight")]
+                        if n.endswith(("mlp.gate", "mlp.router")) and hasattr(m, "weight")]
         assert self.handles, "no MoE router found"
 
     def hook(self, module, inputs, output):
         x = inputs[0]
-        self.logits.append(torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), module.weight))
+        bias = getattr(module, "bias", None)
+        self.logits.append(torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), module.weight, bias))
 
     def close(self):
         for h in self.handles:
             h.remove()
 
 
+def load_balancing_loss(config, router_logits):
+    """The model family's own load_balancing_loss_func over the raw router logits of every layer and token."""
+    if config.model_type == "gpt_oss":
+        from transformers.models.gpt_oss import modeling_gpt_oss as family
+    else:
+        from transformers.models.qwen3_moe import modeling_qwen3_moe as family
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    return family.load_balancing_loss_func(tuple(router_logits), experts, config.num_experts_per_tok, None)
+
+
 def reference_moe(model, docs, trainable, config):
     """reference() plus the router load-balancing loss over all documents and MoE layers together."""
-    from transformers.models.qwen3_moe import modeling_qwen3_moe as qm
     config = text_config(config)
     model.zero_grad(set_to_none=True)
     num_items = sum(sum(1 for t in d["labels"][1:] if t != -100) for d in docs)
@@ -145,7 +163,7 @@ def reference_moe(model, docs, trainable, config):
             ce = torch.nn.functional.cross_entropy(logits[:-1][mask], labels[mask], reduction="none")
             parts.append((ce * scale[mask]).sum() / num_items)
     routers.close()
-    aux = qm.load_balancing_loss_func(tuple(routers.logits), config.num_experts, config.num_experts_per_tok, None)
+    aux = load_balancing_loss(config, routers.logits)
     ce_total = torch.stack(parts).sum()
     (ce_total + config.router_aux_loss_coef * aux).backward()
     out = {
@@ -195,7 +213,7 @@ def make_routers_decisive(model, docs, config, seed):
     for attempt in range(200):
         with torch.no_grad():
             for n, p in model.named_parameters():
-                if n.endswith("mlp.gate.weight"):
+                if n.endswith(("mlp.gate.weight", "mlp.router.weight")):
                     p.copy_(0.3 * torch.randn(p.shape, generator=rng))
         margin = router_margin(model, docs, config.num_experts_per_tok)
         margins.append(margin)
@@ -220,7 +238,6 @@ def hf_aux_loss_note(model, docs, config):
     """What transformers' own forward reports as aux_loss for the first document, against
     load_balancing_loss_func on its raw router logits: equal unless the model feeds the function
     probabilities (a softmax applied twice)."""
-    from transformers.models.qwen3_moe import modeling_qwen3_moe as qm
     config = text_config(config)
     ids = torch.tensor([docs[0]["input_ids"]])
     routers = RouterLogits(model)
@@ -230,10 +247,42 @@ def hf_aux_loss_note(model, docs, config):
     finally:
         routers.close()
     own = float(out.aux_loss) if getattr(out, "aux_loss", None) is not None else None
-    raw = float(qm.load_balancing_loss_func(tuple(routers.logits), config.num_experts, config.num_experts_per_tok))
+    raw = float(load_balancing_loss(config, routers.logits))
     first = out.router_logits[0] if getattr(out, "router_logits", None) else None
     probabilities = bool(first is not None and torch.allclose(first.float().sum(-1), torch.ones(first.shape[0])))
     return {"model_aux_loss": own, "aux_loss_from_raw_logits": raw, "router_output_is_probabilities": probabilities}
+
+
+# gpt_oss's clamped SwiGLU: gate clamped above at 7, up to [-7, 7] (GptOssExperts.limit).
+SWIGLU_LIMIT = 7.0
+
+
+def gpt_oss_experts_past_the_limit(model, docs):
+    """gpt_oss experts whose gate_up projections reach past the clamped SwiGLU's limit: gate_up_proj drawn
+    N(0, 0.4²), which puts a few per cent of the routed gate/up values beyond ±7 (so the clamps and their
+    zero gradients are exercised), the down projections left small. Returns that share of every expert's
+    gate/up values over every token of docs (routed or not)."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("mlp.experts.gate_up_proj"):
+                p.copy_(0.4 * torch.randn_like(p))
+    inputs = []
+    handles = [m.register_forward_hook(lambda module, args, out: inputs.append(args[0].detach()))
+               for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    with torch.no_grad():
+        for d in docs:
+            model(input_ids=torch.tensor([d["input_ids"]]))
+    for h in handles:
+        h.remove()
+    experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    past = total = 0
+    for i, x in enumerate(inputs):  # one call per document and layer, in layer order
+        m = experts[i % len(experts)]
+        gu = torch.einsum("th,ehj->etj", x.reshape(-1, x.shape[-1]), m.gate_up_proj) + m.gate_up_proj_bias[:, None, :]
+        gate, up = gu[..., 0::2], gu[..., 1::2]
+        past += int((gate > SWIGLU_LIMIT).sum() + (up.abs() > SWIGLU_LIMIT).sum())
+        total += gu.numel()
+    return past / max(total, 1)
 
 
 def slow_deltanet_decay(model):
@@ -306,7 +355,7 @@ def bf16_noise(name, config, model_class=None, draws=4):
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     trainable = [(n.replace(".default", ""), p) for n, p in model.named_parameters() if p.requires_grad]
-    moe = getattr(config, "model_type", "") in ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
+    moe = getattr(config, "model_type", "") in MOE_TYPES
     aux_on = moe and bool(getattr(text_config(config), "output_router_logits", False))
     run = (lambda m: reference_moe(m, docs, trainable, config)) if aux_on else (lambda m: reference(m, docs, trainable))
 
@@ -368,11 +417,15 @@ def write_case(name, config, legacy_rope=None, lora=None, model_class=None):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif "bias" in n:
                 p.copy_(0.1 * torch.randn_like(p))
-    moe = getattr(config, "model_type", "") in ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
+            elif n.endswith("self_attn.sinks"):  # gpt_oss: a visible share of every softmax row
+                p.copy_(torch.randn_like(p))
+    moe = getattr(config, "model_type", "") in MOE_TYPES
     # The load-balancing loss as the config asks for it (spindle adds it when output_router_logits is set).
     aux_on = moe and bool(getattr(text_config(config), "output_router_logits", False))
     docs = documents(rng)
     notes = {}
+    if getattr(config, "model_type", "") == "gpt_oss":
+        notes["gate_up_values_past_the_limit"] = gpt_oss_experts_past_the_limit(model, docs)
     if moe:
         model.eval()  # routing as the reference computes it (no training-mode router noise)
         notes["smallest_router_margin"] = make_routers_decisive(model, docs, text_config(config), seed)
@@ -590,6 +643,20 @@ def main():
                lora=dict(r=4, lora_alpha=8, lora_dropout=0.0, init_std=0.1,
                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                          target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+
+    # gpt_oss: a sliding layer (window 8, shorter than most documents) then a full one, sinks on both, biased
+    # q/k/v/o; YaRN (untruncated, as the released configs) with an original window of 16 that the longer
+    # documents pass; top-2 of 4 biased experts with the clamped SwiGLU, the load-balancing loss on. Its
+    # LoRA case adapts the attention projections (spindle refuses LoRA on these experts).
+    gpt_oss = transformers.GptOssConfig(
+        **{**common, "intermediate_size": 32}, head_dim=16, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=8, attention_bias=True,
+        num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
+    write_case("gpt_oss", gpt_oss)
+    write_case("gpt_oss_lora", gpt_oss,
+               lora=dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ StepResult run_case(Backend& be, ModelWeights& weights, const std::string& dir, 
 }
 
 // The reference gradient of `p`: under its own name, or its slice of a packed tensor (transformers
-// 5 keeps routed experts fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]). An expert LoRA's B
+// 5 keeps routed experts fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]; gpt_oss's transposed,
+// [E, H, 2I] and [E, I, H], with their biases [E, 2I] and [E, H]). An expert LoRA's B
 // is PEFT's [out, r·E] there and [E, out, r] in spindle (model/expert_lora.h).
 std::vector<double> reference_gradient(Backend& be, const ModelWeights& weights, const Reference& ref,
                                        const Parameter& p) {
@@ -107,7 +108,14 @@ std::vector<double> reference_gradient(Backend& be, const ModelWeights& weights,
         const io::TensorRecord* rec = ref.expected.find("grad." + packed.name);
         if (!rec) return {};
         const std::vector<double> whole = to_host(be, io::load_tensor(be, *rec, DType::F64));
-        return {whole.begin() + offset, whole.begin() + offset + p.value.numel()};
+        std::vector<double> slice(whole.begin() + offset, whole.begin() + offset + p.value.numel());
+        if (!packed.transposed_parts) return slice;
+        // gpt_oss: the part [out, in] is stored [in, out].
+        const int64_t out = p.value.dim(0), in = p.value.dim(1);
+        std::vector<double> matrix(slice.size());
+        for (int64_t r = 0; r < out; ++r)
+          for (int64_t c = 0; c < in; ++c) matrix[static_cast<size_t>(r * in + c)] = slice[static_cast<size_t>(c * out + r)];
+        return matrix;
       }
       offset += part->value.numel();
     }
@@ -232,3 +240,8 @@ INSTANTIATE_TEST_SUITE_P(Qwen35Moe, HfParity, ::testing::Values("qwen3_5_moe", "
 // PEFT's LoRA on the routed experts' fused tensors (target_parameters, peft 0.21), with LoRA on attention:
 // qwen3_moe over a per-expert checkpoint, the multimodal qwen3_5_moe over a fused one (aux loss on in both).
 INSTANTIATE_TEST_SUITE_P(ExpertLora, HfParity, ::testing::Values("qwen3_moe_expert_lora", "qwen3_5_moe_expert_lora"));
+// gpt_oss: sliding (window 8, shorter than the documents) and full layers, sinks drawn away from zero
+// on both, biased q/k/v/o, YaRN on documents past its original window, the biased router and the
+// clamped-SwiGLU experts (some gate/up values past the limit) in transformers' [E, in, out] layout,
+// the load-balancing loss on; and LoRA on its attention projections with nonzero B.
+INSTANTIATE_TEST_SUITE_P(GptOss, HfParity, ::testing::Values("gpt_oss", "gpt_oss_lora"));
