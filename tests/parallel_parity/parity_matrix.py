@@ -24,8 +24,11 @@ The gdn part runs a tiny qwen3_5 (gated DeltaNet layers with slow-decay heads, g
 KV heads) on every kind of mesh up to sp 8: DeltaNet heads over Ulysses, the recurrent state passed
 from rank to rank (ring, hybrid, a Ulysses degree that does not divide the DeltaNet key heads).
 
-usage: parity_matrix.py SPINDLE ROOT PART   (PART: sp2, sp4, sp8, dp, variants, lora, qlora, moe, gdn, wave2, sft,
-       errors)
+The gpt_oss part runs a tiny gpt_oss (sinks, a sliding window crossing the shards, the biased router and
+clamped-SwiGLU experts, the load-balancing loss) on Ulysses, ring and hybrid meshes.
+
+usage: parity_matrix.py SPINDLE ROOT PART   (PART: sp2, sp4, sp8, dp, variants, lora, qlora, moe, gdn, wave2,
+       gpt_oss, sft, errors)
 """
 import json
 import os
@@ -35,8 +38,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
-from tiny_model import (config, gemma2_config, gemma3_text_config, mistral_config, qwen3_5_config,  # noqa: E402
-                        qwen3_moe_config, write_model)
+from tiny_model import (config, gemma2_config, gemma3_text_config, gpt_oss_config, mistral_config,  # noqa: E402
+                        qwen3_5_config, qwen3_moe_config, write_model)
 
 spindle, root, part = sys.argv[1], sys.argv[2], sys.argv[3]
 work = tempfile.mkdtemp(prefix=f"spindle-parity-{part}-")
@@ -72,6 +75,10 @@ write_model(moe_model, qwen3_moe_config())
 # so a state lost or leaked at a rank boundary or a document start shows in every later token.
 hybrid_model = os.path.join(work, "qwen3_5")
 write_model(hybrid_model, qwen3_5_config())
+# gpt_oss: a sliding layer (window 5: it crosses shard and zigzag chunk boundaries) and a full one, sinks
+# N(0, 1) on both, biased attention, a biased router and biased clamped-SwiGLU experts in every layer.
+gpt_oss_model = os.path.join(work, "gpt_oss")
+write_model(gpt_oss_model, gpt_oss_config(sliding_window=5))
 
 
 def slow_deltanet_decay(path):
@@ -310,6 +317,21 @@ elif part == "wave2":
                          extra=["--full", "--recompute", "all"], dtype="f64"))
     results.append(check("gemma3 ulysses sp4 (KV heads replicated)", sp=4, ulysses=4, model_dir=gemma3))
     results.append(check("gemma3 ring sp8", sp=8, ring=8, model_dir=gemma3))
+elif part == "gpt_oss":
+    # gpt_oss with the load-balancing loss: the ring merges every key block before the sinks join a row's
+    # denominator (once), the window crosses shard and zigzag boundaries, routing and the experts are per token.
+    aux = ["--full", "--router-aux-loss-coef", "0.05"]
+    results.append(check("gpt_oss ulysses sp2", sp=2, ulysses=2, model_dir=gpt_oss_model, extra=aux))
+    results.append(check("gpt_oss ring sp2 dp2", sp=2, ring=2, dp=2, model_dir=gpt_oss_model, extra=aux))
+    results.append(check("gpt_oss ring sp4", sp=4, ring=4, model_dir=gpt_oss_model, extra=aux))
+    results.append(check("gpt_oss hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=gpt_oss_model, extra=aux))
+    results.append(check("gpt_oss hybrid u2 x r2 grad-accum 1, f64", sp=4, ulysses=2, ring=2, accum=1,
+                         model_dir=gpt_oss_model, extra=aux, dtype="f64"))
+    results.append(check("gpt_oss ring sp2 recompute all, f64", sp=2, ring=2, model_dir=gpt_oss_model,
+                         extra=aux + ["--recompute", "all"], dtype="f64"))
+    # LoRA on the attention projections (the experts stay frozen; spindle adapts none of them).
+    results.append(check("gpt_oss LoRA hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=gpt_oss_model,
+                         extra=["--lora-rank", "4", "--router-aux-loss-coef", "0.05"]))
 elif part == "errors":
     # A wrong mesh is an error naming the flags, before anything is allocated.
     for args, expect in ((["--nproc-per-node", "2", "--sp", "3"], "--sp"),

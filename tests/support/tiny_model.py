@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 def config(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -77,8 +77,23 @@ def gemma3_text_config(**overrides):
     return config(**c)
 
 
+def gpt_oss_config(**overrides):
+    """gpt_oss as tests/support/tiny_model.h's tiny_gpt_oss(): a sliding layer (window 4) then a full one,
+    sinks on both, q/k/v/o biases; every layer 4 experts of width 12 (intermediate_size), 2 per token, with
+    the biased router and the clamped SwiGLU, stored as transformers saves them ([E, in, out] and biases);
+    no load-balancing loss unless the caller turns output_router_logits on."""
+    c = dict(model_type="gpt_oss", intermediate_size=12, layer_types=["sliding_attention", "full_attention"],
+             sliding_window=4, attention_bias=True, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=7.0,
+             output_router_logits=False, router_aux_loss_coef=0.9)
+    c.update(overrides)
+    return config(**c)
+
+
 def is_moe_layer(c, layer):
-    """transformers' rule for qwen3_moe: sparse unless in mlp_only_layers, every decoder_sparse_step-th layer."""
+    """transformers' rule for qwen3_moe: sparse unless in mlp_only_layers, every decoder_sparse_step-th layer;
+    gpt_oss: every layer."""
+    if c["model_type"] == "gpt_oss":
+        return True
     if c["model_type"] != "qwen3_moe":
         return False
     return layer not in c.get("mlp_only_layers", []) and (layer + 1) % c.get("decoder_sparse_step", 1) == 0
@@ -109,7 +124,15 @@ def qwen3_5_moe_config(**overrides):
 
 
 def routed_expert_tensors(c, p):
-    """(name, shape, kind) of a MoE feed-forward's router and per-expert projections."""
+    """(name, shape, kind) of a MoE feed-forward's router and per-expert projections (gpt_oss: the biased
+    router and the fused [E, in, out] experts with their biases, as transformers saves them)."""
+    if c["model_type"] == "gpt_oss":
+        h, experts, width = c["hidden_size"], c["num_local_experts"], c["intermediate_size"]
+        return [(p + "mlp.router.weight", (experts, h), "matrix"), (p + "mlp.router.bias", (experts,), "bias"),
+                (p + "mlp.experts.gate_up_proj", (experts, h, 2 * width), "matrix"),
+                (p + "mlp.experts.gate_up_proj_bias", (experts, 2 * width), "bias"),
+                (p + "mlp.experts.down_proj", (experts, width, h), "matrix"),
+                (p + "mlp.experts.down_proj_bias", (experts, h), "bias")]
     h, experts, width = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"]
     out = [(p + "mlp.gate.weight", (experts, h), "matrix")]
     for e in range(experts):
@@ -134,7 +157,7 @@ def deltanet_tensors(c, p):
 
 
 def layer_tensors(c, layer):
-    """(name, shape, kind) of one decoder layer, kind "matrix", "bias" or "norm"."""
+    """(name, shape, kind) of one decoder layer, kind "matrix", "bias", "norm" or "sink"."""
     h, inter, d = c["hidden_size"], c.get("intermediate_size"), c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     if c["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text"):
@@ -169,6 +192,8 @@ def layer_tensors(c, layer):
     out.append((p + "self_attn.o_proj.weight", (h, q), "matrix"))
     if o_bias:
         out.append((p + "self_attn.o_proj.bias", (h,), "bias"))
+    if c["model_type"] == "gpt_oss":  # one sink logit per query head
+        out.append((p + "self_attn.sinks", (c["num_attention_heads"],), "sink"))
     if is_moe_layer(c, layer):
         out += routed_expert_tensors(c, p)
     else:
@@ -198,7 +223,7 @@ def model_tensors(c):
 def write_model(path, c, seed=1, weight_std=0.2, norm_std=0.1, tokenizer_dir=None):
     """Writes config.json and model.safetensors (F32) to `path`, weights drawn from one generator
     seeded `seed` in model_tensors order: matrices N(0, weight_std²), norms 1 + N(0, norm_std²)
-    (exactly 1 with norm_std 0), biases 0. The defaults spread the weights well beyond a new
+    (exactly 1 with norm_std 0), biases 0, attention sinks N(0, 1) (a visible share of every softmax row). The defaults spread the weights well beyond a new
     model's (weight_std 0.02, norm_std 0: as transformers initialises one) so that attention is far
     from uniform and every parameter gets a visible gradient. With tokenizer_dir, its tokenizer
     files are copied, the vocabulary is the tokenizer's and the special token ids are its own.
@@ -217,6 +242,8 @@ def write_model(path, c, seed=1, weight_std=0.2, norm_std=0.1, tokenizer_dir=Non
     for name, shape, kind in model_tensors(c):
         if kind == "matrix":
             tensors[name] = (weight_std * rng.standard_normal(shape)).astype(np.float32)
+        elif kind == "sink":
+            tensors[name] = rng.standard_normal(shape).astype(np.float32)
         elif kind == "norm":
             values = 1.0 + norm_std * rng.standard_normal(shape) if norm_std else np.ones(shape)
             tensors[name] = values.astype(np.float32)
