@@ -268,20 +268,6 @@ class Backend {
   // dgate, dup (overwritten) from dout.
   virtual void swiglu_backward(Stream stream, const Tensor& gate, const Tensor& up, const Tensor& dout,
                                Tensor& dgate, Tensor& dup) = 0;
-  // gpt_oss's clamped SwiGLU over interleaved projections: gate_up [N, 2I] holds gate k at column
-  // 2k and up k at 2k + 1; out [N, I] = (clamp(up, −limit, limit) + 1) · g · σ(alpha·g) with
-  // g = min(gate, limit). A clamped input passes no gradient (inclusive bounds, as torch.clamp).
-  virtual void clamped_swiglu_forward(Stream stream, const Tensor& gate_up, double alpha, double limit, Tensor& out) {
-    fail("{}: the clamped SwiGLU of gpt_oss's experts is not implemented on this backend; run with --device cpu",
-         name());
-  }
-  // d_gate_up [N, 2I] (overwritten, interleaved as gate_up) from dout [N, I].
-  virtual void clamped_swiglu_backward(Stream stream, const Tensor& gate_up, const Tensor& dout, double alpha,
-                                       double limit, Tensor& d_gate_up) {
-    fail("{}: the clamped SwiGLU of gpt_oss's experts is not implemented on this backend; run with --device cpu",
-         name());
-  }
-
   // ---- rows ------------------------------------------------------------------------------------
   // dst[n, :] = src[idx[n], :]; idx I32 [N].
   virtual void gather_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) = 0;
@@ -451,6 +437,20 @@ class Backend {
   // dout[t]) and d_topk_weight [T, k] (stat dtype) = ⟨y[row of (t, j)], dout[t]⟩.
   virtual void moe_combine_backward(Stream stream, const Tensor& dout, const Tensor& y, const Tensor& row_of_slot,
                                     const Tensor& topk_weight, Tensor& dy, Tensor& d_topk_weight) = 0;
+  // gpt_oss's clamped SwiGLU over interleaved projections: gate_up [N, 2I] holds gate k at column
+  // 2k and up k at 2k + 1; out [N, I] = (clamp(up, −limit, limit) + 1) · g · σ(alpha·g) with
+  // g = min(gate, limit). A clamped input passes no gradient (inclusive bounds, as torch.clamp).
+  virtual void clamped_swiglu_forward(Stream stream, const Tensor& gate_up, double alpha, double limit, Tensor& out) {
+    fail("{}: the clamped SwiGLU of gpt_oss's experts is not implemented on this backend; run with --device cpu",
+         name());
+  }
+  // d_gate_up [N, 2I] (overwritten, interleaved as gate_up) from dout [N, I].
+  virtual void clamped_swiglu_backward(Stream stream, const Tensor& gate_up, const Tensor& dout, double alpha,
+                                       double limit, Tensor& d_gate_up) {
+    fail("{}: the clamped SwiGLU of gpt_oss's experts is not implemented on this backend; run with --device cpu",
+         name());
+  }
+
   // A shared expert's gate (qwen3_5_moe): out[t] += σ(gate[t])·shared[t] for out, shared [T, H] and
   // gate [T, 1] (one logit per token). The backward overwrites d_shared [T, H] = σ(gate[t])·dout[t]
   // and d_gate [T, 1] = σ'(gate[t])·⟨dout[t], shared[t]⟩.

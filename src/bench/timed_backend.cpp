@@ -234,14 +234,6 @@ void TimedBackend::swiglu_backward(Stream s, const Tensor& gate, const Tensor& u
   timed(s, C::OtherOps, "swiglu_backward", 0, bytes_of({&gate, &up, &dout, &dgate, &dup}),
         [&] { inner_.swiglu_backward(s, gate, up, dout, dgate, dup); });
 }
-void TimedBackend::clamped_swiglu_forward(Stream s, const Tensor& gate_up, double alpha, double limit, Tensor& out) {
-  timed(s, C::OtherOps, "clamped_swiglu_forward", [&] { inner_.clamped_swiglu_forward(s, gate_up, alpha, limit, out); });
-}
-void TimedBackend::clamped_swiglu_backward(Stream s, const Tensor& gate_up, const Tensor& dout, double alpha,
-                                           double limit, Tensor& d_gate_up) {
-  timed(s, C::OtherOps, "clamped_swiglu_backward",
-        [&] { inner_.clamped_swiglu_backward(s, gate_up, dout, alpha, limit, d_gate_up); });
-}
 void TimedBackend::copy_columns(Stream stream, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
                                 int64_t width) {
   const double copied = src.rank() == 2 ? 2.0 * static_cast<double>(src.dim(0) * width * dtype_size(src.dtype())) : 0;
@@ -421,6 +413,14 @@ void TimedBackend::moe_combine_backward(Stream s, const Tensor& dout, const Tens
   timed(s, C::OtherOps, "moe_combine_backward", 0,
         bytes_of({&dout, &y, &row_of_slot, &topk_weight, &dy, &d_topk_weight}),
         [&] { inner_.moe_combine_backward(s, dout, y, row_of_slot, topk_weight, dy, d_topk_weight); });
+}
+void TimedBackend::clamped_swiglu_forward(Stream s, const Tensor& gate_up, double alpha, double limit, Tensor& out) {
+  timed(s, C::OtherOps, "clamped_swiglu_forward", [&] { inner_.clamped_swiglu_forward(s, gate_up, alpha, limit, out); });
+}
+void TimedBackend::clamped_swiglu_backward(Stream s, const Tensor& gate_up, const Tensor& dout, double alpha,
+                                           double limit, Tensor& d_gate_up) {
+  timed(s, C::OtherOps, "clamped_swiglu_backward",
+        [&] { inner_.clamped_swiglu_backward(s, gate_up, dout, alpha, limit, d_gate_up); });
 }
 void TimedBackend::gather_rows(Stream s, const Tensor& src, const Tensor& idx, Tensor& dst) {
   // The rows read are as many bytes as the output.

@@ -143,9 +143,6 @@ class TimedBackend final : public Backend {
   void softcap_backward(Stream stream, const Tensor& y, double cap, Tensor& d) override;
   void swiglu_backward(Stream stream, const Tensor& gate, const Tensor& up, const Tensor& dout, Tensor& dgate,
                        Tensor& dup) override;
-  void clamped_swiglu_forward(Stream stream, const Tensor& gate_up, double alpha, double limit, Tensor& out) override;
-  void clamped_swiglu_backward(Stream stream, const Tensor& gate_up, const Tensor& dout, double alpha, double limit,
-                               Tensor& d_gate_up) override;
   void gather_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) override;
   void scatter_add_rows(Stream stream, const Tensor& src, const Tensor& idx, Tensor& dst) override;
   // 4-bit base weights: dequantised before every use, counted with the other ops (label dequantize_4bit).
@@ -176,6 +173,9 @@ class TimedBackend final : public Backend {
                    const Tensor& topk_weight, Tensor& out) override;
   void moe_combine_backward(Stream s, const Tensor& dout, const Tensor& y, const Tensor& row_of_slot,
                             const Tensor& topk_weight, Tensor& dy, Tensor& d_topk_weight) override;
+  void clamped_swiglu_forward(Stream stream, const Tensor& gate_up, double alpha, double limit, Tensor& out) override;
+  void clamped_swiglu_backward(Stream stream, const Tensor& gate_up, const Tensor& dout, double alpha, double limit,
+                               Tensor& d_gate_up) override;
   // Gated attention, gated DeltaNet and the shared expert's gate: the delta rule (the DeltaNet layers'
   // sequence mixer) counts as attention, the rest with the other ops under their own names.
   void copy_columns(Stream stream, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,

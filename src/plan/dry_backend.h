@@ -113,8 +113,6 @@ class DryBackend final : public Backend {
   void softcap_forward(Stream, const Tensor&, double, Tensor&) override {}
   void softcap_backward(Stream, const Tensor&, double, Tensor&) override {}
   void swiglu_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
-  void clamped_swiglu_forward(Stream, const Tensor&, double, double, Tensor&) override {}
-  void clamped_swiglu_backward(Stream, const Tensor&, const Tensor&, double, double, Tensor&) override {}
   void gather_rows(Stream, const Tensor&, const Tensor&, Tensor&) override {}
   void scatter_add_rows(Stream, const Tensor&, const Tensor&, Tensor&) override {}
   // Gated DeltaNet and gated attention (qwen3_5).
@@ -173,6 +171,8 @@ class DryBackend final : public Backend {
   void moe_combine(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&) override {}
   void moe_combine_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
                             Tensor&) override {}
+  void clamped_swiglu_forward(Stream, const Tensor&, double, double, Tensor&) override {}
+  void clamped_swiglu_backward(Stream, const Tensor&, const Tensor&, double, double, Tensor&) override {}
   // 4-bit base weights (QLoRA).
   void dequantize_4bit(Stream, const Tensor&, const Tensor&, int64_t, Quant4Type, Tensor&) override {}
   void dequantize_absmax(Stream, const Tensor&, const Tensor&, const Tensor&, int64_t, double, Tensor&) override {}

@@ -898,6 +898,13 @@ class CpuBackend final : public Backend {
                             const Tensor& topk_weight, Tensor& dy, Tensor& d_topk_weight) override {
     cpu::moe_combine_backward(dout, y, row_of_slot, topk_weight, dy, d_topk_weight);
   }
+  void clamped_swiglu_forward(Stream, const Tensor& gate_up, double alpha, double limit, Tensor& out) override {
+    cpu::clamped_swiglu_forward(gate_up, alpha, limit, out);
+  }
+  void clamped_swiglu_backward(Stream, const Tensor& gate_up, const Tensor& dout, double alpha, double limit,
+                               Tensor& d_gate_up) override {
+    cpu::clamped_swiglu_backward(gate_up, dout, alpha, limit, d_gate_up);
+  }
   // A shared expert's sigmoid gate: backend/cpu/shared_expert_ops.cpp
   void shared_expert_gate_forward(Stream, const Tensor& shared, const Tensor& gate, Tensor& out) override {
     cpu::shared_expert_gate_forward(shared, gate, out);

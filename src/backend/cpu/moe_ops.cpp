@@ -246,4 +246,36 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y, const Tensor& row
     }
 }
 
+void clamped_swiglu_forward(const Tensor& gate_up, double alpha, double limit, Tensor& out) {
+  require_float(gate_up, "clamped_swiglu_forward", "gate_up");
+  require_float(out, "clamped_swiglu_forward", "out");
+  const int64_t rows = gate_up.dim(0), width = gate_up.dim(1) / 2;
+  SPINDLE_CHECK(gate_up.shape().rank() == 2 && gate_up.dim(1) == 2 * width, "clamped_swiglu_forward: gate_up {}",
+                gate_up.describe());
+  require_shape(out, Shape{rows, width}, "clamped_swiglu_forward", "out");
+  for (int64_t i = 0; i < rows * width; ++i) {
+    const double g = std::min(load(gate_up, 2 * i), limit);
+    const double u = std::clamp(load(gate_up, 2 * i + 1), -limit, limit);
+    store(out, i, (u + 1.0) * g / (1.0 + std::exp(-alpha * g)));
+  }
+}
+
+void clamped_swiglu_backward(const Tensor& gate_up, const Tensor& dout, double alpha, double limit, Tensor& d_gate_up) {
+  require_float(gate_up, "clamped_swiglu_backward", "gate_up");
+  require_float(dout, "clamped_swiglu_backward", "dout");
+  require_float(d_gate_up, "clamped_swiglu_backward", "d_gate_up");
+  const int64_t rows = gate_up.dim(0), width = gate_up.dim(1) / 2;
+  require_shape(dout, Shape{rows, width}, "clamped_swiglu_backward", "dout");
+  require_shape(d_gate_up, gate_up.shape(), "clamped_swiglu_backward", "d_gate_up");
+  for (int64_t i = 0; i < rows * width; ++i) {
+    const double gate = load(gate_up, 2 * i), up = load(gate_up, 2 * i + 1), d = load(dout, i);
+    const double g = std::min(gate, limit), u = std::clamp(up, -limit, limit);
+    const double sig = 1.0 / (1.0 + std::exp(-alpha * g));
+    // ∂out/∂g = (u + 1)·(σ + alpha·g·σ·(1 − σ)), ∂out/∂u = g·σ; zero where a clamp holds (torch.clamp's
+    // gradient passes at the bounds themselves).
+    store(d_gate_up, 2 * i, gate <= limit ? d * (u + 1.0) * sig * (1.0 + alpha * g * (1.0 - sig)) : 0.0);
+    store(d_gate_up, 2 * i + 1, up >= -limit && up <= limit ? d * g * sig : 0.0);
+  }
+}
+
 }  // namespace spindle::cpu

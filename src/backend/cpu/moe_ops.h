@@ -21,5 +21,9 @@ void moe_combine(const Tensor& y, const Tensor& row_of_slot, const Tensor& topk_
                  Tensor& out);
 void moe_combine_backward(const Tensor& dout, const Tensor& y, const Tensor& row_of_slot, const Tensor& topk_weight,
                           Tensor& dy, Tensor& d_topk_weight);
+// gpt_oss's clamped SwiGLU over interleaved gate/up columns (backend.h): gate_up [N, 2I] -> out [N, I],
+// and its backward d_gate_up [N, 2I] from dout [N, I].
+void clamped_swiglu_forward(const Tensor& gate_up, double alpha, double limit, Tensor& out);
+void clamped_swiglu_backward(const Tensor& gate_up, const Tensor& dout, double alpha, double limit, Tensor& d_gate_up);
 
 }  // namespace spindle::cpu
