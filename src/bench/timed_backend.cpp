@@ -415,11 +415,12 @@ void TimedBackend::moe_combine_backward(Stream s, const Tensor& dout, const Tens
         [&] { inner_.moe_combine_backward(s, dout, y, row_of_slot, topk_weight, dy, d_topk_weight); });
 }
 void TimedBackend::clamped_swiglu_forward(Stream s, const Tensor& gate_up, double alpha, double limit, Tensor& out) {
-  timed(s, C::OtherOps, "clamped_swiglu_forward", [&] { inner_.clamped_swiglu_forward(s, gate_up, alpha, limit, out); });
+  timed(s, C::OtherOps, "clamped_swiglu_forward", 0, bytes_of({&gate_up, &out}),
+        [&] { inner_.clamped_swiglu_forward(s, gate_up, alpha, limit, out); });
 }
 void TimedBackend::clamped_swiglu_backward(Stream s, const Tensor& gate_up, const Tensor& dout, double alpha,
                                            double limit, Tensor& d_gate_up) {
-  timed(s, C::OtherOps, "clamped_swiglu_backward",
+  timed(s, C::OtherOps, "clamped_swiglu_backward", 0, bytes_of({&gate_up, &dout, &d_gate_up}),
         [&] { inner_.clamped_swiglu_backward(s, gate_up, dout, alpha, limit, d_gate_up); });
 }
 void TimedBackend::gather_rows(Stream s, const Tensor& src, const Tensor& idx, Tensor& dst) {
