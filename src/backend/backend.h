@@ -237,12 +237,12 @@ class Backend {
   // out = 0 and gets lse = σ_h. out [Tq, Hq, D], lse [Hq, Tq], sinks [Hq] (out's or the stat dtype).
   // attention_backward then takes the lse with the sink in it and needs nothing else.
   virtual void attention_sink_forward(Stream stream, Tensor& out, Tensor& lse, const Tensor& sinks) {
-    fail("{}: attention sinks are not implemented on this backend", name());
+    fail("{}: attention sinks (gpt-oss) run on the CPU backend only; run with --device cpu", name());
   }
   // dsinks[h] += −Σ_i e^(σ_h − lse_i)·(dout_i·out_i) over this call's rows (the final out and lse).
   virtual void attention_sink_backward(Stream stream, const Tensor& out, const Tensor& dout, const Tensor& lse,
                                        const Tensor& sinks, Tensor& dsinks) {
-    fail("{}: attention sinks are not implemented on this backend", name());
+    fail("{}: attention sinks (gpt-oss) run on the CPU backend only; run with --device cpu", name());
   }
 
   // out[T, F] = silu(gate) · up.
@@ -250,20 +250,20 @@ class Backend {
   // GeGLU with the tanh approximation of GELU (transformers' gelu_pytorch_tanh, Gemma):
   // out[T, F] = gelu_tanh(gate) · up, gelu_tanh(x) = x/2·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
   virtual void geglu_tanh_forward(Stream stream, const Tensor& gate, const Tensor& up, Tensor& out) {
-    fail("{}: the GELU-tanh gated MLP is not implemented on this backend", name());
+    fail("{}: the GELU-tanh gated MLP (Gemma) runs on the CPU backend only; run with --device cpu", name());
   }
   // dgate, dup (overwritten) from dout.
   virtual void geglu_tanh_backward(Stream stream, const Tensor& gate, const Tensor& up, const Tensor& dout,
                                    Tensor& dgate, Tensor& dup) {
-    fail("{}: the GELU-tanh gated MLP is not implemented on this backend", name());
+    fail("{}: the GELU-tanh gated MLP (Gemma) runs on the CPU backend only; run with --device cpu", name());
   }
   // Soft-capped logits (Gemma 2's final_logit_softcapping): y = cap·tanh(x / cap), elementwise; and the
   // backward from y alone, in place: d ← d·(1 − (y / cap)²).
   virtual void softcap_forward(Stream stream, const Tensor& x, double cap, Tensor& y) {
-    fail("{}: soft-capped logits are not implemented on this backend", name());
+    fail("{}: soft-capped logits (Gemma 2) run on the CPU backend only; run with --device cpu", name());
   }
   virtual void softcap_backward(Stream stream, const Tensor& y, double cap, Tensor& d) {
-    fail("{}: soft-capped logits are not implemented on this backend", name());
+    fail("{}: soft-capped logits (Gemma 2) run on the CPU backend only; run with --device cpu", name());
   }
   // dgate, dup (overwritten) from dout.
   virtual void swiglu_backward(Stream stream, const Tensor& gate, const Tensor& up, const Tensor& dout,
@@ -441,13 +441,13 @@ class Backend {
   // 2k and up k at 2k + 1; out [N, I] = (clamp(up, −limit, limit) + 1) · g · σ(alpha·g) with
   // g = min(gate, limit). A clamped input passes no gradient (inclusive bounds, as torch.clamp).
   virtual void clamped_swiglu_forward(Stream stream, const Tensor& gate_up, double alpha, double limit, Tensor& out) {
-    fail("{}: the clamped SwiGLU of gpt_oss's experts is not implemented on this backend; run with --device cpu",
+    fail("{}: the clamped SwiGLU of gpt_oss's experts runs on the CPU backend only; run with --device cpu",
          name());
   }
   // d_gate_up [N, 2I] (overwritten, interleaved as gate_up) from dout [N, I].
   virtual void clamped_swiglu_backward(Stream stream, const Tensor& gate_up, const Tensor& dout, double alpha,
                                        double limit, Tensor& d_gate_up) {
-    fail("{}: the clamped SwiGLU of gpt_oss's experts is not implemented on this backend; run with --device cpu",
+    fail("{}: the clamped SwiGLU of gpt_oss's experts runs on the CPU backend only; run with --device cpu",
          name());
   }
 

@@ -1,7 +1,7 @@
 // Attention forward on tensor cores (FlashAttention-2 structure, written for this engine):
 // a block of 4 warps owns 128 query rows of one head, each warp 32 rows (two m16 row blocks that
 // share every K/V fragment it loads: shared-memory traffic per MMA is what limits this design,
-// measured 2026-11-29: 16 rows per warp ran at 192 TFLOP/s); 64-key tiles of K and V stream
+// measured: 16 rows per warp ran at 192 TFLOP/s); 64-key tiles of K and V stream
 // through a two-stage cp.async pipeline; scores, the online softmax (exp2 domain, f32) and the
 // P·V product never leave registers. Tiles that the mask hides completely are never loaded; tiles
 // it shows completely skip the per-element test.
@@ -294,7 +294,7 @@ void launch_forward(cudaStream_t s, const AttentionShape& sh, const void* q, con
 }
 
 // Tile shape: 128 query rows x 64 keys per block (RB 2, BC 64). H200, 32k causal, D = 128,
-// 2026-11-29: 248 TFLOP/s; 64x64 ran at 184 and 128x32 at 207 (removed).
+// 248 TFLOP/s on the H200; 64x64 tiles ran at 184 and 128x32 at 207 (docs/perf-history.md).
 template <int D, typename TO>
 void forward_for(cudaStream_t s, const AttentionShape& sh, const void* q, const void* k, const void* v,
                  const AttentionMaskPtrs& mask, float scale, void* out, float* lse) {

@@ -15,7 +15,7 @@
 // partials 128 strips × 8960 × 16 × 4 B = 73 MB written and read (≈ 12 % of dy); 2·2·T·out·r =
 // 37.6 GFLOP on mma.sync, far below its rate. Measured (bench_cuda --lora): 0.467 ms, dy at 2.5
 // TB/s, against 0.581 ms for the two GEMMs; so it is not yet at the bound its bytes set (earlier
-// forms with 64- and 128-byte row pieces and 2 or 4 stages: 2.0–2.5 TB/s). docs/perf-history.md, 2026-11-30.
+// forms with 64- and 128-byte row pieces and 2 or 4 stages: 2.0–2.5 TB/s). docs/perf-history.md.
 #include <cuda_bf16.h>
 
 #include <algorithm>
