@@ -199,11 +199,11 @@ else:
 # A second signal stops at once: no checkpoint, the signal's own status.
 for what, extra in [("second-signal-one-process", []), ("second-signal-launcher", two)]:
     out = os.path.join(work, what)
-    # Steps of 16 rows: the second signal comes while the first is still waiting for the step to end.
+    # Two different signals back to back: both are delivered (two of one kind sent together may merge
+    # into one), the second while the first still waits for a step of 16 rows to end.
     process = start("sft", base + ["--data", chat, "--max-steps", "400", "--full", "--grad-accum", "16"] + extra, out)
     if wait_for_steps(process, out, 2, what):
-        process.send_signal(signal.SIGTERM)
-        time.sleep(0.05)
+        process.send_signal(signal.SIGUSR1)
         process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     if process.returncode == EXIT_STOPPED_RESUMABLE or process.returncode == 0:
