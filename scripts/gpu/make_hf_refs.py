@@ -207,7 +207,8 @@ def router_margin(model, docs, k):
 
 def make_routers_decisive(model, docs, config, seed):
     """Router weights large enough that routing is far from uniform, redrawn until no token has a
-    top-k near-tie (router logits closer than ROUTER_MARGIN) in any MoE layer."""
+    top-k near-tie (router logits closer than ROUTER_MARGIN) in any MoE layer and, for gpt_oss, no expert
+    gate/up value within CLAMP_MARGIN of a clamp bound."""
     rng = torch.Generator().manual_seed(seed + 1)
     margins = []
     for attempt in range(200):
@@ -217,7 +218,7 @@ def make_routers_decisive(model, docs, config, seed):
                     p.copy_(0.3 * torch.randn(p.shape, generator=rng))
         margin = router_margin(model, docs, config.num_experts_per_tok)
         margins.append(margin)
-        if margin > ROUTER_MARGIN:
+        if margin > ROUTER_MARGIN and (config.model_type != "gpt_oss" or clamp_margin(model, docs) > CLAMP_MARGIN):
             print(f"  routers decisive after {attempt + 1} draw(s): smallest top-k margin {margin:.2e}")
             return margin
     raise SystemExit(f"no decisive router draw found; smallest top-k margins of the draws: "
@@ -283,6 +284,35 @@ def gpt_oss_experts_past_the_limit(model, docs):
         past += int((gate > SWIGLU_LIMIT).sum() + (up.abs() > SWIGLU_LIMIT).sum())
         total += gu.numel()
     return past / max(total, 1)
+
+
+# The smallest distance between a gpt_oss gate/up value and a clamp bound (7 for the gate, ±7 for up) the
+# references accept. The clamp's derivative jumps there: a value within F32 rounding of a bound is clamped
+# in one computation and not in another, which moves the gradients by parts per thousand while the loss
+# stays equal.
+CLAMP_MARGIN = 1e-4
+
+
+def clamp_margin(model, docs):
+    """The smallest distance of any gpt_oss gate/up value (every token, every expert) from a clamp bound."""
+    inputs = []
+    handles = [m.register_forward_hook(lambda module, args, out: inputs.append(args[0].detach()))
+               for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    with torch.no_grad():
+        for d in docs:
+            model(input_ids=torch.tensor([d["input_ids"]]))
+    for h in handles:
+        h.remove()
+    experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    margin = float("inf")
+    for i, x in enumerate(inputs):
+        m = experts[i % len(experts)]
+        with torch.no_grad():
+            gu = torch.einsum("th,ehj->etj", x.reshape(-1, x.shape[-1]).double(), m.gate_up_proj.double())
+            gu = gu + m.gate_up_proj_bias.double()[:, None, :]
+        gate, up = gu[..., 0::2], gu[..., 1::2]
+        margin = min(margin, float((gate - SWIGLU_LIMIT).abs().min()), float((up.abs() - SWIGLU_LIMIT).abs().min()))
+    return margin
 
 
 def slow_deltanet_decay(model):
@@ -477,6 +507,10 @@ def write_case(name, config, legacy_rope=None, lora=None, model_class=None):
             if not moe:
                 break
             notes["smallest_router_margin"] = router_margin(model, docs, text_config(config).num_experts_per_tok)
+            if getattr(config, "model_type", "") == "gpt_oss":  # and the experts' values clear of the clamps
+                notes["smallest_clamp_margin"] = clamp_margin(model, docs)
+                if notes["smallest_clamp_margin"] <= CLAMP_MARGIN:
+                    continue
             if notes["smallest_router_margin"] > ROUTER_MARGIN:
                 break
         else:
