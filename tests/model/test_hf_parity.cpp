@@ -247,3 +247,13 @@ INSTANTIATE_TEST_SUITE_P(ExpertLora, HfParity, ::testing::Values("qwen3_moe_expe
 // matches but its attention-LoRA gradients differ from transformers' by 1.3e-3 to 3.5e-3 relative
 // (docs/usage.md, gpt_oss).
 INSTANTIATE_TEST_SUITE_P(GptOss, HfParity, ::testing::Values("gpt_oss"));
+// glm4_moe: a dense first layer, then the sigmoid router with correction biases that change most
+// choices (4 groups of 2 experts, 3 experts per token from the best 2 groups, renormalised, scaled by
+// 2.5) and 2 ungated shared experts; q/k/v biases, q/k norms, RoPE on half of each head (v5
+// spelling). LoRA with nonzero B on every projection (attention, the dense MLP, the shared experts;
+// made with peft's transformers-5 MoE target rewrite turned off: make_hf_refs.py,
+// PeftModuleTargetsAsWritten), and on q_proj with the routed experts' fused tensors (target_parameters).
+// glm4_moe_v4: one group, raw scores, no q/k norm or bias, the transformers-4 RoPE spelling, and an
+// MTP layer in the checkpoint that is not loaded.
+INSTANTIATE_TEST_SUITE_P(Glm4Moe, HfParity,
+                         ::testing::Values("glm4_moe", "glm4_moe_lora", "glm4_moe_expert_lora", "glm4_moe_v4"));
