@@ -35,7 +35,17 @@ transformers' GptOssExperts tensors [E, in, out] with biases (saved so, as spind
 gate/up values are drawn past the clamped SwiGLU's limit (gpt_oss_experts_past_the_limit), and its
 attention sinks are drawn away from zero (N(0, 1)) so that they take a visible share of every softmax row.
 
-The expert LoRA cases (qwen3_moe_expert_lora, qwen3_5_moe_expert_lora) adapt the routed experts' fused
+glm4_moe (glm4_moe, glm4_moe_lora, glm4_moe_expert_lora, glm4_moe_v4) has no load-balancing loss (transformers
+defines none for it). Its routers are Glm4MoeTopkRouter: sigmoid scores, e_score_correction_bias (a buffer) added
+for the choice only, group-limited top-k. The correction biases are drawn large enough that they change a
+visible share of the routing decisions, and the routers are redrawn until no decision (the topk_group-th group
+against the next, the k-th candidate against the next) is closer than GLM4_MARGIN (make_glm4_routers_decisive);
+expected.json records how many decisions the biases and the group limit change. glm4_moe_v4 writes its RoPE in
+the transformers-4 spelling (rope_theta, rope_scaling null, partial_rotary_factor at the top, as the released
+GLM-4.5 config.json) and appends an MTP layer (model.layers.{num_hidden_layers}.*) to model.safetensors, which
+transformers does not load and spindle carries into a saved full model.
+
+The expert LoRA cases (qwen3_moe_expert_lora, qwen3_5_moe_expert_lora, glm4_moe_expert_lora) adapt the routed experts' fused
 tensors through PEFT's target_parameters (ParamWrapper: per expert e, W_e + s·B_e·A_e), so their
 adapters and gradients are in PEFT's layout for them: lora_A [E·r, in], lora_B [out, r·E] (docs/formats.md).
 
@@ -66,7 +76,7 @@ ONLY = set(ARGS.only.split(",")) if ARGS.only else None
 
 VOCAB = 96
 # The model types whose feed-forwards are routed experts (router load-balancing loss, decisive routers).
-MOE_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss")
+MOE_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "glm4_moe")
 
 
 def documents(rng):
@@ -223,6 +233,137 @@ def make_routers_decisive(model, docs, config, seed):
             return margin
     raise SystemExit(f"no decisive router draw found; smallest top-k margins of the draws: "
                      f"{' '.join(f'{m:.1e}' for m in margins)}")
+
+
+# glm4_moe: the smallest gap at a routing decision (sigmoid scores plus correction bias, in [0, 1] + bias)
+# the references accept. They are checked in F32 and F64 on the CPU only (the family is CPU-only): a
+# different summation order moves these routers' F32 logits by ~1e-6 and a score by a quarter of that, so
+# 1e-4 keeps every decision of spindle's F32 and F64 steps equal to transformers' F32 one (ROUTER_MARGIN's
+# BF16 allowance would need gaps no draw over 142 token-layer decisions of 8 experts gives).
+GLM4_MARGIN = 1e-4
+
+
+class RouterInputs:
+    """The inputs of every glm4_moe router (Glm4MoeTopkRouter, the "mlp.gate" modules), recorded by forward hooks."""
+
+    def __init__(self, model):
+        self.inputs, self.routers = [], []
+        self.handles = []
+        for n, m in model.named_modules():
+            if n.endswith("mlp.gate") and hasattr(m, "e_score_correction_bias"):
+                self.routers.append(m)
+                self.handles.append(m.register_forward_hook(
+                    lambda module, args, out: self.inputs.append((module, args[0].detach()))))
+        assert self.routers, "no glm4_moe router found"
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def glm4_choices(router, x, use_bias=True, use_groups=True):
+    """Glm4MoeTopkRouter's choice in float64: the chosen experts (sorted) of every token, and the smallest gap at
+    a decision (the topk_group-th group score against the next, the k-th candidate against the next)."""
+    scores = torch.sigmoid(x.reshape(-1, x.shape[-1]).double() @ router.weight.double().t())
+    choice = scores + (router.e_score_correction_bias.double() if use_bias else 0.0)
+    groups, keep, k = router.num_group, router.topk_group, router.top_k
+    if not use_groups:
+        groups = keep = 1
+    per = router.num_experts // groups
+    group_scores = choice.view(-1, groups, per).topk(2, dim=-1)[0].sum(-1)
+    ranked = group_scores.sort(dim=-1, descending=True)
+    margin = float("inf")
+    if keep < groups:
+        margin = float((ranked.values[:, keep - 1] - ranked.values[:, keep]).min())
+    mask = torch.zeros_like(group_scores).scatter_(1, ranked.indices[:, :keep], 1.0)
+    masked = choice.masked_fill(~mask.repeat_interleave(per, dim=1).bool(), float("-inf"))
+    top = masked.sort(dim=-1, descending=True)
+    if k < keep * per:
+        margin = min(margin, float((top.values[:, k - 1] - top.values[:, k]).min()))
+    return top.indices[:, :k].sort(dim=-1).values, margin
+
+
+def glm4_routing_report(model, docs):
+    """The smallest decision gap over every router and token, and the shares of (layer, token) choices the
+    correction biases and the group limit change."""
+    model.eval()
+    rec = RouterInputs(model)
+    with torch.no_grad():
+        for d in docs:
+            model(input_ids=torch.tensor([d["input_ids"]]))
+    rec.close()
+    margin, total, by_bias, by_groups = float("inf"), 0, 0, 0
+    with torch.no_grad():
+        for router, x in rec.inputs:
+            chosen, gap = glm4_choices(router, x)
+            margin = min(margin, gap)
+            total += chosen.shape[0]
+            by_bias += int((chosen != glm4_choices(router, x, use_bias=False)[0]).any(-1).sum())
+            by_groups += int((chosen != glm4_choices(router, x, use_groups=False)[0]).any(-1).sum())
+    return {"smallest_router_margin": margin, "choices_changed_by_correction_bias": by_bias / total,
+            "choices_changed_by_group_limit": by_groups / total if routers_have_groups(model) else None}
+
+
+def routers_have_groups(model):
+    return any(m.topk_group < m.num_group for n, m in model.named_modules() if n.endswith("mlp.gate")
+               and hasattr(m, "e_score_correction_bias"))
+
+
+def make_glm4_routers_decisive(model, docs, seed):
+    """Router weights and correction biases redrawn until every routing decision is clear (GLM4_MARGIN) and
+    the biases (and, with groups, the group limit) change at least a tenth of the choices."""
+    rng = torch.Generator().manual_seed(seed + 1)
+    margins = []
+    for attempt in range(500):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("mlp.gate.weight"):
+                    p.copy_(0.15 * torch.randn(p.shape, generator=rng))
+            for n, b in model.named_buffers():
+                if n.endswith("mlp.gate.e_score_correction_bias"):
+                    b.copy_(0.25 * torch.randn(b.shape, generator=rng))
+        report = glm4_routing_report(model, docs)
+        margins.append(report["smallest_router_margin"])
+        groups = report["choices_changed_by_group_limit"]
+        if (report["smallest_router_margin"] > GLM4_MARGIN and report["choices_changed_by_correction_bias"] >= 0.1
+                and (groups is None or groups >= 0.1)):
+            print(f"  routers decisive after {attempt + 1} draw(s): {report}")
+            return report
+    raise SystemExit(f"no decisive glm4_moe router draw found; smallest margins of the draws: "
+                     f"{' '.join(f'{m:.1e}' for m in margins[:40])}")
+
+
+def add_glm4_mtp_layer(folder, config):
+    """A multi-token-prediction layer after the last, as GLM-4.5 checkpoints carry one (model.layers.{L}.*:
+    eh_proj, enorm, hnorm, shared_head, and a decoder layer's tensors; transformers does not load it)."""
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(11)
+    h, layer = config.hidden_size, f"model.layers.{config.num_hidden_layers}."
+    tensors[layer + "eh_proj.weight"] = torch.randn(h, 2 * h, generator=gen).to(torch.bfloat16)
+    tensors[layer + "enorm.weight"] = torch.randn(h, generator=gen).to(torch.bfloat16)
+    tensors[layer + "hnorm.weight"] = torch.randn(h, generator=gen).to(torch.bfloat16)
+    tensors[layer + "shared_head.norm.weight"] = torch.randn(h, generator=gen).to(torch.bfloat16)
+    tensors[layer + "mlp.gate.e_score_correction_bias"] = torch.randn(config.n_routed_experts, generator=gen)
+    tensors[layer + "mlp.experts.0.gate_proj.weight"] = torch.randn(config.moe_intermediate_size, h,
+                                                                     generator=gen).to(torch.bfloat16)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+class PeftModuleTargetsAsWritten:
+    """peft 0.21 on transformers 5 rewrites the target_modules gate_proj/up_proj/down_proj of qwen2_moe-style MoE
+    models (glm4_moe, qwen3_moe) into target_parameters on the routed experts' fused tensors, and then adapts no
+    dense MLP or shared expert at all (huggingface/peft#3711, open; fix proposed in peft#3715). For the LoRA
+    cases on those projections this turns the rewrite off, so PEFT adapts the nn.Linear modules the names match,
+    as it does in every other family."""
+
+    def __enter__(self):
+        from peft.utils import transformers_weight_conversion as conversion
+        self.module, self.kept = conversion, conversion.convert_peft_config_for_transformers
+        conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+
+    def __exit__(self, *exc):
+        self.module.convert_peft_config_for_transformers = self.kept
 
 
 def expert_layout(folder):
@@ -456,7 +597,11 @@ def write_case(name, config, legacy_rope=None, lora=None, model_class=None):
     notes = {}
     if getattr(config, "model_type", "") == "gpt_oss":
         notes["gate_up_values_past_the_limit"] = gpt_oss_experts_past_the_limit(model, docs)
-    if moe:
+    glm4 = getattr(config, "model_type", "") == "glm4_moe"
+    if glm4:
+        model.eval()
+        notes.update(make_glm4_routers_decisive(model, docs, seed))
+    elif moe:
         model.eval()  # routing as the reference computes it (no training-mode router noise)
         notes["smallest_router_margin"] = make_routers_decisive(model, docs, text_config(config), seed)
     folder = os.path.join(OUT, name)
@@ -466,8 +611,11 @@ def write_case(name, config, legacy_rope=None, lora=None, model_class=None):
     if multimodal:
         add_mtp_tensors(folder, text_config(config).hidden_size)
         fuse_experts(folder)  # the released layout; the text-only case keeps transformers' per-expert one
+    if glm4 and getattr(config, "num_nextn_predict_layers", 0):
+        add_glm4_mtp_layer(folder, config)
     if moe:
         notes["expert_layout"] = expert_layout(folder)
+    if moe and not glm4:  # transformers defines no aux loss for glm4_moe
         try:
             notes.update(hf_aux_loss_note(model, docs, config))
         except Exception as e:  # informative only: the references do not depend on it
@@ -491,8 +639,13 @@ def write_case(name, config, legacy_rope=None, lora=None, model_class=None):
 
         lora = dict(lora)
         lora_std = lora.pop("init_std", 0.3)  # of every A and B entry
-        model = peft.get_peft_model(model, peft.LoraConfig(**lora))
-        if moe and "target_parameters" not in lora and any("experts" in n for n, _ in model.named_parameters()
+        if glm4 and "target_parameters" not in lora:
+            with PeftModuleTargetsAsWritten():
+                model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+            notes["peft_moe_target_rewrite_bypassed"] = True
+        else:
+            model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+        if moe and "target_parameters" not in lora and any(".mlp.experts." in n for n, _ in model.named_parameters()
                                                             if "lora_" in n):
             # Per-expert modules matched the MLP names: adapt the attention only (spindle adapts no expert).
             lora = dict(lora, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -506,6 +659,11 @@ def write_case(name, config, legacy_rope=None, lora=None, model_class=None):
             # The adapters move the routers' inputs: their decisions must stay clear of ties too.
             if not moe:
                 break
+            if glm4:
+                notes.update(glm4_routing_report(model, docs))
+                if notes["smallest_router_margin"] > GLM4_MARGIN:
+                    break
+                continue
             notes["smallest_router_margin"] = router_margin(model, docs, text_config(config).num_experts_per_tok)
             if getattr(config, "model_type", "") == "gpt_oss":  # and the experts' values clear of the clamps
                 notes["smallest_clamp_margin"] = clamp_margin(model, docs)
@@ -691,6 +849,32 @@ def main():
     write_case("gpt_oss", gpt_oss)
     write_case("gpt_oss_lora", gpt_oss,
                lora=dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+    # glm4_moe: 3 layers, the first dense (first_k_dense_replace 1, intermediate_size 96), the others 8 experts
+    # of width 16 in 4 groups of 2, 3 per token from the best 2 groups (the sigmoid router, correction biases
+    # that change the choice, renormalised, routed_scaling_factor 2.5), 2 shared experts (width 32, ungated);
+    # q/k/v biases, q/k norms, RoPE on half of each head (v5 spelling). Its LoRA cases: every projection
+    # (attention, the dense MLP, the shared experts) with nonzero B; q_proj and the routed experts' fused
+    # tensors (PEFT's target_parameters). glm4_moe_v4: one group, raw scores (norm_topk_prob off), no q/k
+    # norm or attention bias, the transformers-4 RoPE spelling and an MTP layer in the checkpoint.
+    glm4 = dict(**{**common, "num_hidden_layers": 3}, head_dim=16, tie_word_embeddings=False,
+                first_k_dense_replace=1, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=3,
+                n_shared_experts=2, num_nextn_predict_layers=0)
+    glm4_grouped = transformers.Glm4MoeConfig(
+        **glm4, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, use_qk_norm=True,
+        attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    write_case("glm4_moe", glm4_grouped)
+    write_case("glm4_moe_lora", glm4_grouped, lora=dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+    write_case("glm4_moe_expert_lora", glm4_grouped,
+               lora=dict(r=2, lora_alpha=4, lora_dropout=0.0, init_std=0.1, target_modules=["q_proj"],
+                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    glm4_v4 = transformers.Glm4MoeConfig(
+        **{**glm4, "num_nextn_predict_layers": 1}, n_group=1, topk_group=1, norm_topk_prob=False,
+        routed_scaling_factor=1.8, use_qk_norm=False, attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5})
+    write_case("glm4_moe_v4", glm4_v4,
+               legacy_rope={"rope_theta": 1000000.0, "rope_scaling": None, "partial_rotary_factor": 0.5})
 
 
 if __name__ == "__main__":

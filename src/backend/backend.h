@@ -87,6 +87,16 @@ struct OffloadStats {
 // The two 4-bit codes of bitsandbytes' weight format (docs/qlora.md): NormalFloat4 and FP4.
 enum class Quant4Type : uint8_t { NF4, FP4 };
 
+// glm4_moe's router choice (transformers' Glm4MoeTopkRouter; Backend::moe_sigmoid_router_forward):
+// k experts per token among the `top_groups` best of `groups` equal groups of experts; the weights
+// renormalised when `normalize`, then times `scaling` (routed_scaling_factor).
+struct SigmoidRouting {
+  int64_t top_k = 1;
+  int64_t groups = 1, top_groups = 1;  // n_group, topk_group
+  bool normalize = true;               // norm_topk_prob
+  double scaling = 1.0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -449,6 +459,27 @@ class Backend {
                                        double limit, Tensor& d_gate_up) {
     fail("{}: the clamped SwiGLU of gpt_oss's experts runs on the CPU backend only; run with --device cpu",
          name());
+  }
+
+  // glm4_moe's router, at the stat precision (its dtype; F32 rounding as transformers' F32 router):
+  // scores [T, E] = σ(logits [T, E]); the choice c = scores + correction_bias [E] (stat dtype, used for
+  // the choice only). The E experts form routing.groups groups of E/groups (at least 2) in expert
+  // order; a group scores the sum of its two largest c, and only the experts of the top_groups best
+  // groups are candidates. topk_index I32 [T, k] the k candidates of largest c in descending c (ties:
+  // lower expert first); topk_weight [T, k] (stat dtype) their scores (not c), divided by (their sum +
+  // 1e-20) when routing.normalize, times routing.scaling.
+  virtual void moe_sigmoid_router_forward(Stream stream, const Tensor& logits, const Tensor& correction_bias,
+                                          const SigmoidRouting& routing, Tensor& scores, Tensor& topk_index,
+                                          Tensor& topk_weight) {
+    fail("{}: glm4_moe's sigmoid router runs on the CPU backend only; run with --device cpu", name());
+  }
+  // dlogits [T, E] (overwritten) from d_topk_weight [T, k] (stat dtype) through the scaling, the
+  // renormalisation and the sigmoid of the chosen experts; the others (and the correction bias, a
+  // constant of the choice) get none.
+  virtual void moe_sigmoid_router_backward(Stream stream, const Tensor& scores, const Tensor& topk_index,
+                                           const Tensor& d_topk_weight, const SigmoidRouting& routing,
+                                           Tensor& dlogits) {
+    fail("{}: glm4_moe's sigmoid router runs on the CPU backend only; run with --device cpu", name());
   }
 
   // A shared expert's gate (qwen3_5_moe): out[t] += σ(gate[t])·shared[t] for out, shared [T, H] and

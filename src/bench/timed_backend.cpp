@@ -380,6 +380,19 @@ void TimedBackend::moe_router_statistics(Stream s, const Tensor& probs, const Te
   timed(s, C::OtherOps, "moe_router_statistics", 0, bytes_of({&probs, &topk_index, &token_doc, &counts, &prob_sums}),
         [&] { inner_.moe_router_statistics(s, probs, topk_index, token_doc, counts, prob_sums); });
 }
+void TimedBackend::moe_sigmoid_router_forward(Stream s, const Tensor& logits, const Tensor& correction_bias,
+                                              const SigmoidRouting& routing, Tensor& scores, Tensor& topk_index,
+                                              Tensor& topk_weight) {
+  timed(s, C::OtherOps, "moe_sigmoid_router_forward", 0,
+        bytes_of({&logits, &correction_bias, &scores, &topk_index, &topk_weight}),
+        [&] { inner_.moe_sigmoid_router_forward(s, logits, correction_bias, routing, scores, topk_index, topk_weight); });
+}
+void TimedBackend::moe_sigmoid_router_backward(Stream s, const Tensor& scores, const Tensor& topk_index,
+                                               const Tensor& d_topk_weight, const SigmoidRouting& routing,
+                                               Tensor& dlogits) {
+  timed(s, C::OtherOps, "moe_sigmoid_router_backward", 0, bytes_of({&scores, &topk_index, &d_topk_weight, &dlogits}),
+        [&] { inner_.moe_sigmoid_router_backward(s, scores, topk_index, d_topk_weight, routing, dlogits); });
+}
 void TimedBackend::moe_permute(Stream s, const Tensor& topk_index, int64_t num_experts, Tensor& rows_token,
                                Tensor& row_of_slot, Tensor& offsets) {
   timed(s, C::OtherOps, "moe_permute", 0, bytes_of({&topk_index, &rows_token, &row_of_slot, &offsets}),

@@ -163,6 +163,11 @@ class TimedBackend final : public Backend {
                            bool normalize, const Tensor& aux_grad, const Tensor& token_doc, Tensor& dlogits) override;
   void moe_router_statistics(Stream s, const Tensor& probs, const Tensor& topk_index, const Tensor& token_doc,
                              Tensor& counts, Tensor& prob_sums) override;
+  void moe_sigmoid_router_forward(Stream s, const Tensor& logits, const Tensor& correction_bias,
+                                  const SigmoidRouting& routing, Tensor& scores, Tensor& topk_index,
+                                  Tensor& topk_weight) override;
+  void moe_sigmoid_router_backward(Stream s, const Tensor& scores, const Tensor& topk_index, const Tensor& d_topk_weight,
+                                   const SigmoidRouting& routing, Tensor& dlogits) override;
   void moe_permute(Stream s, const Tensor& topk_index, int64_t num_experts, Tensor& rows_token, Tensor& row_of_slot,
                    Tensor& offsets) override;
   void moe_grouped_gemm(Stream s, const Tensor& x, const std::vector<Tensor>& weights, bool transpose_weight,

@@ -57,6 +57,9 @@ class ParameterSink {
   virtual ~ParameterSink() = default;
   // A parameter that is not a projection weight (norms, gates' vectors): named as in HF.
   virtual Parameter& add(const std::string& name, Shape shape) = 0;
+  // A buffer (Parameter::buffer): a tensor of the checkpoint that is never trained, kept in the stat
+  // dtype. Not a parameter as transformers counts them (count_parameters leaves it out).
+  virtual Parameter& add_buffer(const std::string& name, Shape shape) = 0;
   // A projection: its weight (and bias) through add, then recorded as a projection.
   Linear add_linear(const LinearSpec& spec);
   // Another checkpoint layout of parameters already added.
@@ -114,7 +117,7 @@ struct SwigluActivations {
 // Mixture of experts (blocks/moe.h): E experts of width I, k per token; N = T·k routed rows, the
 // (token, slot) pairs sorted by expert.
 struct MoeActivations {
-  Tensor probs;        // [T, E] stat dtype: the router's softmax
+  Tensor probs;        // [T, E] stat dtype: the router's softmax (sigmoid_router: its sigmoid scores)
   Tensor topk_index;   // I32 [T, k] each token's experts, most probable first
   Tensor topk_weight;  // [T, k] stat dtype: their routing weights
   Tensor rows_token;   // I32 [N] the token of each routed row

@@ -47,7 +47,8 @@ struct LinearAttentionConfig {
 };
 
 // How a MixtureOfExperts routes and activates where a family departs from qwen3_moe's block: the
-// variant is parameters of the one block (blocks/moe.h), not a block of its own. gpt_oss sets all.
+// variant is parameters of the one block (blocks/moe.h), not a block of its own. gpt_oss sets the
+// first four, glm4_moe the last four.
 struct MoeGating {
   // The router is "mlp.router" with a bias, logits x·Wᵀ + b (qwen3_moe: "mlp.gate", no bias).
   bool router_bias = false;
@@ -59,9 +60,17 @@ struct MoeGating {
   // (clamp(up, −limit, limit) + 1) · g · σ(alpha·g), g = min(gate, limit).
   double swiglu_alpha = 1.702;
   double swiglu_limit = 7.0;
+  // glm4_moe (transformers' Glm4MoeTopkRouter): scores s = σ(logits) instead of a softmax; the choice
+  // ranks s + b, b = "mlp.gate.e_score_correction_bias" [E] (a buffer: read and saved, never trained),
+  // among the experts of the topk_group best of n_group equal groups (a group scores the sum of its
+  // two best); the k chosen experts weigh s (not s + b), renormalised when norm_topk_prob, times
+  // routed_scaling_factor. No load-balancing loss (transformers defines none for it).
+  bool sigmoid_router = false;
+  int64_t n_group = 1, topk_group = 1;
+  double routed_scaling_factor = 1.0;
 };
 
-// Routed experts (qwen3_moe, qwen3_5_moe, gpt_oss): what a MixtureOfExperts feed-forward reads. Zero experts: no MoE layer.
+// Routed experts (qwen3_moe, qwen3_5_moe, gpt_oss, glm4_moe): what a MixtureOfExperts feed-forward reads. Zero experts: no MoE layer.
 struct MoeConfig {
   int64_t num_experts = 0;               // E
   int64_t experts_per_token = 0;         // k (num_experts_per_tok)
@@ -69,6 +78,8 @@ struct MoeConfig {
   // qwen3_5_moe: every MoE layer also has a shared expert, a SwiGLU MLP of this width that every
   // token passes through, scaled by σ(shared_expert_gate(x)) (blocks/shared_expert_moe.h); 0: none.
   int64_t shared_expert_intermediate_size = 0;
+  // glm4_moe: the shared experts are "mlp.shared_experts" and join ungated, out = routed + shared.
+  bool shared_expert_ungated = false;
   bool norm_topk_prob = false;           // renormalise the k routing weights to sum to 1
   // HF adds router_aux_loss_coef × the load-balancing loss to the loss when output_router_logits is
   // true (model/router_aux_loss.h); both as config.json gives them.

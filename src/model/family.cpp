@@ -1,10 +1,13 @@
 #include "model/family.h"
 
+#include <charconv>
 #include <iterator>
 
 #include "core/error.h"
+#include "model/config.h"
 #include "model/families/dense.h"
 #include "model/families/gemma.h"
+#include "model/families/glm4_moe.h"
 #include "model/families/gpt_oss.h"
 #include "model/families/qwen3_moe.h"
 #include "model/families/qwen3_5.h"
@@ -36,6 +39,10 @@ const ModelFamily kFamilies[] = {
     // gpt-oss (sinks, alternating sliding windows, YaRN, biased clamped-SwiGLU experts).
     {"gpt_oss", "model.", read_gpt_oss_config, {}, {},
      "the CUDA kernels for gpt-oss's clamped-SwiGLU experts and attention sinks are not built yet"},
+    // GLM-4.5/4.6/4.7 and GLM-4.5-Air (partial RoPE, the sigmoid router with its correction bias,
+    // ungated shared experts); the multi-token-prediction layers after the last are carried.
+    {"glm4_moe", "model.", read_glm4_moe_config, {}, {}, "the CUDA backend has no kernel for glm4_moe's sigmoid router yet",
+     true},
 };
 
 }  // namespace
@@ -48,6 +55,20 @@ std::string supported_model_types() {
     out += kFamilies[i].model_type;
   }
   return out;
+}
+
+bool carried_tensor(const ModelConfig& config, std::string_view name) {
+  const ModelFamily& family = model_family(config.model_type, config.model_type);
+  for (std::string_view prefix : family.carried_prefixes)
+    if (name.starts_with(prefix)) return true;
+  const std::string layers = std::string(family.weight_prefix) + "layers.";
+  if (!family.carries_layers_past_last || !name.starts_with(layers)) return false;
+  // "<prefix>layers.N.…" with N ≥ num_hidden_layers.
+  const std::string_view rest = name.substr(layers.size());
+  int64_t layer = -1;
+  const auto [end, error] = std::from_chars(rest.data(), rest.data() + rest.size(), layer);
+  return error == std::errc() && end != rest.data() && end < rest.data() + rest.size() && *end == '.' &&
+         layer >= config.num_layers;
 }
 
 const ModelFamily& model_family(const std::string& model_type, const std::string& source) {

@@ -31,10 +31,16 @@ struct ModelFamily {
   // Why only the CPU backend runs this family for now (empty: every backend does); loading it on
   // another backend is refused with this reason.
   std::string_view cpu_only_reason = {};
+  // Checkpoint layers numbered num_hidden_layers and up (glm4_moe's multi-token-prediction layers,
+  // "model.layers.{num_hidden_layers}.…"): carried like carried_prefixes.
+  bool carries_layers_past_last = false;
 };
 
 // The row of `model_type`; an error naming the supported types when there is none.
 const ModelFamily& model_family(const std::string& model_type, const std::string& source);
+// Whether a saved full model carries the source checkpoint's tensor `name` over unchanged (the
+// family's carried_prefixes, its layers past the last).
+bool carried_tensor(const ModelConfig& config, std::string_view name);
 // "llama, qwen2 and qwen3": for messages.
 std::string supported_model_types();
 

@@ -228,6 +228,12 @@ class CountingSink final : public ParameterSink {
     p.name = name;
     return p;
   }
+  Parameter& add_buffer(const std::string& name, Shape) override {
+    Parameter& p = params_.emplace_back();
+    p.name = name;
+    p.buffer = true;
+    return p;
+  }
   int64_t total = 0;
   std::vector<LinearSpec> linears;
 

@@ -17,6 +17,9 @@ struct Parameter {
   Tensor value;      // model dtype; a 4-bit weight's packed bytes and absmax keep their own (U8, F32)
   Tensor grad;       // same shape and dtype; allocated only when trainable
   bool trainable = false;
+  // A checkpoint buffer (glm4_moe's e_score_correction_bias): read and saved with the model, in the
+  // stat dtype (F32; F64 for F64 models), never trained (ModelWeights::train_all leaves it frozen).
+  bool buffer = false;
 };
 
 // How a base weight is stored. Dense: Parameter::value is the [out, in] matrix in the model dtype.

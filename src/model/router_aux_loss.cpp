@@ -69,6 +69,14 @@ double router_aux_loss_coefficient(const ModelConfig& config, double flag) {
            flag, config.model_type);
     return 0.0;
   }
+  if (config.moe.gating.sigmoid_router) {
+    if (flag > 0)
+      fail("--router-aux-loss-coef {}: transformers defines no router auxiliary loss for {} (Glm4MoeForCausalLM "
+           "computes none; its experts are balanced through e_score_correction_bias, which training leaves as read); "
+           "drop the flag or pass 0",
+           flag, config.model_type);
+    return 0.0;
+  }
   if (flag >= 0) return flag;
   return config.moe.output_router_logits ? config.moe.router_aux_loss_coef : 0.0;
 }

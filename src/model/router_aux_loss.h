@@ -64,7 +64,8 @@ class RouterAuxLoss {
 
 // The coefficient a run trains with: `flag` when given (≥ 0; 0 turns the loss off), else the
 // config's router_aux_loss_coef when its output_router_logits is true (transformers' rule), else 0.
-// Models without MoE layers: 0.
+// Models without MoE layers, and glm4_moe (transformers defines no aux loss for its sigmoid router;
+// a flag > 0 is refused): 0.
 double router_aux_loss_coefficient(const ModelConfig& config, double flag);
 
 }  // namespace spindle

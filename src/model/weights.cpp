@@ -65,6 +65,13 @@ class ModelWeights::Allocator final : public ParameterSink {
   Allocator(ModelWeights& weights, Backend& backend, QuantizedLoader* loader = nullptr)
       : weights_(weights), backend_(backend), loader_(loader) {}
   Parameter& add(const std::string& name, Shape shape) override { return weights_.add(backend_, name, shape); }
+  Parameter& add_buffer(const std::string& name, Shape shape) override {
+    Parameter& p = weights_.params_.emplace_back();
+    p.name = name;
+    p.value = backend_.empty(shape, stat_dtype(weights_.dtype));
+    p.buffer = true;
+    return p;
+  }
   void add_packed(PackedTensor packed) override { weights_.packed_.push_back(std::move(packed)); }
 
  private:
@@ -343,7 +350,8 @@ void ModelWeights::train_all(Backend& backend) {
   if (has_quantized_projections())
     fail("full fine-tuning needs dense weights, and this model's projections are 4-bit (bitsandbytes): train LoRA "
          "adapters on it (drop --full), or load a dense checkpoint");
-  for (Parameter& p : params_) make_trainable(backend, p);
+  for (Parameter& p : params_)
+    if (!p.buffer) make_trainable(backend, p);
 }
 
 bool ModelWeights::has_quantized_projections() const {

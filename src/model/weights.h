@@ -80,7 +80,7 @@ class ModelWeights {
   // The expert LoRA whose B is `p` (stored as [E, out, r], not PEFT's [out, r·E]), or null.
   const ExpertLora* expert_lora_of_b(const Parameter& p) const;
 
-  // Full fine-tuning: every base parameter trainable.
+  // Full fine-tuning: every base parameter trainable (buffers stay frozen: Parameter::buffer).
   void train_all(Backend& backend);
   // Quantises the dense projections in memory to 4 bits (tests; needs the dense model in memory
   // first, which random(..., quantize) avoids).

@@ -171,6 +171,10 @@ class DryBackend final : public Backend {
   void moe_combine(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&) override {}
   void moe_combine_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
                             Tensor&) override {}
+  void moe_sigmoid_router_forward(Stream, const Tensor&, const Tensor&, const SigmoidRouting&, Tensor&, Tensor&,
+                                  Tensor&) override {}
+  void moe_sigmoid_router_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const SigmoidRouting&,
+                                   Tensor&) override {}
   void clamped_swiglu_forward(Stream, const Tensor&, double, double, Tensor&) override {}
   void clamped_swiglu_backward(Stream, const Tensor&, const Tensor&, double, double, Tensor&) override {}
   // 4-bit base weights (QLoRA).

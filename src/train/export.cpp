@@ -254,16 +254,14 @@ Tensor merged_expert_rows(Backend& backend, const Parameter& part, const Adapted
 void append_carried_tensors(const ModelWeights& weights, const fs::path& source_model_dir, Backend& target,
                             io::NamedTensors& tensors) {
   const ModelFamily& family = model_family(weights.config.model_type, weights.config.model_type);
-  if (family.carried_prefixes.empty()) return;
+  if (family.carried_prefixes.empty() && !family.carries_layers_past_last) return;
   std::error_code ec;
   if (!fs::exists(source_model_dir / "model.safetensors", ec) &&
       !fs::exists(source_model_dir / "model.safetensors.index.json", ec))
     return;
   const io::Checkpoint checkpoint(source_model_dir.string());
   for (const std::string& name : checkpoint.names()) {
-    bool carried = false;
-    for (std::string_view prefix : family.carried_prefixes) carried = carried || name.starts_with(prefix);
-    if (!carried) continue;
+    if (!carried_tensor(weights.config, name)) continue;
     const io::TensorRecord& record = *checkpoint.find(name);
     Tensor copy = target.empty(record.shape, record.dtype);
     if (record.bytes) target.copy_from_host(target.default_stream(), record.data, copy);
@@ -429,7 +427,9 @@ void save_hf_model(Backend& backend, const ModelWeights& weights, const fs::path
       return host_copy(backend, *host, dense_of(*it->second), options.dtype);
     if (auto it = expert_rows.find(&p); it != expert_rows.end())
       return host_copy(backend, *host, merged_expert_rows(backend, p, it->second, weights.dtype), options.dtype);
-    return host_copy(backend, *host, p.value, options.dtype);
+    // A buffer keeps F32 at least, as transformers keeps e_score_correction_bias (_keep_in_fp32_modules_strict).
+    const DType buffer_dtype = options.dtype == DType::F64 ? DType::F64 : DType::F32;
+    return host_copy(backend, *host, p.value, p.buffer ? buffer_dtype : options.dtype);
   };
   for (const Parameter& p : weights.parameters()) {
     if (is_lora_parameter(p)) continue;  // adapters belong in save_peft_adapter's folder

@@ -153,6 +153,16 @@ cases += [
     ("qwen3_5_moe (text) sp 4 = Ulysses 2 x ring 2 (state passing inside Ulysses), LoRA", "qwen3_5_moe_text", 128,
      ["--recompute", "all"], (4, ["--sp", "4", "--ulysses", "2", "--ring", "2"])),
 ]
+# glm4_moe: a dense first layer, then routed experts behind the sigmoid router (its correction biases are
+# F32 buffers of the layer, never trained: no gradient or optimizer state) and ungated shared experts.
+cases += [
+    ("glm4_moe LoRA, recompute all", "glm4_moe", 96, ["--recompute", "all"], (1, [])),
+    ("glm4_moe full, no recompute", "glm4_moe", 96, ["--full", "--recompute", "none"], (1, [])),
+    ("glm4_moe LoRA on the routed experts and q_proj, keep-attention", "glm4_moe", 64,
+     ["--lora-targets", "q_proj", "experts", "--recompute", "keep-attention"], (1, [])),
+    ("glm4_moe Ulysses sp 2 (FSDP over 2), full", "glm4_moe", 96, ["--full", "--recompute", "all"],
+     (2, ["--sp", "2", "--ulysses", "2"])),
+]
 # Sparse checkpoints (--checkpoint-stride): every Nth layer keeps its input, the others regenerated
 # at the top of their group in backward; with offload of the checkpoints, tiles, sequence
 # parallelism (FSDP's forward windows inside the backward) and the hybrid MoE model.
@@ -207,6 +217,15 @@ for bad, needle in ((["--world", "3", "--sp", "2"], "--sp"), (["--seq", "0"], "-
     print(f"{'ok  ' if ok else 'FAIL'} refuses {' '.join(bad)}: {p.stderr.strip().splitlines()[-1] if p.stderr else ''}")
     if not ok:
         failures.append(" ".join(bad))
+
+# glm4_moe has no router aux loss in transformers: the flag is refused, naming the family.
+p = subprocess.run([spindle, "plan", "--model", os.path.join(hf, "glm4_moe"), "--router-aux-loss-coef", "0.01"],
+                   capture_output=True, text=True, timeout=60)
+ok = p.returncode != 0 and "no router auxiliary loss for glm4_moe" in p.stderr and "Traceback" not in p.stderr
+print(f"{'ok  ' if ok else 'FAIL'} refuses --router-aux-loss-coef on glm4_moe: "
+      f"{p.stderr.strip().splitlines()[-1] if p.stderr else ''}")
+if not ok:
+    failures.append("glm4_moe --router-aux-loss-coef")
 
 p = subprocess.run([spindle, "plan", "--model", os.path.join(hf, "qwen2"), "--mlp-tile-tokens", "lots"],
                    capture_output=True, text=True, timeout=60)

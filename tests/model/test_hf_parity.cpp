@@ -246,3 +246,13 @@ INSTANTIATE_TEST_SUITE_P(ExpertLora, HfParity, ::testing::Values("qwen3_moe_expe
 // the load-balancing loss on; its LoRA case adapts q/k/v/o with nonzero B. Every gate/up value is
 // at least 1e-4 from a clamp bound, where the clamp's derivative jumps (make_hf_refs.py, CLAMP_MARGIN).
 INSTANTIATE_TEST_SUITE_P(GptOss, HfParity, ::testing::Values("gpt_oss", "gpt_oss_lora"));
+// glm4_moe: a dense first layer, then the sigmoid router with correction biases that change most
+// choices (4 groups of 2 experts, 3 experts per token from the best 2 groups, renormalised, scaled by
+// 2.5) and 2 ungated shared experts; q/k/v biases, q/k norms, RoPE on half of each head (v5
+// spelling). LoRA with nonzero B on every projection (attention, the dense MLP, the shared experts;
+// made with peft's transformers-5 MoE target rewrite turned off: make_hf_refs.py,
+// PeftModuleTargetsAsWritten), and on q_proj with the routed experts' fused tensors (target_parameters).
+// glm4_moe_v4: one group, raw scores, no q/k norm or bias, the transformers-4 RoPE spelling, and an
+// MTP layer in the checkpoint that is not loaded.
+INSTANTIATE_TEST_SUITE_P(Glm4Moe, HfParity,
+                         ::testing::Values("glm4_moe", "glm4_moe_lora", "glm4_moe_expert_lora", "glm4_moe_v4"));

@@ -87,5 +87,6 @@ TEST(TinyModel, FamilyFeaturesFollowTheModelType) {
 
 INSTANTIATE_TEST_SUITE_P(Families, TinyModelFolder,
                          ::testing::Values(TinyModel{}, TinyModel{.model_type = "qwen2", .tie_word_embeddings = true},
-                                           TinyModel{.model_type = "qwen3", .head_dim = 6}, tiny_qwen3_moe()),
+                                           TinyModel{.model_type = "qwen3", .head_dim = 6}, tiny_qwen3_moe(),
+                                           tiny_glm4_moe()),
                          [](const auto& info) { return info.param.model_type; });

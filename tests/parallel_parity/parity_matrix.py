@@ -27,8 +27,13 @@ from rank to rank (ring, hybrid, a Ulysses degree that does not divide the Delta
 The gpt_oss part runs a tiny gpt_oss (sinks, a sliding window crossing the shards, the biased router and
 clamped-SwiGLU experts, the load-balancing loss) on Ulysses, ring and hybrid meshes.
 
+The glm4_moe part runs a tiny glm4_moe (partial RoPE, q/k norms and q/k/v biases, a dense first layer, the
+sigmoid router with correction biases that move the choice and group-limited top-k, ungated shared experts;
+no aux loss, which transformers does not define for it) at sp 1, 2 and 4 on Ulysses, ring and hybrid meshes
+with dp 1 and 2, and LoRA on every projection and the routed experts.
+
 usage: parity_matrix.py SPINDLE ROOT PART   (PART: sp2, sp4, sp8, dp, variants, lora, qlora, moe, gdn, wave2,
-       gpt_oss, sft, errors)
+       gpt_oss, glm4_moe, sft, errors)
 """
 import json
 import os
@@ -38,8 +43,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
-from tiny_model import (config, gemma2_config, gemma3_text_config, gpt_oss_config, mistral_config,  # noqa: E402
-                        qwen3_5_config, qwen3_moe_config, write_model)
+from tiny_model import (config, gemma2_config, gemma3_text_config, glm4_moe_config, gpt_oss_config,  # noqa: E402
+                        mistral_config, qwen3_5_config, qwen3_moe_config, write_model)
 
 spindle, root, part = sys.argv[1], sys.argv[2], sys.argv[3]
 work = tempfile.mkdtemp(prefix=f"spindle-parity-{part}-")
@@ -332,6 +337,31 @@ elif part == "gpt_oss":
     # LoRA on the attention projections (the experts stay frozen; spindle adapts none of them).
     results.append(check("gpt_oss LoRA hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=gpt_oss_model,
                          extra=["--lora-rank", "4", "--router-aux-loss-coef", "0.05"]))
+elif part == "glm4_moe":
+    # glm4_moe: routing is per token (the correction biases and the group limit choose, the un-biased
+    # sigmoid scores weigh), so every strategy shards it alike; the biases are FSDP-sharded buffers
+    # that no rank trains. The dense first layer and the shared experts run on every token.
+    glm4 = os.path.join(work, "glm4_moe")
+    write_model(glm4, glm4_moe_config())
+    results.append(check("glm4_moe sp1 dp2", dp=2, model_dir=glm4))
+    for dp in (1, 2):
+        results.append(check(f"glm4_moe ulysses sp2 dp{dp}", sp=2, ulysses=2, dp=dp, model_dir=glm4))
+        results.append(check(f"glm4_moe ring sp2 dp{dp}", sp=2, ring=2, dp=dp, model_dir=glm4))
+    results.append(check("glm4_moe ulysses sp4 (KV heads replicated)", sp=4, ulysses=4, model_dir=glm4))
+    results.append(check("glm4_moe ring sp4", sp=4, ring=4, model_dir=glm4))
+    results.append(check("glm4_moe hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=glm4))
+    results.append(check("glm4_moe hybrid u2 x r2 grad-accum 1, no packing", sp=4, ulysses=2, ring=2, accum=1,
+                         packing=False, model_dir=glm4))
+    results.append(check("glm4_moe ring sp2 dp2 --no-fsdp", sp=2, ring=2, dp=2, model_dir=glm4,
+                         extra=["--full", "--no-fsdp"]))
+    results.append(check("glm4_moe ulysses sp2 recompute all, f64", sp=2, ulysses=2, model_dir=glm4,
+                         extra=["--full", "--recompute", "all"], dtype="f64"))
+    # LoRA on every projection (attention, the dense MLP, the shared experts) and the routed experts.
+    lora = ["--lora-rank", "4", "--lora-targets", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+            "down_proj", "experts"]
+    results.append(check("glm4_moe LoRA + expert LoRA hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=glm4,
+                         extra=lora))
+    results.append(check("glm4_moe LoRA + expert LoRA ring sp2 dp2", sp=2, ring=2, dp=2, model_dir=glm4, extra=lora))
 elif part == "errors":
     # A wrong mesh is an error naming the flags, before anything is allocated.
     for args, expect in ((["--nproc-per-node", "2", "--sp", "3"], "--sp"),

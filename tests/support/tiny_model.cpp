@@ -27,7 +27,8 @@ nlohmann::json TinyModel::config_json() const {
   static const std::map<std::string, std::string> kArchitectures = {
       {"llama", "LlamaForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"}, {"qwen3", "Qwen3ForCausalLM"},
       {"qwen3_moe", "Qwen3MoeForCausalLM"}, {"qwen3_5_text", "Qwen3_5ForCausalLM"},
-      {"qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"}, {"gpt_oss", "GptOssForCausalLM"}};
+      {"qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"}, {"gpt_oss", "GptOssForCausalLM"},
+      {"glm4_moe", "Glm4MoeForCausalLM"}};
   if (auto it = kArchitectures.find(model_type); it != kArchitectures.end()) j["architectures"] = {it->second};
   // Every qwen3_5_moe MLP is a mixture of experts: its config has no dense width (transformers
   // refuses the attribute).
@@ -60,6 +61,18 @@ TinyModel tiny_gpt_oss() {
              {"swiglu_limit", 7.0},
              {"output_router_logits", false},
              {"router_aux_loss_coef", 0.9}};
+  return m;
+}
+
+TinyModel tiny_glm4_moe() {
+  TinyModel m;
+  m.model_type = "glm4_moe";
+  m.num_layers = 3;
+  m.extra = {{"first_k_dense_replace", 1}, {"n_routed_experts", 8},    {"num_experts_per_tok", 3},
+             {"moe_intermediate_size", 12}, {"n_shared_experts", 1},   {"n_group", 4},
+             {"topk_group", 2},             {"norm_topk_prob", true},  {"routed_scaling_factor", 2.5},
+             {"use_qk_norm", true},         {"attention_bias", true},  {"partial_rotary_factor", 0.5},
+             {"num_nextn_predict_layers", 1}};
   return m;
 }
 

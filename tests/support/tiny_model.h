@@ -24,7 +24,7 @@ namespace spindle::test {
 // Defaults: the tiny GQA llama the sequence-parallel and FSDP tests train (4 query heads over 2 KV
 // heads, so Ulysses 4 replicates KV heads). Tests override the fields their tolerances were set on.
 struct TinyModel {
-  std::string model_type = "llama";  // llama | qwen2 | qwen3 | qwen3_moe | qwen3_5_text | qwen3_5_moe_text | gpt_oss (presets below)
+  std::string model_type = "llama";  // llama | qwen2 | qwen3 | qwen3_moe | qwen3_5_text | qwen3_5_moe_text | gpt_oss | glm4_moe (presets below)
   int64_t vocab_size = 64;
   int64_t hidden_size = 32;
   int64_t intermediate_size = 48;
@@ -62,6 +62,12 @@ TinyModel tiny_qwen3_5_moe();
 // layer 4 experts of width 12 (intermediate_size), 2 per token, with the biased router and the
 // clamped SwiGLU; output_router_logits off.
 TinyModel tiny_gpt_oss();
+
+// glm4_moe: 3 layers, the first a dense SwiGLU MLP (first_k_dense_replace 1), the others 8 experts of
+// width 12 in 4 groups of 2, 3 per token from the best 2 groups, the sigmoid router with its
+// correction bias, renormalised and scaled by 2.5, plus one ungated shared expert of width 12;
+// q/k/v biases, q/k norms, RoPE on half of each head (partial_rotary_factor 0.5).
+TinyModel tiny_glm4_moe();
 
 // The multimodal checkpoint's config.json around a text-only preset (qwen3_5_text or
 // qwen3_5_moe_text): model_type qwen3_5 / qwen3_5_moe, the text model under text_config, a tiny

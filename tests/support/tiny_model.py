@@ -4,7 +4,8 @@ family and size, and a model folder holding it with random weights (numpy + safe
 The C++ tests' counterpart is tests/support/tiny_model.h; both default to the tiny GQA llama the
 parity checks train (4 query heads over 2 KV heads, so Ulysses 4 replicates KV heads). The tensors
 follow from the config (qwen2: q/k/v biases; qwen3: q/k norms; qwen3_moe: routers and experts;
-qwen3_5_moe: a shared expert too; no lm_head when tied), so a new family or layer kind is a new entry
+qwen3_5_moe: a shared expert too; glm4_moe: a dense first layer, the routers' correction biases and
+ungated shared experts; no lm_head when tied), so a new family or layer kind is a new entry
 in `layer_tensors` and its config keys, not a new maker.
 
     from tiny_model import config, write_model
@@ -19,7 +20,8 @@ from safetensors.numpy import save_file
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                 "glm4_moe": "Glm4MoeForCausalLM"}
 
 
 def config(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -89,11 +91,27 @@ def gpt_oss_config(**overrides):
     return config(**c)
 
 
+def glm4_moe_config(**overrides):
+    """glm4_moe as tests/support/tiny_model.h's tiny_glm4_moe(): 3 layers, the first dense (first_k_dense_replace
+    1), the others 8 experts of width 12 in 4 groups of 2, 3 per token from the best 2 groups (the sigmoid router
+    with its correction bias, renormalised, scaled by 2.5) plus one ungated shared expert of width 12; q/k/v
+    biases, q/k norms, RoPE on half of each head. write_model draws the correction biases N(0, 0.1²), enough
+    to change some tokens' experts."""
+    c = dict(model_type="glm4_moe", num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8,
+             num_experts_per_tok=3, moe_intermediate_size=12, n_shared_experts=1, n_group=4, topk_group=2,
+             norm_topk_prob=True, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+             partial_rotary_factor=0.5, num_nextn_predict_layers=0)
+    c.update(overrides)
+    return config(**c)
+
+
 def is_moe_layer(c, layer):
     """transformers' rule for qwen3_moe: sparse unless in mlp_only_layers, every decoder_sparse_step-th layer;
-    gpt_oss: every layer."""
+    gpt_oss: every layer; glm4_moe: from first_k_dense_replace on."""
     if c["model_type"] == "gpt_oss":
         return True
+    if c["model_type"] == "glm4_moe":
+        return layer >= c.get("first_k_dense_replace", 1)
     if c["model_type"] != "qwen3_moe":
         return False
     return layer not in c.get("mlp_only_layers", []) and (layer + 1) % c.get("decoder_sparse_step", 1) == 0
@@ -133,6 +151,18 @@ def routed_expert_tensors(c, p):
                 (p + "mlp.experts.gate_up_proj_bias", (experts, 2 * width), "bias"),
                 (p + "mlp.experts.down_proj", (experts, width, h), "matrix"),
                 (p + "mlp.experts.down_proj_bias", (experts, h), "bias")]
+    if c["model_type"] == "glm4_moe":  # the router's correction bias (F32, for the choice only) and shared experts
+        h, experts, width = c["hidden_size"], c["n_routed_experts"], c["moe_intermediate_size"]
+        shared = width * c.get("n_shared_experts", 1)
+        out = [(p + "mlp.gate.weight", (experts, h), "matrix"),
+               (p + "mlp.gate.e_score_correction_bias", (experts,), "correction")]
+        for e in range(experts):
+            out += [(p + f"mlp.experts.{e}.gate_proj.weight", (width, h), "matrix"),
+                    (p + f"mlp.experts.{e}.up_proj.weight", (width, h), "matrix"),
+                    (p + f"mlp.experts.{e}.down_proj.weight", (h, width), "matrix")]
+        return out + [(p + "mlp.shared_experts.gate_proj.weight", (shared, h), "matrix"),
+                      (p + "mlp.shared_experts.up_proj.weight", (shared, h), "matrix"),
+                      (p + "mlp.shared_experts.down_proj.weight", (h, shared), "matrix")]
     h, experts, width = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"]
     out = [(p + "mlp.gate.weight", (experts, h), "matrix")]
     for e in range(experts):
@@ -182,7 +212,7 @@ def layer_tensors(c, layer):
                         (p + "mlp.up_proj.weight", (inter, h), "matrix"),
                         (p + "mlp.down_proj.weight", (h, inter), "matrix")] + norms
     qkv_bias = c["model_type"] == "qwen2" or c.get("attention_bias", False)
-    o_bias = c["model_type"] != "qwen2" and c.get("attention_bias", False)
+    o_bias = c["model_type"] not in ("qwen2", "glm4_moe") and c.get("attention_bias", False)
     p = f"model.layers.{layer}."
     out = []
     for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
@@ -203,7 +233,7 @@ def layer_tensors(c, layer):
     if c["model_type"] in ("gemma2", "gemma3_text"):  # sandwich norms around the MLP too
         out += [(p + "pre_feedforward_layernorm.weight", (h,), "norm"),
                 (p + "post_feedforward_layernorm.weight", (h,), "norm")]
-    if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
+    if c["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text") or c.get("use_qk_norm", False):
         out += [(p + "self_attn.q_norm.weight", (d,), "norm"), (p + "self_attn.k_norm.weight", (d,), "norm")]
     return out
 
@@ -223,7 +253,8 @@ def model_tensors(c):
 def write_model(path, c, seed=1, weight_std=0.2, norm_std=0.1, tokenizer_dir=None):
     """Writes config.json and model.safetensors (F32) to `path`, weights drawn from one generator
     seeded `seed` in model_tensors order: matrices N(0, weight_std²), norms 1 + N(0, norm_std²)
-    (exactly 1 with norm_std 0), biases 0, attention sinks N(0, 1) (a visible share of every softmax row). The defaults spread the weights well beyond a new
+    (exactly 1 with norm_std 0), biases 0, attention sinks N(0, 1) (a visible share of every softmax row), glm4_moe's
+    correction biases N(0, 0.1²). The defaults spread the weights well beyond a new
     model's (weight_std 0.02, norm_std 0: as transformers initialises one) so that attention is far
     from uniform and every parameter gets a visible gradient. With tokenizer_dir, its tokenizer
     files are copied, the vocabulary is the tokenizer's and the special token ids are its own.
@@ -244,6 +275,8 @@ def write_model(path, c, seed=1, weight_std=0.2, norm_std=0.1, tokenizer_dir=Non
             tensors[name] = (weight_std * rng.standard_normal(shape)).astype(np.float32)
         elif kind == "sink":
             tensors[name] = rng.standard_normal(shape).astype(np.float32)
+        elif kind == "correction":
+            tensors[name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
         elif kind == "norm":
             values = 1.0 + norm_std * rng.standard_normal(shape) if norm_std else np.ones(shape)
             tensors[name] = values.astype(np.float32)
@@ -261,4 +294,5 @@ def write_model(path, c, seed=1, weight_std=0.2, norm_std=0.1, tokenizer_dir=Non
 
 
 def parameter_count(c):
-    return sum(int(np.prod(shape)) for _, shape, _ in model_tensors(c))
+    """As transformers counts them: parameters, not buffers (glm4_moe's correction biases)."""
+    return sum(int(np.prod(shape)) for _, shape, kind in model_tensors(c) if kind != "correction")

@@ -878,6 +878,15 @@ class CpuBackend final : public Backend {
                              Tensor& counts, Tensor& prob_sums) override {
     cpu::moe_router_statistics(probs, topk_index, token_doc, counts, prob_sums);
   }
+  void moe_sigmoid_router_forward(Stream, const Tensor& logits, const Tensor& correction_bias,
+                                  const SigmoidRouting& routing, Tensor& scores, Tensor& topk_index,
+                                  Tensor& topk_weight) override {
+    cpu::moe_sigmoid_router_forward(logits, correction_bias, routing, scores, topk_index, topk_weight);
+  }
+  void moe_sigmoid_router_backward(Stream, const Tensor& scores, const Tensor& topk_index, const Tensor& d_topk_weight,
+                                   const SigmoidRouting& routing, Tensor& dlogits) override {
+    cpu::moe_sigmoid_router_backward(scores, topk_index, d_topk_weight, routing, dlogits);
+  }
   void moe_permute(Stream, const Tensor& topk_index, int64_t num_experts, Tensor& rows_token, Tensor& row_of_slot,
                    Tensor& offsets) override {
     cpu::moe_permute(topk_index, num_experts, rows_token, row_of_slot, offsets);

@@ -127,6 +127,107 @@ void moe_router_backward(const Tensor& probs, const Tensor& topk_index, const Te
   }
 }
 
+void moe_sigmoid_router_forward(const Tensor& logits, const Tensor& correction_bias, const SigmoidRouting& routing,
+                                Tensor& scores, Tensor& topk_index, Tensor& topk_weight) {
+  const char* op = "moe_sigmoid_router_forward";
+  require_float(logits, op, "logits");
+  require_float(correction_bias, op, "correction_bias");
+  require_float(scores, op, "scores");
+  require_index(topk_index, op, "topk_index");
+  require_float(topk_weight, op, "topk_weight");
+  SPINDLE_CHECK(logits.rank() == 2, "{}: logits {}", op, logits.describe());
+  const int64_t tokens = logits.dim(0), experts = logits.dim(1), top_k = routing.top_k;
+  const int64_t groups = routing.groups, per_group = groups > 0 ? experts / groups : 0;
+  SPINDLE_CHECK(groups >= 1 && experts % groups == 0 && per_group >= 2, "{}: {} experts in {} groups", op, experts,
+                groups);
+  SPINDLE_CHECK(routing.top_groups >= 1 && routing.top_groups <= groups && top_k >= 1 &&
+                    top_k <= routing.top_groups * per_group,
+                "{}: top_k {} from {} of {} groups of {} experts", op, top_k, routing.top_groups, groups, per_group);
+  require_shape(correction_bias, Shape{experts}, op, "correction_bias");
+  require_shape(scores, Shape{tokens, experts}, op, "scores");
+  require_shape(topk_index, Shape{tokens, top_k}, op, "topk_index");
+  require_shape(topk_weight, Shape{tokens, top_k}, op, "topk_weight");
+  // The choice is ranked in the stat dtype's own arithmetic: in F32, the F32 sums transformers forms.
+  const bool single = scores.dtype() == DType::F32;
+  auto in_stat = [single](double v) { return single ? static_cast<double>(static_cast<float>(v)) : v; };
+  int32_t* index = topk_index.data_as<int32_t>();
+#pragma omp parallel for if (tokens > 64)
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<double> choice(static_cast<size_t>(experts));
+    for (int64_t e = 0; e < experts; ++e) {
+      store(scores, t * experts + e, 1.0 / (1.0 + std::exp(-load(logits, t * experts + e))));
+      choice[e] = in_stat(load(scores, t * experts + e) + load(correction_bias, e));
+    }
+    // Each group's score, the sum of its two largest choices; the best top_groups groups stay.
+    std::vector<double> group_score(static_cast<size_t>(groups));
+    for (int64_t g = 0; g < groups; ++g) {
+      double first = -INFINITY, second = -INFINITY;
+      for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
+        if (choice[e] > first) {
+          second = first;
+          first = choice[e];
+        } else if (choice[e] > second) {
+          second = choice[e];
+        }
+      }
+      group_score[g] = in_stat(first + second);
+    }
+    std::vector<int32_t> group_order(static_cast<size_t>(groups));
+    std::iota(group_order.begin(), group_order.end(), 0);
+    std::partial_sort(group_order.begin(), group_order.begin() + routing.top_groups, group_order.end(),
+                      [&](int32_t a, int32_t b) {
+                        return group_score[a] > group_score[b] || (group_score[a] == group_score[b] && a < b);
+                      });
+    std::vector<int32_t> candidates;
+    candidates.reserve(static_cast<size_t>(routing.top_groups * per_group));
+    for (int64_t i = 0; i < routing.top_groups; ++i)
+      for (int64_t e = group_order[i] * per_group; e < (group_order[i] + 1) * per_group; ++e)
+        candidates.push_back(static_cast<int32_t>(e));
+    std::partial_sort(candidates.begin(), candidates.begin() + top_k, candidates.end(), [&](int32_t a, int32_t b) {
+      return choice[a] > choice[b] || (choice[a] == choice[b] && a < b);
+    });
+    double sum = 0;
+    for (int64_t j = 0; j < top_k; ++j) sum += load(scores, t * experts + candidates[j]);
+    const double denominator = in_stat(in_stat(sum) + 1e-20);
+    for (int64_t j = 0; j < top_k; ++j) {
+      index[t * top_k + j] = candidates[j];
+      const double s = load(scores, t * experts + candidates[j]);
+      store(topk_weight, t * top_k + j, (routing.normalize ? in_stat(s / denominator) : s) * routing.scaling);
+    }
+  }
+}
+
+void moe_sigmoid_router_backward(const Tensor& scores, const Tensor& topk_index, const Tensor& d_topk_weight,
+                                 const SigmoidRouting& routing, Tensor& dlogits) {
+  const char* op = "moe_sigmoid_router_backward";
+  require_float(scores, op, "scores");
+  require_index(topk_index, op, "topk_index");
+  require_float(d_topk_weight, op, "d_topk_weight");
+  require_float(dlogits, op, "dlogits");
+  const int64_t tokens = scores.dim(0), experts = scores.dim(1), top_k = topk_index.dim(1);
+  require_shape(topk_index, Shape{tokens, top_k}, op, "topk_index");
+  require_shape(d_topk_weight, Shape{tokens, top_k}, op, "d_topk_weight");
+  require_shape(dlogits, Shape{tokens, experts}, op, "dlogits");
+  const int32_t* index = topk_index.data_as<int32_t>();
+#pragma omp parallel for if (tokens > 64)
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t e = 0; e < experts; ++e) store(dlogits, t * experts + e, 0.0);
+    // w_j = c·s_j / D, D = Σ_m s_m + 1e-20 (c·s_j without renormalisation):
+    // ∂L/∂s_j = (c/D)·(∂L/∂w_j − Σ_m ∂L/∂w_m·s_m / D); then through σ, ∂s/∂z = s·(1 − s).
+    double denominator = 1e-20, weighted = 0;
+    for (int64_t j = 0; j < top_k; ++j) denominator += load(scores, t * experts + index[t * top_k + j]);
+    for (int64_t j = 0; j < top_k; ++j)
+      weighted += load(d_topk_weight, t * top_k + j) * load(scores, t * experts + index[t * top_k + j]);
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int32_t e = index[t * top_k + j];
+      const double s = load(scores, t * experts + e), dw = load(d_topk_weight, t * top_k + j);
+      const double ds = routing.normalize ? routing.scaling / denominator * (dw - weighted / denominator)
+                                          : routing.scaling * dw;
+      store(dlogits, t * experts + e, load(dlogits, t * experts + e) + ds * s * (1.0 - s));
+    }
+  }
+}
+
 void moe_router_statistics(const Tensor& probs, const Tensor& topk_index, const Tensor& token_doc, Tensor& counts,
                            Tensor& prob_sums) {
   const char* op = "moe_router_statistics";

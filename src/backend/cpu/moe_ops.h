@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "backend/backend.h"
 #include "core/tensor.h"
 
 namespace spindle::cpu {
@@ -13,6 +14,11 @@ void moe_router_forward(const Tensor& logits, int64_t top_k, bool normalize, Ten
                         Tensor& topk_weight);
 void moe_router_backward(const Tensor& probs, const Tensor& topk_index, const Tensor& d_topk_weight, bool normalize,
                          const Tensor& aux_grad, const Tensor& token_doc, Tensor& dlogits);
+// glm4_moe's sigmoid router with its correction bias and group-limited choice (backend.h).
+void moe_sigmoid_router_forward(const Tensor& logits, const Tensor& correction_bias, const SigmoidRouting& routing,
+                                Tensor& scores, Tensor& topk_index, Tensor& topk_weight);
+void moe_sigmoid_router_backward(const Tensor& scores, const Tensor& topk_index, const Tensor& d_topk_weight,
+                                 const SigmoidRouting& routing, Tensor& dlogits);
 void moe_router_statistics(const Tensor& probs, const Tensor& topk_index, const Tensor& token_doc, Tensor& counts,
                            Tensor& prob_sums);
 void moe_permute(const Tensor& topk_index, int64_t num_experts, Tensor& rows_token, Tensor& row_of_slot,

@@ -58,6 +58,7 @@ MixtureOfExperts::MixtureOfExperts(ParameterSink& sink, const ModelConfig& c, co
     return;
   }
   router_ = sink.add_linear({"gate", pre + "gate", experts_, h, gating_.router_bias, false});
+  if (gating_.sigmoid_router) correction_bias_ = &sink.add_buffer(pre + "gate.e_score_correction_bias", Shape{experts_});
   gate_.reserve(static_cast<size_t>(experts_));
   up_.reserve(static_cast<size_t>(experts_));
   down_.reserve(static_cast<size_t>(experts_));
@@ -105,9 +106,15 @@ void MixtureOfExperts::add_gpt_oss_experts(ParameterSink& sink, const std::strin
   for (PackedTensor* packed : {&gate_up, &gate_up_bias, &down, &down_bias}) sink.add_packed(std::move(*packed));
 }
 
+SigmoidRouting MixtureOfExperts::sigmoid_routing() const {
+  return {.top_k = top_k_, .groups = gating_.n_group, .top_groups = gating_.topk_group, .normalize = normalize_,
+          .scaling = gating_.routed_scaling_factor};
+}
+
 std::vector<Parameter*> MixtureOfExperts::parameters() const {
   std::vector<Parameter*> out;
   append_parameters(out, router_);
+  if (correction_bias_) out.push_back(correction_bias_);
   for (const Linear& lin : gate_up_) append_parameters(out, lin);
   for (int64_t e = 0; e < experts_ && gate_up_.empty(); ++e)
     for (const Linear* lin : {&gate_[e], &up_[e]}) append_parameters(out, *lin);
@@ -188,8 +195,13 @@ void MixtureOfExperts::forward(const LayerContext& ctx, const Tensor& xn, FeedFo
   // Router: logits in the activation dtype, softmax and top-k at the stat precision.
   Tensor logits = be.empty(Shape{t, experts_}, dt);
   router_.forward(be, st, xn, logits, a.router);
-  be.moe_router_forward(st, logits, top_k_, normalize_, a.probs, a.topk_index, a.topk_weight);
-  if (ctx.router_aux && ctx.router_aux->collecting()) ctx.router_aux->add(st, a.probs, a.topk_index, ctx.batch.doc_ids);
+  if (gating_.sigmoid_router) {  // no load-balancing loss: router_aux_loss_coefficient refuses one
+    be.moe_sigmoid_router_forward(st, logits, correction_bias_->value, sigmoid_routing(), a.probs, a.topk_index,
+                                  a.topk_weight);
+  } else {
+    be.moe_router_forward(st, logits, top_k_, normalize_, a.probs, a.topk_index, a.topk_weight);
+    if (ctx.router_aux && ctx.router_aux->collecting()) ctx.router_aux->add(st, a.probs, a.topk_index, ctx.batch.doc_ids);
+  }
   be.moe_permute(st, a.topk_index, experts_, a.rows_token, a.row_of_slot, a.offsets);
   const bool grouped = grouped_experts();
   if (!grouped) read_expert_rows(be, st, a);
@@ -340,7 +352,10 @@ void MixtureOfExperts::route_backward(const LayerContext& ctx, const Tensor& xn,
   Tensor aux;
   if (ctx.router_aux && ctx.router_aux->ready()) aux = ctx.router_aux->probability_gradient();
   Tensor d_logits = be.empty(Shape{t, experts_}, ctx.dtype);
-  be.moe_router_backward(st, a.probs, a.topk_index, d_weight, normalize_, aux, ctx.batch.doc_ids, d_logits);
+  if (gating_.sigmoid_router)
+    be.moe_sigmoid_router_backward(st, a.probs, a.topk_index, d_weight, sigmoid_routing(), d_logits);
+  else
+    be.moe_router_backward(st, a.probs, a.topk_index, d_weight, normalize_, aux, ctx.batch.doc_ids, d_logits);
   router_.backward(be, st, xn, d_logits, a.router, &dxn, false);
   be.scatter_add_rows(st, dx, a.rows_token, dxn);
 }

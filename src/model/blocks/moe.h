@@ -19,6 +19,13 @@
 //   out[t] = Σ_j w[t, j] · (act·W_downᵀ + b_down).
 // LoRA does not reach those experts (their fused tensors are [E, in, out], which PEFT's
 // target_parameters wrap in a layout of their own); their attention projections take LoRA as usual.
+//
+// glm4_moe (MoeGating::sigmoid_router): qwen3_moe's experts behind transformers' Glm4MoeTopkRouter,
+//
+//   s = σ(xn·W_gᵀ) (stat precision),  c = s + b  (b: mlp.gate.e_score_correction_bias, a buffer),
+//   candidates: the experts of the topk_group groups (of n_group) whose two best c sum highest,
+//   the k candidates of largest c; w = their s (renormalised when norm_topk_prob) · routed_scaling_factor.
+// b moves the choice only: the weights' gradient reaches W_g through s, never b.
 #pragma once
 
 #include <string>
@@ -36,6 +43,7 @@ class MixtureOfExperts final : public FeedForward {
   // gpt_oss: "<prefix>mlp.router.{weight [E, H], bias [E]}" and per expert
   // "<prefix>mlp.experts.<e>.gate_up_proj.{weight [2I, H], bias [2I]}", "….down_proj.{weight [H, I], bias [H]}"
   // (read from and written to the fused tensors of MoeGating).
+  // glm4_moe: qwen3_moe's, and the buffer "<prefix>mlp.gate.e_score_correction_bias" [E] after the router.
   MixtureOfExperts(ParameterSink& sink, const ModelConfig& config, const std::string& layer_prefix);
 
   FeedForwardKind kind() const override { return FeedForwardKind::MixtureOfExperts; }
@@ -74,6 +82,8 @@ class MixtureOfExperts final : public FeedForward {
   bool normalize_;
   MoeGating gating_;
   Linear router_;                       // [E, H]
+  Parameter* correction_bias_ = nullptr;  // [E] stat dtype, sigmoid_router only (a buffer)
+  SigmoidRouting sigmoid_routing() const;
   std::vector<Linear> gate_, up_, down_;  // [E] each: [I, H], [I, H], [H, I]; gpt_oss: gate and up empty
   std::vector<Linear> gate_up_;           // gpt_oss: [E] each [2I, H], gate and up rows interleaved
   // LoRA on the fused tensors as PEFT's target_parameters adapt them: gate_up_proj [E, 2I, H] (one
