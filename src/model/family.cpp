@@ -6,6 +6,7 @@
 #include "model/families/dense.h"
 #include "model/families/gemma.h"
 #include "model/families/gpt_oss.h"
+#include "model/families/phi3.h"
 #include "model/families/qwen3_moe.h"
 #include "model/families/qwen3_5.h"
 #include "model/families/qwen3_5_moe.h"
@@ -36,6 +37,8 @@ const ModelFamily kFamilies[] = {
     // gpt-oss (sinks, alternating sliding windows, YaRN, biased clamped-SwiGLU experts).
     {"gpt_oss", "model.", read_gpt_oss_config, {}, {},
      "the CUDA kernels for gpt-oss's clamped-SwiGLU experts and attention sinks are not built yet"},
+    // Phi-3/3.5/4-mini, Phi-4: fused qkv_proj and gate_up_proj, LongRoPE, partial rotary.
+    {"phi3", "model.", read_phi3_config, {}, {}, {}, read_phi3_rope},
 };
 
 }  // namespace

@@ -247,3 +247,9 @@ INSTANTIATE_TEST_SUITE_P(ExpertLora, HfParity, ::testing::Values("qwen3_moe_expe
 // matches but its attention-LoRA gradients differ from transformers' by 1.3e-3 to 3.5e-3 relative
 // (docs/usage.md, gpt_oss).
 INSTANTIATE_TEST_SUITE_P(GptOss, HfParity, ::testing::Values("gpt_oss"));
+// phi3: q/k/v and gate/up each one projection (qkv_proj, gate_up_proj), LongRoPE with documents on both
+// sides of the original window (each rotated with its own length's factors, as transformers rotates one
+// document run alone) and the attention factor; a sliding window (phi3); partial rotary, a tied head,
+// explicit factors and LoRA with nonzero B on the fused projections (phi3_lora); only the short factors
+// (phi3_short). llama_dynamic: dynamic NTK, each document's base grown to its own length.
+INSTANTIATE_TEST_SUITE_P(Phi3, HfParity, ::testing::Values("phi3", "phi3_lora", "phi3_short", "llama_dynamic"));
