@@ -395,6 +395,52 @@ def hf_aux_loss_note(model, docs, config):
     return {"model_aux_loss": own, "aux_loss_from_raw_logits": raw, "router_output_is_probabilities": probabilities}
 
 
+class RopeTablesPerDocument:
+    """For a RoPE whose tables depend on the sequence length (longrope, dynamic), which table transformers
+    rotated each document with: recorded by a forward hook on the rotary embedding as the reference runs the
+    documents one at a time, and checked against the table of that document's own length. transformers chooses
+    from max(position_ids) + 1 in every forward; dynamic NTK keeps the table of the longest sequence since the
+    last one shorter than max_position_embeddings (a state spindle does not keep): the check proves the
+    documents' order never brought that state into play, so the reference is per document, as spindle is."""
+
+    def __init__(self, model):
+        rotary = [m for n, m in model.named_modules() if n.endswith("rotary_emb")]
+        assert len(rotary) == 1, "one rotary embedding expected"
+        self.module = rotary[0]
+        self.tables = []
+        self.handle = self.module.register_forward_hook(
+            lambda module, args, out: self.tables.append(module.inv_freq.detach().clone()))
+
+    def verify(self, docs):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        self.handle.remove()
+        rope = self.module
+        config = rope.config
+        kind = config.rope_parameters["rope_type"]
+        threshold = (config.rope_parameters["original_max_position_embeddings"] if kind == "longrope"
+                     else config.max_position_embeddings)
+        assert len(self.tables) == len(docs), (len(self.tables), len(docs))
+        longer = 0
+        for d, used in zip(docs, self.tables):
+            n = len(d["input_ids"])
+            if n > threshold:
+                longer += 1
+                # As dynamic_rope_update computes them: longrope from original + 1, dynamic from the tensor length.
+                seq_len = torch.tensor(n) if kind == "dynamic" else threshold + 1
+                want, _ = ROPE_INIT_FUNCTIONS[kind](config, None, seq_len=seq_len)
+            else:
+                want = rope.original_inv_freq
+            if not torch.equal(used, want):
+                raise SystemExit(f"the {n}-token document was rotated with another table than its own length's")
+        return {"rope_tables": f"every document rotated with the {kind} table of its own length: {longer} of "
+                               f"{len(docs)} longer than {threshold}", "attention_scaling": rope.attention_scaling}
+
+
+def length_dependent_rope(config):
+    params = getattr(text_config(config), "rope_parameters", None) or {}
+    return params.get("rope_type") in ("longrope", "dynamic")
+
+
 # gpt_oss's clamped SwiGLU: gate clamped above at 7, up to [-7, 7] (GptOssExperts.limit).
 SWIGLU_LIMIT = 7.0
 
@@ -681,10 +727,16 @@ def write_case(name, config, legacy_rope=None, lora=None, model_class=None):
     with open(os.path.join(folder, "data.jsonl"), "w") as f:
         for d in docs:
             f.write(json.dumps(d) + "\n")
+    rope_tables = RopeTablesPerDocument(model) if length_dependent_rope(config) else None
     tensors, loss = reference_moe(model, docs, trainable, config) if aux_on else reference(model, docs, trainable)
+    if rope_tables is not None:
+        notes.update(rope_tables.verify(docs))
+        print(f"  {notes}")
     save_file(tensors, os.path.join(folder, "expected.safetensors"))
     summary = {"loss": loss, "num_items": int(tensors["num_items"][0]), "transformers": transformers.__version__,
                "torch": torch.__version__, "trainable": [n for n, _ in trainable]}
+    if notes and not moe:
+        summary.update(notes)
     if moe:
         import peft
         summary.update(peft=peft.__version__, **notes)
@@ -875,6 +927,74 @@ def main():
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5})
     write_case("glm4_moe_v4", glm4_v4,
                legacy_rope={"rope_theta": 1000000.0, "rope_scaling": None, "partial_rotary_factor": 0.5})
+
+
+    # phi3 (Phi-3, Phi-3.5/4-mini): q, k and v in one projection (qkv_proj), gate and up in one (gate_up_proj),
+    # LongRoPE. transformers picks the short or the long factors in every forward from max(position_ids) + 1,
+    # here one document at a time: with an original window of 8 the documents of 9, 12, 17 and 23 tokens
+    # rotate with the long factors and those of 1, 4 and 5 with the short ones (RopeTablesPerDocument checks
+    # it); the attention factor (√(1 + ln(512/8)/ln 8) = √3 from max/original, or from an explicit factor)
+    # scales cos and sin in both. phi3: a sliding window of 6 on every layer, the v4 spelling Phi-3 checkpoints
+    # ship (rope_scaling "longrope", rope_theta and original_max_position_embeddings at the top level).
+    # phi3_lora: Phi-4-mini's shape (RoPE on 0.75 of each head: 6 factors per list, a tied head), an
+    # explicit factor, the v5 spelling, LoRA with nonzero B on the fused projections (one A and one B each,
+    # as PEFT adapts an nn.Linear; std 0.1, at which a BF16 step moves the gradients by 1 %, against 120 %
+    # at 0.3). phi3_short: an original window of 64, past every document, so only the
+    # short factors rotate; an explicit attention_factor; partial_rotary_factor at the top level (v4).
+    factor_rng = torch.Generator().manual_seed(32)
+
+    def factors(n, low, high):
+        """n factors growing from about `low` to `high` (LongRoPE's lists rise with the pair index), jittered."""
+        ramp = torch.linspace(low, high, n) * (1 + 0.1 * torch.rand(n, generator=factor_rng))
+        return [round(float(x), 4) for x in ramp]
+
+    phi3_common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=None)  # Phi3Config: 32000, past this vocabulary
+    short8, long8 = factors(8, 1.0, 1.3), factors(8, 1.0, 12.0)
+    short6, long6 = factors(6, 1.0, 1.3), factors(6, 1.0, 12.0)
+
+    def phi3():
+        return transformers.Phi3Config(**phi3_common, original_max_position_embeddings=8, sliding_window=6,
+                                       tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                        "short_factor": short8, "long_factor": long8})
+
+    def phi3_partial():
+        return transformers.Phi3Config(**phi3_common, original_max_position_embeddings=8, tie_word_embeddings=True,
+                                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0,
+                                                        "partial_rotary_factor": 0.75, "short_factor": short6,
+                                                        "long_factor": long6})
+
+    def phi3_short():
+        return transformers.Phi3Config(**phi3_common, original_max_position_embeddings=64, tie_word_embeddings=True,
+                                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                        "attention_factor": 1.3, "partial_rotary_factor": 0.75,
+                                                        "short_factor": short6, "long_factor": long6})
+
+    phi3_targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    for case, make, legacy, lora in (
+            ("phi3", phi3, {"rope_theta": 10000.0, "rope_scaling": {"type": "longrope", "short_factor": short8,
+                                                                    "long_factor": long8}}, None),
+            ("phi3_lora", phi3_partial, None, dict(r=4, lora_alpha=8, lora_dropout=0.0, init_std=0.1,
+                                                   target_modules=phi3_targets)),
+            ("phi3_short", phi3_short, {"rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                        "rope_scaling": {"type": "longrope", "attention_factor": 1.3,
+                                                         "short_factor": short6, "long_factor": long6}}, None)):
+        try:
+            write_case(case, make(), legacy_rope=legacy, lora=lora)
+        except Exception as e:
+            print(f"{case}: FAILED {e!r}")
+
+    # Dynamic NTK on llama, max_position_embeddings 8: the documents of 9, 12, 17 and 23 tokens grow the base
+    # to their own lengths, the others keep it (RopeTablesPerDocument checks that transformers' state, which
+    # keeps the longest length until a sequence shorter than 8, never came into play in this order); the v4
+    # spelling with "type".
+    llama_dynamic = transformers.LlamaConfig(**{**common, "max_position_embeddings": 8}, tie_word_embeddings=False,
+                                             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                              "factor": 2.0})
+    write_case("llama_dynamic", llama_dynamic,
+               legacy_rope={"rope_theta": 10000.0, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
 
 
 if __name__ == "__main__":

@@ -294,9 +294,10 @@ class Backend {
   virtual void copy_columns(Stream stream, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
                             int64_t width) = 0;
   // rope() on the first rotary_dim of each head's D dims (partial RoPE): pairs (i, i + rotary_dim/2),
-  // inv_freq F32 [rotary_dim/2]; dims rotary_dim … D−1 pass through.
+  // inv_freq F32 [rotary_dim/2], cos and sin scaled by attention_scale; dims rotary_dim … D−1 pass
+  // through unscaled.
   virtual void rope_partial(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq,
-                            int64_t rotary_dim, int sign) = 0;
+                            int64_t rotary_dim, double attention_scale, int sign) = 0;
   // out = x·σ(gate), elementwise (gated attention's output gate); the backward overwrites
   // dx = dout·σ(gate) and dgate = dout·x·σ(gate)·(1 − σ(gate)).
   virtual void sigmoid_gate_forward(Stream stream, const Tensor& x, const Tensor& gate, Tensor& out) = 0;

@@ -49,7 +49,9 @@ StepFlops step_flops(const ModelConfig& c, const FlopSetup& s) {
                             std::find(s.lora_targets.begin(), s.lora_targets.end(), lin.module) != s.lora_targets.end());
       const double weights = static_cast<double>(lin.out * lin.in) +
                              (adapted ? static_cast<double>(s.lora_rank * (lin.in + lin.out)) : 0.0);
-      if (lin.prefix.ends_with(".mlp.gate_proj") || lin.prefix.ends_with(".mlp.up_proj")) gate_up += weights;
+      if (lin.prefix.ends_with(".mlp.gate_proj") || lin.prefix.ends_with(".mlp.up_proj") ||
+          lin.prefix.ends_with(".mlp.gate_up_proj"))
+        gate_up += weights;
       else if (lin.prefix.ends_with(".mlp.down_proj")) down += weights;
     }
     f.dense_executed += 2 * T * ((1 - share) * gate_up - share * down);

@@ -241,9 +241,9 @@ void TimedBackend::copy_columns(Stream stream, const Tensor& src, int64_t src_co
         [&] { inner_.copy_columns(stream, src, src_col, dst, dst_col, width); });
 }
 void TimedBackend::rope_partial(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq,
-                                int64_t rotary_dim, int sign) {
+                                int64_t rotary_dim, double attention_scale, int sign) {
   timed(stream, C::OtherOps, "rope_partial", 0, bytes_of({&x, &x, &positions, &inv_freq}),
-        [&] { inner_.rope_partial(stream, x, positions, inv_freq, rotary_dim, sign); });
+        [&] { inner_.rope_partial(stream, x, positions, inv_freq, rotary_dim, attention_scale, sign); });
 }
 void TimedBackend::sigmoid_gate_forward(Stream stream, const Tensor& x, const Tensor& gate, Tensor& out) {
   timed(stream, C::OtherOps, "sigmoid_gate_forward", 0, bytes_of({&x, &gate, &out}),

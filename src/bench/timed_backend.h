@@ -186,7 +186,7 @@ class TimedBackend final : public Backend {
   void copy_columns(Stream stream, const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col,
                     int64_t width) override;
   void rope_partial(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq, int64_t rotary_dim,
-                    int sign) override;
+                    double attention_scale, int sign) override;
   void sigmoid_gate_forward(Stream stream, const Tensor& x, const Tensor& gate, Tensor& out) override;
   void sigmoid_gate_backward(Stream stream, const Tensor& x, const Tensor& gate, const Tensor& dout, Tensor& dx,
                              Tensor& dgate) override;

@@ -1,6 +1,8 @@
 #include "model/batch.h"
 
 #include <algorithm>
+#include <unordered_map>
+#include <utility>
 
 #include "core/error.h"
 
@@ -22,9 +24,36 @@ bool is_one_causal_document(const PackedRow& row) {
   return true;
 }
 
+std::vector<DocumentRun> document_runs(const PackedRow& tokens, const PackedRow& whole, int64_t first_token) {
+  std::unordered_map<int32_t, int64_t> length;  // document id -> largest position + 1 in the whole row
+  SPINDLE_CHECK(whole.positions.size() == whole.doc_ids.size(), "packed row arrays differ in length");
+  for (size_t i = 0; i < whole.doc_ids.size(); ++i)
+    if (whole.doc_ids[i] >= 0) {
+      int64_t& n = length[whole.doc_ids[i]];
+      n = std::max(n, static_cast<int64_t>(whole.positions[i]) + 1);
+    }
+  std::vector<DocumentRun> runs;
+  const size_t n = tokens.doc_ids.size();
+  for (size_t begin = 0; begin < n;) {
+    size_t end = begin + 1;
+    while (end < n && tokens.doc_ids[end] == tokens.doc_ids[begin]) ++end;
+    const int32_t doc = tokens.doc_ids[begin];
+    int64_t doc_length = 0;
+    if (doc >= 0) {
+      const auto it = length.find(doc);
+      SPINDLE_CHECK(it != length.end(), "document {} of a shard is not in its row", doc);
+      doc_length = it->second;
+    }
+    runs.push_back({first_token + static_cast<int64_t>(begin), first_token + static_cast<int64_t>(end), doc_length});
+    begin = end;
+  }
+  return runs;
+}
+
 MicroBatch make_micro_batch(Backend& backend, const std::vector<PackedRow>& rows, DType model_dtype) {
   std::vector<int32_t> ids, positions, docs, selected, targets;
   std::vector<double> weights;
+  std::vector<DocumentRun> runs;
   int32_t doc_offset = 0;
   int64_t num_items = 0;
   for (const PackedRow& row : rows) {
@@ -32,6 +61,7 @@ MicroBatch make_micro_batch(Backend& backend, const std::vector<PackedRow>& rows
     const size_t n = row.input_ids.size();
     if (row.positions.size() != n || row.doc_ids.size() != n || row.targets.size() != n || row.weights.size() != n)
       fail("packed row arrays differ in length ({} tokens)", n);
+    for (const DocumentRun& run : document_runs(row, row, base)) runs.push_back(run);
     int32_t max_doc = -1;
     for (size_t i = 0; i < n; ++i) {
       ids.push_back(row.input_ids[i]);
@@ -53,6 +83,7 @@ MicroBatch make_micro_batch(Backend& backend, const std::vector<PackedRow>& rows
   b.num_tokens = static_cast<int64_t>(ids.size());
   b.num_selected = static_cast<int64_t>(selected.size());
   b.num_items = num_items;
+  b.document_runs = std::move(runs);
   b.input_ids = upload_i32(backend, ids);
   b.positions = upload_i32(backend, positions);
   b.doc_ids = upload_i32(backend, docs);

@@ -9,6 +9,16 @@
 
 namespace spindle {
 
+// Consecutive tokens of one document (or of padding) in a micro-batch, with the length that document
+// has in its whole row: its largest position + 1 over every token of the row, the same on every
+// sequence-parallel rank whatever part of it a rank holds (for a document run alone, transformers'
+// max(position_ids) + 1). A RoPE scaling that depends on the length (longrope, dynamic) rotates each
+// run with its document's table (model/rope_tables.h).
+struct DocumentRun {
+  int64_t begin = 0, end = 0;  // token indices [begin, end) of the micro-batch
+  int64_t length = 0;          // 0 for padding
+};
+
 struct MicroBatch {
   Tensor input_ids;  // I32 [T]
   Tensor positions;  // I32 [T] position inside the token's own document (RoPE and the mask)
@@ -24,7 +34,12 @@ struct MicroBatch {
   // the whole row when the Ulysses all-to-all gathers it back in order (contiguous layout).
   bool one_causal_document = false;
   bool row_one_causal_document = false;
+  std::vector<DocumentRun> document_runs;  // covering [0, num_tokens) in order
 };
+
+// The runs of `tokens` (a packed row, or a sequence-parallel shard of `whole`), each document's length
+// taken from `whole`; token indices start at `first_token`.
+std::vector<DocumentRun> document_runs(const PackedRow& tokens, const PackedRow& whole, int64_t first_token = 0);
 
 // Whether a packed row is one document at positions 0 … n−1 with no padding.
 bool is_one_causal_document(const PackedRow& row);

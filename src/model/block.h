@@ -17,6 +17,7 @@
 #include "model/batch.h"
 #include "model/config.h"
 #include "model/linear.h"
+#include "model/rope_tables.h"
 
 namespace spindle {
 
@@ -31,8 +32,10 @@ struct LayerContext {
   const ModelConfig& config;
   DType dtype;                     // activations
   AttentionStrategy& attention;    // softmax attention over the (possibly sharded) sequence
-  const Tensor& rope_inv_freq;          // F32 [rotary/2] of config.rope
-  const Tensor& sliding_rope_inv_freq;  // F32 [rotary/2] of config.sliding_rope (undefined without one)
+  // Which RoPE table rotates which tokens (model/rope_tables.h): of config.rope, and of
+  // config.sliding_rope (empty without one).
+  const std::vector<RopeSpan>& rope;
+  const std::vector<RopeSpan>& sliding_rope;
   RouterAuxLoss* router_aux = nullptr;  // MoE load-balancing loss of the step (null: off)
   int64_t tokens() const { return batch.num_tokens; }
 };
@@ -77,6 +80,7 @@ struct SelfAttentionActivations {
   Tensor gate;            // [T, Hq, D] the output gate's pre-activation, from q_proj (attn_output_gate only)
   Tensor attn, lse;       // [T, Hq, D], [Hq, T]  the core: kept by keep-attention recompute
   LinearActivations q_proj, k_proj, v_proj, o_proj;
+  LinearActivations qkv_proj;  // the one q/k/v projection (ModelConfig::fused_qkv)
 };
 
 // Gated DeltaNet (blocks/gated_deltanet.h): Hk key heads of dk, Hv value heads of dv, C = 2·Hk·dk +
@@ -108,6 +112,7 @@ struct SwigluActivations {
   Tensor act;       // [T, F] silu(gate)·up: only in the recompute scratch set; a kept layer
                     // recomputes it in backward (one elementwise pass for T·F less per layer)
   LinearActivations gate_proj, up_proj, down_proj;
+  LinearActivations gate_up_proj;  // the one gate/up projection (ModelConfig::fused_gate_up)
   // > 0: the MLP runs over its tokens in tiles of at most this many rows (--mlp-tile-tokens) and
   // the record holds no tensor at all: the backward recomputes each tile's gate and up from the MLP
   // input, so no [T, F] tensor outlives one tile (blocks/swiglu_mlp.h).

@@ -35,6 +35,54 @@ double yarn_attention_factor(const json& params, double factor, const std::strin
   return mscale_of(1.0);
 }
 
+// A list of numbers of the RoPE settings (longrope's short_factor, long_factor). Its length is
+// checked once the rotary dims are known (ModelConfig::from_json).
+std::vector<double> factor_list(const json& params, const char* key, const std::string& source) {
+  if (!params.contains(key) || params[key].is_null())
+    fail("{}: RoPE scaling \"longrope\" needs \"{}\", a list of one factor per rotated pair of dims", source, key);
+  const json& list = params[key];
+  if (!list.is_array()) fail("{}: longrope's \"{}\" must be a list of numbers, got {}", source, key, list.dump());
+  std::vector<double> out;
+  for (const json& x : list) {
+    if (!x.is_number() || !(x.get<double>() > 0))
+      fail("{}: longrope's \"{}\" must be a list of positive numbers, got {}", source, key, x.dump());
+    out.push_back(x.get<double>());
+  }
+  return out;
+}
+
+// LongRoPE (transformers' _compute_longrope_parameters): the factor lists, the window past which the
+// long ones rotate (original_max_position_embeddings, else max_position_embeddings), the factor
+// (explicit, else max_position_embeddings / original) and from it the attention factor, which
+// transformers computes once and applies to both lists' tables.
+void read_longrope(const json& j, const json& params, RopeConfig& rope, const std::string& source) {
+  const double max_positions = number_or(j, "max_position_embeddings", 0.0, source);
+  const double original = number_or(params, "original_max_position_embeddings", max_positions, source);
+  if (!(original > 1))
+    fail("{}: RoPE scaling \"longrope\" needs original_max_position_embeddings (or max_position_embeddings) above "
+         "1: the length past which it rotates with its long factors, got {}",
+         source, original);
+  rope.original_max_position_embeddings = static_cast<int64_t>(original);
+  rope.short_factor = factor_list(params, "short_factor", source);
+  rope.long_factor = factor_list(params, "long_factor", source);
+  if (params.contains("factor") && !params["factor"].is_null()) {
+    rope.factor = number_or(params, "factor", 1.0, source);
+    if (!(rope.factor > 0)) fail("{}: longrope's \"factor\" must be positive, got {}", source, rope.factor);
+  } else {
+    if (!(max_positions > 0))
+      fail("{}: RoPE scaling \"longrope\" needs \"factor\" or max_position_embeddings (its attention factor comes "
+           "from max_position_embeddings / original_max_position_embeddings)",
+           source);
+    rope.factor = max_positions / original;
+  }
+  if (params.contains("attention_factor") && !params["attention_factor"].is_null())
+    rope.attention_factor = number_or(params, "attention_factor", 1.0, source);
+  else
+    rope.attention_factor = rope.factor <= 1 ? 1.0 : std::sqrt(1 + std::log(rope.factor) / std::log(original));
+  if (!(rope.attention_factor > 0))
+    fail("{}: longrope's \"attention_factor\" must be positive, got {}", source, rope.attention_factor);
+}
+
 // One layer type's RoPE settings (`params`: rope_parameters, rope_scaling, or one layer type's
 // entry of them), over the top-level fields of `j`.
 RopeConfig parse_rope_params(const json& j, const json& params, const std::string& source) {
@@ -46,8 +94,11 @@ RopeConfig parse_rope_params(const json& j, const json& params, const std::strin
   else if (params.contains("type") && params["type"].is_string()) type = params["type"];
   // Multimodal RoPE over text alone: every section sees the token's one position, so it is 1-D RoPE.
   if (type == "mrope") type = "default";
-  if (type != "default" && type != "linear" && type != "llama3" && type != "yarn")
-    fail("{}: RoPE scaling \"{}\" is not supported; spindle supports default, linear, llama3 and yarn", source, type);
+  if (type != "default" && type != "linear" && type != "llama3" && type != "yarn" && type != "longrope" &&
+      type != "dynamic")
+    fail("{}: RoPE scaling \"{}\" is not supported; spindle supports default, linear, llama3, yarn, longrope and "
+         "dynamic",
+         source, type);
   rope.type = type;
   if (type == "yarn") {
     // transformers 5: original_max_position_embeddings defaults to max_position_embeddings, a missing
@@ -66,9 +117,20 @@ RopeConfig parse_rope_params(const json& j, const json& params, const std::strin
     if (rope.beta_slow == 0) rope.beta_slow = 1;
     rope.truncate = bool_or(params, "truncate", true, source);
     rope.attention_factor = yarn_attention_factor(params, rope.factor, source);
+  } else if (type == "longrope") {
+    read_longrope(j, params, rope, source);
   } else if (type != "default") {
     rope.factor = number_or(params, "factor", 0.0, source);
     if (!(rope.factor > 0)) fail("{}: RoPE scaling \"{}\" needs a positive \"factor\"", source, type);
+  }
+  if (type == "dynamic") {
+    // transformers' _compute_dynamic_ntk_parameters grows the base for sequences longer than the
+    // config's max_position_embeddings.
+    const int64_t max_positions = positive_int_or(j, "max_position_embeddings", 0, source);
+    if (max_positions <= 0)
+      fail("{}: RoPE scaling \"dynamic\" needs max_position_embeddings: its base grows for sequences longer than that",
+           source);
+    rope.original_max_position_embeddings = max_positions;
   }
   if (type == "llama3") {
     rope.low_freq_factor = number_or(params, "low_freq_factor", 0.0, source);
@@ -88,11 +150,24 @@ RopeConfig parse_rope_params(const json& j, const json& params, const std::strin
   return rope;
 }
 
+// longrope's factor lists hold one factor per rotated pair of dims.
+void check_longrope_lengths(const RopeConfig& rope, const ModelConfig& c, const std::string& source) {
+  if (rope.type != "longrope") return;
+  const size_t pairs = static_cast<size_t>(c.rotary_dim() / 2);
+  for (const auto& [name, list] : {std::pair<const char*, const std::vector<double>*>{"short_factor", &rope.short_factor},
+                                   {"long_factor", &rope.long_factor}})
+    if (list->size() != pairs)
+      fail("{}: longrope's \"{}\" has {} entries; RoPE rotates {} of each head's {} dims (partial_rotary_factor {}), "
+           "so it needs {}, one per pair",
+           source, name, list->size(), c.rotary_dim(), c.head_dim, c.rope.partial_rotary_factor, pairs);
+}
+
+}  // namespace
+
 // transformers 4 writes rope_theta at the top and rope_scaling (with "type" or "rope_type");
 // transformers 5 writes rope_parameters holding rope_theta, possibly one entry per layer type
-// ("full_attention", "sliding_attention"). The first is the full-attention layers' RoPE; the second
-// the sliding layers', when they have their own.
-std::pair<RopeConfig, std::optional<RopeConfig>> parse_rope(const json& j, const std::string& source) {
+// ("full_attention", "sliding_attention").
+std::pair<RopeConfig, std::optional<RopeConfig>> read_rope(const json& j, const std::string& source) {
   json params = json::object();
   if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) params = j["rope_parameters"];
   else if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) params = j["rope_scaling"];
@@ -111,8 +186,6 @@ std::pair<RopeConfig, std::optional<RopeConfig>> parse_rope(const json& j, const
   }
   return {parse_rope_params(j, params["full_attention"], source), sliding};
 }
-
-}  // namespace
 
 ModelConfig ModelConfig::from_json(const json& file, const std::string& source) {
   if (!file.is_object()) fail("{}: expected a JSON object", source);
@@ -168,7 +241,7 @@ ModelConfig ModelConfig::from_json(const json& file, const std::string& source) 
     fail("{}: use_sliding_window = true is not supported; spindle trains with full attention", source);
   if (j.contains("pretraining_tp") && j["pretraining_tp"].is_number_integer() && j["pretraining_tp"].get<int>() != 1)
     fail("{}: pretraining_tp {} is not supported (set it to 1)", source, j["pretraining_tp"].get<int>());
-  std::tie(c.rope, c.sliding_rope) = parse_rope(j, source);
+  std::tie(c.rope, c.sliding_rope) = family.read_rope ? family.read_rope(j, source) : read_rope(j, source);
   family.read_config(j, c, source);
   if (c.sliding_rope && c.sliding_rope->partial_rotary_factor != c.rope.partial_rotary_factor)
     fail("{}: the sliding layers' RoPE rotates another share of the head ({} against {}); spindle supports one",
@@ -176,6 +249,8 @@ ModelConfig ModelConfig::from_json(const json& file, const std::string& source) 
   if (c.rotary_dim() < 2 || c.rotary_dim() % 2)
     fail("{}: RoPE would rotate {} of the {} head dims (partial_rotary_factor {}); it needs an even number", source,
          c.rotary_dim(), c.head_dim, c.rope.partial_rotary_factor);
+  check_longrope_lengths(c.rope, c, source);
+  if (c.sliding_rope) check_longrope_lengths(*c.sliding_rope, c, source);
   SPINDLE_CHECK(static_cast<int64_t>(c.layer_kinds.size()) == c.num_layers, "{}: family {} gave {} layer kinds for {} layers",
                 source, c.model_type, c.layer_kinds.size(), c.num_layers);
   SPINDLE_CHECK(c.attention_specs.empty() || static_cast<int64_t>(c.attention_specs.size()) == c.num_layers,
@@ -229,14 +304,40 @@ std::vector<float> rope_inverse_frequencies(const ModelConfig& config) {
   return rope_inverse_frequencies(config.rope, config.rotary_dim());  // transformers: int(head_dim · partial_rotary_factor)
 }
 
-std::vector<float> rope_inverse_frequencies(const RopeConfig& rope, int64_t dim) {
+int64_t RopeConfig::table_key(int64_t length) const {
+  if (type == "longrope") return length > original_max_position_embeddings ? 1 : 0;
+  if (type == "dynamic") return length > original_max_position_embeddings ? length : 0;
+  return 0;
+}
+
+std::vector<float> rope_inverse_frequencies(const RopeConfig& rope, int64_t dim, int64_t length) {
   std::vector<float> inv(dim / 2);
-  const float base = static_cast<float>(rope.theta);
+  float base = static_cast<float>(rope.theta);
+  if (rope.type == "dynamic" && rope.table_key(length) != 0) {
+    // transformers' _compute_dynamic_ntk_parameters on a sequence longer than max_position_embeddings
+    // M, in its fp32 tensor steps: θ' = θ·(factor·L/M − (factor − 1))^(d/(d−2)), the power taken in
+    // double (torch's pow of an fp32 tensor by a Python float) and rounded to fp32.
+    const float grown = static_cast<float>(rope.factor) * static_cast<float>(length) /
+                            static_cast<float>(rope.original_max_position_embeddings) -
+                        static_cast<float>(rope.factor - 1.0);
+    const double exponent = static_cast<double>(dim) / static_cast<double>(dim - 2);
+    base = base * static_cast<float>(std::pow(static_cast<double>(grown), exponent));
+  }
   for (int64_t i = 0; i < dim / 2; ++i) {
     const float exponent = static_cast<float>(2 * i) / static_cast<float>(dim);
     inv[i] = 1.0f / std::pow(base, exponent);
   }
-  if (rope.type == "yarn") {
+  if (rope.type == "longrope") {
+    // transformers' _compute_longrope_parameters: 1 / (ext_i · θ^(2i/d)), ext the long factors for a
+    // sequence longer than original_max_position_embeddings, the short ones otherwise.
+    const std::vector<double>& ext = rope.table_key(length) ? rope.long_factor : rope.short_factor;
+    SPINDLE_CHECK(static_cast<int64_t>(ext.size()) == dim / 2, "longrope: {} factors for {} rotated dims", ext.size(),
+                  dim);
+    for (int64_t i = 0; i < dim / 2; ++i) {
+      const float exponent = static_cast<float>(2 * i) / static_cast<float>(dim);
+      inv[i] = 1.0f / (static_cast<float>(ext[i]) * std::pow(base, exponent));
+    }
+  } else if (rope.type == "yarn") {
     // transformers' _compute_yarn_parameters, in its fp32 steps: dims below `low` keep their frequency
     // (extrapolation), dims above `high` are divided by the factor (interpolation), a linear ramp
     // between; low and high are where a wavelength makes beta_fast and beta_slow turns in the

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
@@ -14,15 +15,27 @@
 namespace spindle {
 
 struct RopeConfig {
-  std::string type = "default";  // default | linear | llama3 | yarn
+  std::string type = "default";  // default | linear | llama3 | yarn | longrope | dynamic
   double theta = 10000.0;
-  double factor = 1.0;                               // linear, llama3, yarn
+  double factor = 1.0;                               // linear, llama3, yarn, dynamic; longrope: for its attention factor
   double low_freq_factor = 1.0, high_freq_factor = 4.0;  // llama3
-  int64_t original_max_position_embeddings = 8192;   // llama3, yarn
+  // llama3, yarn, longrope: the pretraining window (longrope turns to its long factors past it);
+  // dynamic: max_position_embeddings, past which its base grows.
+  int64_t original_max_position_embeddings = 8192;
   double beta_fast = 32, beta_slow = 1;  // yarn: the rotation counts bounding the blend of frequencies
   bool truncate = true;                  // yarn: the blend's bounds rounded outward to whole dims
+  // longrope: per rotated pair i < rotary_dim/2, inv_freq_i = 1 / (factor_i · θ^(2i/rotary_dim)), with
+  // the short factors for a sequence up to original_max_position_embeddings, the long ones past it.
+  std::vector<double> short_factor, long_factor;
   double partial_rotary_factor = 1.0;  // qwen3_5: RoPE on the first head_dim·factor dims of each head
   double attention_factor = 1.0;  // cos and sin are multiplied by it (YaRN, LongRoPE: scales q·k by its square)
+
+  // Whether the inverse frequencies depend on the length of the sequence (longrope, dynamic): then
+  // each document is rotated with the table of its own length (model/rope_tables.h).
+  bool depends_on_length() const { return type == "longrope" || type == "dynamic"; }
+  // Which table a sequence of `length` tokens (transformers' max(position_ids) + 1) gets: equal keys,
+  // equal tables. 0 is the table of short sequences (and of every sequence when nothing depends on it).
+  int64_t table_key(int64_t length) const;
 };
 
 // One layer's softmax attention beyond its projections: how q·k becomes a logit, which keys each
@@ -116,6 +129,11 @@ struct ModelConfig {
   bool zero_centered_norm = false;
   // qwen3_5: q_proj holds per head D query rows then D gate rows; σ(gate) scales the attention output.
   bool attn_output_gate = false;
+  // phi3: q, k and v are one projection, self_attn.qkv_proj, its rows q (Hq·D), k, v (Hkv·D each);
+  // LoRA adapts it as one module (one A, one B over the whole output), as PEFT does.
+  bool fused_qkv = false;
+  // phi3: gate and up are one projection, mlp.gate_up_proj, its rows gate (F) then up (F).
+  bool fused_gate_up = false;
   MlpActivation mlp_activation = MlpActivation::SiLU;
   // Gemma 2/3: RMSNorms on the mixer's and the feed-forward's outputs as well as their inputs:
   // x_mid = x_in + post_attention_layernorm(mixer(input_layernorm(x_in))),
@@ -150,9 +168,17 @@ struct ModelConfig {
 };
 
 // RoPE inverse frequencies [rotary_dim/2] with the configured scaling, computed in fp32 as
-// transformers does, so angles match it bit for bit: of `rope` (the full-attention layers'), or of
-// any RopeConfig over the same rotary dims.
+// transformers computes them (its fp32 steps; its pow may round the last bit otherwise): of `rope`
+// (the full-attention layers'), or of any RopeConfig over the same rotary dims. `length` is the
+// sequence length a length-dependent scaling reads (longrope, dynamic: transformers' max(position_ids)
+// + 1); 0 gives the short-sequence table.
 std::vector<float> rope_inverse_frequencies(const ModelConfig& config);
-std::vector<float> rope_inverse_frequencies(const RopeConfig& rope, int64_t rotary_dim);
+std::vector<float> rope_inverse_frequencies(const RopeConfig& rope, int64_t rotary_dim, int64_t length = 0);
+
+// The RoPE settings of a config.json section `j` (the decoder's fields): transformers 4's rope_theta
+// + rope_scaling, or transformers 5's rope_parameters, possibly per layer type. The first is the
+// full-attention layers' RoPE, the second the sliding layers' when they have their own. A family
+// that reads its RoPE its own way (ModelFamily::read_rope) passes it an edited copy.
+std::pair<RopeConfig, std::optional<RopeConfig>> read_rope(const nlohmann::json& j, const std::string& source);
 
 }  // namespace spindle

@@ -150,13 +150,16 @@ Decoder::Decoder(Backend& backend, ModelWeights& weights, DecoderOptions options
     fail("--checkpoint-stride must be 1 or more, got {}", options_.checkpoint_stride);
   if (options_.checkpoint_stride > 1 && options_.keep_attention)
     fail("--checkpoint-stride {} needs --recompute all, not keep-attention", options_.checkpoint_stride);
-  auto upload = [&](const std::vector<float>& inv) {
-    Tensor table = backend_.empty(Shape{static_cast<int64_t>(inv.size())}, DType::F32);
-    backend_.copy_from_host(stream_, inv.data(), table);
-    return table;
-  };
-  inv_freq_ = upload(rope_inverse_frequencies(c));
-  if (c.sliding_rope) sliding_inv_freq_ = upload(rope_inverse_frequencies(*c.sliding_rope, c.rotary_dim()));
+  rope_ = std::make_unique<RopeTables>(backend_, stream_, c.rope, c.rotary_dim());
+  if (c.sliding_rope) sliding_rope_ = std::make_unique<RopeTables>(backend_, stream_, *c.sliding_rope, c.rotary_dim());
+}
+
+LayerContext Decoder::context(const MicroBatch& batch) {
+  rope_spans_ = rope_->spans(batch);
+  sliding_rope_spans_.clear();
+  if (sliding_rope_) sliding_rope_spans_ = sliding_rope_->spans(batch);
+  return {backend_, stream_, batch, weights_.config, weights_.dtype, *attention_, rope_spans_, sliding_rope_spans_,
+          router_aux_};
 }
 
 double Decoder::embedding_multiplier() const {

@@ -13,6 +13,7 @@
 #include "model/batch.h"
 #include "model/layer.h"
 #include "model/recompute.h"
+#include "model/rope_tables.h"
 #include "model/router_aux_loss.h"
 #include "model/weights.h"
 
@@ -133,10 +134,9 @@ class Decoder {
 
  private:
   Tensor forward(const MicroBatch& batch, bool keep, std::vector<LayerActivations>& acts);
-  LayerContext context(const MicroBatch& batch) {
-    return {backend_, stream_, batch, weights_.config, weights_.dtype, *attention_, inv_freq_, sliding_inv_freq_,
-            router_aux_};
-  }
+  // The blocks' context for `batch`, with the RoPE spans of its documents (rope_spans_, valid until
+  // the next call).
+  LayerContext context(const MicroBatch& batch);
   // The tensors a recomputed layer runs in: `scratch` (each layer its own, in forward and in
   // backward) with the layer's kept x_in, and its kept mixer core when kept_core.
   LayerActivations scratch_view(LayerActivations& scratch, const LayerActivations& layer, int64_t layer_index,
@@ -179,8 +179,9 @@ class Decoder {
   AttentionStrategy* attention_;
   ParameterHooks* hooks_ = nullptr;
   RouterAuxLoss* router_aux_ = nullptr;
-  Tensor inv_freq_;          // F32 [rotary/2] of config.rope
-  Tensor sliding_inv_freq_;  // F32 [rotary/2] of config.sliding_rope, when the family has one
+  std::unique_ptr<RopeTables> rope_;          // of config.rope
+  std::unique_ptr<RopeTables> sliding_rope_;  // of config.sliding_rope, when the family has one
+  std::vector<RopeSpan> rope_spans_, sliding_rope_spans_;  // of the batch context() was last called for
 };
 
 }  // namespace spindle

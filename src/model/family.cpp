@@ -9,6 +9,7 @@
 #include "model/families/gemma.h"
 #include "model/families/glm4_moe.h"
 #include "model/families/gpt_oss.h"
+#include "model/families/phi3.h"
 #include "model/families/qwen3_moe.h"
 #include "model/families/qwen3_5.h"
 #include "model/families/qwen3_5_moe.h"
@@ -43,6 +44,8 @@ const ModelFamily kFamilies[] = {
     // ungated shared experts); the multi-token-prediction layers after the last are carried.
     {"glm4_moe", "model.", read_glm4_moe_config, {}, {}, "the CUDA backend has no kernel for glm4_moe's sigmoid router yet",
      true},
+    // Phi-3/3.5/4-mini, Phi-4: fused qkv_proj and gate_up_proj, LongRoPE, partial rotary.
+    {"phi3", "model.", read_phi3_config, {}, {}, {}, false, read_phi3_rope},
 };
 
 }  // namespace

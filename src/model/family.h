@@ -4,15 +4,17 @@
 // reader in model/families/) and, when it brings new layer kinds, new block files.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
-namespace spindle {
+#include "model/config.h"
 
-struct ModelConfig;
+namespace spindle {
 
 struct ModelFamily {
   std::string_view model_type;
@@ -34,6 +36,11 @@ struct ModelFamily {
   // Checkpoint layers numbered num_hidden_layers and up (glm4_moe's multi-token-prediction layers,
   // "model.layers.{num_hidden_layers}.…"): carried like carried_prefixes.
   bool carries_layers_past_last = false;
+  // How the family reads its RoPE settings, where transformers' config class reads them its own way
+  // (phi3: its top-level original_max_position_embeddings, "su" and "yarn" as longrope); null: the
+  // common reader (model/config.h read_rope).
+  std::pair<RopeConfig, std::optional<RopeConfig>> (*read_rope)(const nlohmann::json& j, const std::string& source) =
+      nullptr;
 };
 
 // The row of `model_type`; an error naming the supported types when there is none.

@@ -165,9 +165,46 @@ void copy_transposed(Backend& backend, const Tensor& stored, Tensor& matrix) {
   backend.copy_from_host(backend.default_stream(), out.data(), matrix);
 }
 
+namespace {
+
+// The projections a family may hold in one (phi3), by PEFT module name, and the ones each stands for.
+struct FusedProjection {
+  const char* name;
+  std::vector<std::string> parts;
+  const char* parts_text;
+};
+const FusedProjection kFusedProjections[] = {
+    {"qkv_proj", {"q_proj", "k_proj", "v_proj"}, "q_proj, k_proj and v_proj"},
+    {"gate_up_proj", {"gate_proj", "up_proj"}, "gate_proj and up_proj"},
+};
+
+}  // namespace
+
+std::vector<std::string> ModelWeights::present_lora_targets(const std::vector<std::string>& targets) const {
+  const std::vector<std::string> has = projection_names();
+  std::vector<std::string> out;
+  auto add = [&](const std::string& t) {
+    if (std::find(has.begin(), has.end(), t) != has.end() && std::find(out.begin(), out.end(), t) == out.end())
+      out.push_back(t);
+  };
+  for (const std::string& t : targets) {
+    add(t);
+    for (const FusedProjection& fused : kFusedProjections)
+      if (std::find(fused.parts.begin(), fused.parts.end(), t) != fused.parts.end()) add(fused.name);
+  }
+  return out;
+}
+
 // What a target that names a projection LoRA does not adapt by its module name (the router, one
-// routed expert's projection) is.
+// routed expert's projection, a part of a fused projection) is.
 std::string ModelWeights::lora_target_hint(const std::string& target) const {
+  const std::vector<std::string> has = projection_names();
+  for (const FusedProjection& fused : kFusedProjections)
+    if (std::find(fused.parts.begin(), fused.parts.end(), target) != fused.parts.end() &&
+        std::find(has.begin(), has.end(), fused.name) != has.end())
+      return fmt::format(" (this {} model holds {} in one projection, {}, which PEFT adapts as one module: one A and "
+                         "one B over its whole output; name {})",
+                         config.model_type, fused.parts_text, fused.name, fused.name);
   for (const Linear* lin : linears())
     if (!lin->lora_target && (lin->module == target || lin->module.ends_with("." + target))) {
       if (lin->module == "gate") return fmt::format(" (\"{}\" of this model is the router. {})", target, kRouterNotAdapted);

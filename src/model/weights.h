@@ -71,6 +71,10 @@ class ModelWeights {
   // The PEFT module names of the model's projections, in layer order: what LoRA may target
   // ("all-linear" means all of them).
   std::vector<std::string> projection_names() const;
+  // `targets` (PEFT module names) narrowed to the projections this model has, a fused projection
+  // standing for the parts it holds (phi3: qkv_proj for q_proj, k_proj and v_proj; gate_up_proj for
+  // gate_proj and up_proj): what the default --lora-targets adapt on it.
+  std::vector<std::string> present_lora_targets(const std::vector<std::string>& targets) const;
   // Every projection of every layer, in layer order.
   std::vector<Linear*> linears();
   std::vector<const Linear*> linears() const;

@@ -117,7 +117,7 @@ class DryBackend final : public Backend {
   void scatter_add_rows(Stream, const Tensor&, const Tensor&, Tensor&) override {}
   // Gated DeltaNet and gated attention (qwen3_5).
   void copy_columns(Stream, const Tensor&, int64_t, Tensor&, int64_t, int64_t) override {}
-  void rope_partial(Stream, Tensor&, const Tensor&, const Tensor&, int64_t, int) override {}
+  void rope_partial(Stream, Tensor&, const Tensor&, const Tensor&, int64_t, double, int) override {}
   void sigmoid_gate_forward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
   void sigmoid_gate_backward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
   void causal_conv1d_silu_forward(Stream, const Tensor&, const Tensor&, const Tensor&, Tensor&) override {}

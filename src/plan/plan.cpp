@@ -164,11 +164,7 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const ModelC
     lora.alpha = o.lora_alpha;
     // As bench: every projection the family has unless named (the routed experts only when named).
     lora.targets = o.lora_targets.empty() ? weights.projection_names() : o.lora_targets;
-    if (o.lora_targets_if_present) {
-      const std::vector<std::string> has = weights.projection_names();
-      std::erase_if(lora.targets,
-                    [&](const std::string& t) { return std::find(has.begin(), has.end(), t) == has.end(); });
-    }
+    if (o.lora_targets_if_present) lora.targets = weights.present_lora_targets(lora.targets);
     weights.add_lora(backend, lora, 0);
   }
   std::unique_ptr<parallel::Fsdp> fsdp;

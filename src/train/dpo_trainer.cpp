@@ -113,6 +113,7 @@ LaidOutPairs lay_out(Backend& backend, const std::vector<LoaderItem>& items, con
       const parallel::ShardPlan plan = parallel::plan_shards(rows[j]->doc_ids, mesh);
       const PackedRow shard = parallel::take_shard(*rows[j], plan, run.mesh->sp_rank());
       out.batches.push_back(make_preference_batch(backend, {shard}, {row_sequences[j]}, dtype));
+      out.batches.back().batch.document_runs = document_runs(shard, *rows[j]);  // the row's document lengths
     }
   }
   return out;

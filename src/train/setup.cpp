@@ -259,13 +259,10 @@ ModelWeights load_training_weights(Backend& backend, const TrainConfig& config, 
     lora.rslora = config.rslora;
     lora.targets = config.lora_targets;
     // The default targets name every attention and MLP projection of the dense families; a model
-    // without some of them (qwen3_moe: its MLPs are routed experts) adapts those it has. Targets
-    // the user names are checked against the model.
-    if (config.lora_targets == TrainConfig{}.lora_targets) {
-      const std::vector<std::string> has = weights.projection_names();
-      std::erase_if(lora.targets,
-                    [&](const std::string& t) { return std::find(has.begin(), has.end(), t) == has.end(); });
-    }
+    // without some of them (qwen3_moe: its MLPs are routed experts) adapts those it has, a model
+    // that fuses some (phi3: qkv_proj, gate_up_proj) its fused ones. Targets the user names are
+    // checked against the model.
+    if (config.lora_targets == TrainConfig{}.lora_targets) lora.targets = weights.present_lora_targets(lora.targets);
     weights.add_lora(backend, lora, config.seed);
   }
   return weights;

@@ -81,6 +81,8 @@ MicroBatch StepRunner::micro_batch(const std::vector<PackedRow>& rows, const std
   batch.row_one_causal_document = contiguous && is_one_causal_document(whole) &&
                                   static_cast<int64_t>(mine[i].doc_ids.size()) * sp ==
                                       static_cast<int64_t>(whole.doc_ids.size());
+  // A shard's documents have the lengths of the whole row's (a length-dependent RoPE reads them).
+  if (sp > 1) batch.document_runs = document_runs(mine[i], whole);
   return batch;
 }
 

@@ -68,7 +68,7 @@ TEST_F(GatedAttentionOps, PartialRopeRotatesTheFirstDimsOnlyAndInvertsExactly) {
   Tensor pos = int_tensor(*be, {0, 7, 300});
   const std::vector<float> freq = {1.0f, 0.01f};
   Tensor inv = inv_freq(*be, freq);
-  be->rope_partial(st, x, pos, inv, rotary, +1);
+  be->rope_partial(st, x, pos, inv, rotary, 1.0, +1);
   const auto rot = to_host(*be, x);
   const int p[] = {0, 7, 300};
   for (int64_t ti = 0; ti < t; ++ti)
@@ -82,15 +82,34 @@ TEST_F(GatedAttentionOps, PartialRopeRotatesTheFirstDimsOnlyAndInvertsExactly) {
       }
       for (int64_t i = rotary; i < d; ++i) EXPECT_EQ(rot[base + i], orig[base + i]);  // passed through
     }
-  be->rope_partial(st, x, pos, inv, rotary, -1);
+  be->rope_partial(st, x, pos, inv, rotary, 1.0, -1);
   EXPECT_LE(max_abs_difference(to_host(*be, x), orig), 1e-12);
 
-  // rotary_dim = D is plain RoPE.
-  Tensor full = random_tensor(*be, Shape{t, heads, 4}, DType::F64, rng), plain = be->empty(full.shape(), DType::F64);
-  be->copy(st, full, plain);
-  be->rope_partial(st, full, pos, inv, 4, +1);
-  be->rope(st, plain, pos, inv, 1.0, +1);
-  EXPECT_EQ(to_host(*be, full), to_host(*be, plain));
+  // rotary_dim = D is plain RoPE, with or without an attention scale on cos and sin.
+  for (const double scale : {1.0, 1.1902381}) {
+    Tensor full = random_tensor(*be, Shape{t, heads, 4}, DType::F64, rng), plain = be->empty(full.shape(), DType::F64);
+    be->copy(st, full, plain);
+    be->rope_partial(st, full, pos, inv, 4, scale, +1);
+    be->rope(st, plain, pos, inv, scale, +1);
+    EXPECT_EQ(to_host(*be, full), to_host(*be, plain)) << scale;
+  }
+}
+
+// LongRoPE's attention factor scales the rotated dims only: the rest pass through unscaled.
+TEST_F(GatedAttentionOps, PartialRopeScalesOnlyTheRotatedDims) {
+  const int64_t t = 2, heads = 2, d = 8, rotary = 6;
+  Tensor x = random_tensor(*be, Shape{t, heads, d}, DType::F64, rng), scaled = be->empty(x.shape(), DType::F64);
+  be->copy(st, x, scaled);
+  Tensor pos = int_tensor(*be, {5, 40});
+  Tensor inv = inv_freq(*be, {0.7f, 0.05f, 0.001f});
+  be->rope_partial(st, x, pos, inv, rotary, 1.0, +1);
+  be->rope_partial(st, scaled, pos, inv, rotary, 1.5, +1);
+  const auto plain = to_host(*be, x), got = to_host(*be, scaled);
+  for (int64_t row = 0; row < t * heads; ++row)
+    for (int64_t i = 0; i < d; ++i) {
+      const double want = i < rotary ? 1.5 * plain[row * d + i] : plain[row * d + i];
+      EXPECT_NEAR(got[row * d + i], want, 1e-14) << row << " " << i;
+    }
 }
 
 TEST_F(GatedAttentionOps, PartialRopeBackwardIsTheInverseRotation) {
@@ -99,13 +118,15 @@ TEST_F(GatedAttentionOps, PartialRopeBackwardIsTheInverseRotation) {
   Tensor pos = int_tensor(*be, {3, 11});
   Tensor inv = inv_freq(*be, {0.9f, 0.2f});
   Tensor y = be->empty(x.shape(), DType::F64);
-  auto objective = [&] {
-    be->copy(st, x, y);
-    be->rope_partial(st, y, pos, inv, rotary, +1);
-    return dot(*be, y, proj);
-  };
-  Tensor grad = be->empty(x.shape(), DType::F64);
-  be->copy(st, proj, grad);
-  be->rope_partial(st, grad, pos, inv, rotary, -1);
-  expect_gradient(*be, x, objective, grad, 1e-8, "rope_partial");
+  for (const double scale : {1.0, 1.1902381}) {  // the backward of the scaled rotation: the same scale
+    auto objective = [&] {
+      be->copy(st, x, y);
+      be->rope_partial(st, y, pos, inv, rotary, scale, +1);
+      return dot(*be, y, proj);
+    };
+    Tensor grad = be->empty(x.shape(), DType::F64);
+    be->copy(st, proj, grad);
+    be->rope_partial(st, grad, pos, inv, rotary, scale, -1);
+    expect_gradient(*be, x, objective, grad, 1e-8, "rope_partial");
+  }
 }

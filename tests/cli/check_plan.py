@@ -163,6 +163,15 @@ cases += [
     ("glm4_moe Ulysses sp 2 (FSDP over 2), full", "glm4_moe", 96, ["--full", "--recompute", "all"],
      (2, ["--sp", "2", "--ulysses", "2"])),
 ]
+# phi3: the fused qkv_proj and gate_up_proj (their outputs split, their gradients put together again, LoRA
+# on them), LongRoPE's tables per document, a window, partial rotary and a tied head (phi3_lora's config).
+cases += [
+    ("phi3 LoRA on the fused projections, recompute all", "phi3", 96, ["--recompute", "all"], (1, [])),
+    ("phi3 (partial rotary, tied) full, MLP in 40-token tiles, keep-attention", "phi3_lora", 96,
+     ["--full", "--recompute", "keep-attention", "--mlp-tile-tokens", "40"], (1, [])),
+    ("phi3 ring sp 2, packed rows of 20, no recompute", "phi3", 96, ["--doc-length", "20", "--recompute", "none"],
+     (2, ["--sp", "2", "--ring", "2"])),
+]
 # Sparse checkpoints (--checkpoint-stride): every Nth layer keeps its input, the others regenerated
 # at the top of their group in backward; with offload of the checkpoints, tiles, sequence
 # parallelism (FSDP's forward windows inside the backward) and the hybrid MoE model.

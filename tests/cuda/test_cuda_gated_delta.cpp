@@ -118,13 +118,14 @@ TEST_P(CudaGated, PartialRopeMatchesCpu) {
     for (int64_t i = 0; i < tokens; ++i) pos[i] = static_cast<int>((i * 977) % 40000);
     std::vector<double> freq(rotary / 2);
     for (int64_t i = 0; i < rotary / 2; ++i) freq[i] = static_cast<float>(std::pow(1e7, -2.0 * i / rotary));
-    for (int sign : {1, -1}) {
+    // 1.1902381: LongRoPE's attention factor of Phi-3.5/4-mini (cos and sin scaled by it).
+    for (const auto& [sign, scale] : {std::pair{1, 1.0}, std::pair{-1, 1.0}, std::pair{1, 1.1902381}, std::pair{-1, 1.1902381}}) {
       Tensor gx = on_gpu(x, Shape{tokens, heads, d}, t), cx = on_cpu(x, Shape{tokens, heads, d});
       Tensor gf = on_gpu(freq, Shape{rotary / 2}, DType::F32), cf = cpu->empty(Shape{rotary / 2}, DType::F32);
       from_host(*cpu, freq, cf);
-      gpu->rope_partial(gs, gx, int_tensor(*gpu, pos), gf, rotary, sign);
-      cpu->rope_partial(cs, cx, int_tensor(*cpu, pos), cf, rotary, sign);
-      expect(gx, cx, tol_for(t), "rope_partial d " + std::to_string(d));
+      gpu->rope_partial(gs, gx, int_tensor(*gpu, pos), gf, rotary, scale, sign);
+      cpu->rope_partial(cs, cx, int_tensor(*cpu, pos), cf, rotary, scale, sign);
+      expect(gx, cx, tol_for(t), "rope_partial d " + std::to_string(d) + " scale " + std::to_string(scale));
     }
   }
 }

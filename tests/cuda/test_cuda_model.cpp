@@ -348,3 +348,9 @@ TEST(CudaRandomWeights, BuildTheCpusModelBitForBit) {
 // FMA tiles), on qwen3_moe's per-expert checkpoint and the multimodal qwen3_5_moe's fused one.
 INSTANTIATE_TEST_SUITE_P(ExpertLora, CudaModel, ::testing::Values("qwen3_moe_expert_lora", "qwen3_5_moe_expert_lora"),
                          [](const auto& info) { return info.param; });
+
+// phi3: the fused qkv_proj and gate_up_proj (split with copy_columns), LongRoPE's tables per document with
+// its attention factor, a window of 6 (phi3), partial rotary with the attention factor and LoRA on the fused
+// projections (phi3_lora); dynamic NTK's tables per document (llama_dynamic).
+INSTANTIATE_TEST_SUITE_P(Phi3, CudaModel, ::testing::Values("phi3", "phi3_lora", "phi3_short", "llama_dynamic"),
+                         [](const auto& info) { return info.param; });

@@ -155,8 +155,8 @@ TEST(ModelConfig, RejectsWhatItCannotRunWithAClearMessage) {
   j["model_type"] = "falcon";
   EXPECT_NE(error_of(j).find("model_type \"falcon\" is not supported"), std::string::npos);
   j = base();
-  j["rope_scaling"] = {{"rope_type", "longrope"}, {"factor", 4.0}};
-  EXPECT_NE(error_of(j).find("RoPE scaling \"longrope\" is not supported"), std::string::npos);
+  j["rope_scaling"] = {{"rope_type", "proportional"}, {"factor", 4.0}};
+  EXPECT_NE(error_of(j).find("RoPE scaling \"proportional\" is not supported"), std::string::npos);
   j = base();
   j.erase("hidden_size");
   EXPECT_NE(error_of(j).find("missing \"hidden_size\""), std::string::npos);

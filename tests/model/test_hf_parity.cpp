@@ -256,3 +256,9 @@ INSTANTIATE_TEST_SUITE_P(GptOss, HfParity, ::testing::Values("gpt_oss", "gpt_oss
 // MTP layer in the checkpoint that is not loaded.
 INSTANTIATE_TEST_SUITE_P(Glm4Moe, HfParity,
                          ::testing::Values("glm4_moe", "glm4_moe_lora", "glm4_moe_expert_lora", "glm4_moe_v4"));
+// phi3: q/k/v and gate/up each one projection (qkv_proj, gate_up_proj), LongRoPE with documents on both
+// sides of the original window (each rotated with its own length's factors, as transformers rotates one
+// document run alone) and the attention factor; a sliding window (phi3); partial rotary, a tied head,
+// explicit factors and LoRA with nonzero B on the fused projections (phi3_lora); only the short factors
+// (phi3_short). llama_dynamic: dynamic NTK, each document's base grown to its own length.
+INSTANTIATE_TEST_SUITE_P(Phi3, HfParity, ::testing::Values("phi3", "phi3_lora", "phi3_short", "llama_dynamic"));

@@ -4,7 +4,8 @@
 // relative (only the order in which weight gradients sum over the tiles differs): LoRA and full
 // fine-tuning, tiles that divide the tokens, that do not, of one row and larger than the row, packed
 // documents with padding, recompute all, keep-attention and none; MoE layers (which are not tiled)
-// beside a dense one. The device's peak drops once the MLP is wide, and the option's values parse.
+// beside a dense one; phi3's fused gate_up_proj, split per tile. The device's peak drops once the
+// MLP is wide, and the option's values parse.
 #include <gtest/gtest.h>
 
 
@@ -66,6 +67,7 @@ ModelConfig dense(const std::string& type) {
 ModelConfig config_of(const std::string& type) {
   if (type == "qwen3_5_text") return tiny_qwen3_5().config();  // gated DeltaNet and gated attention, SwiGLU MLPs
   if (type == "qwen3_moe") return tiny_qwen3_moe().config();    // MoE layers around a dense one: only it tiles
+  if (type == "phi3") return tiny_phi3().config();  // gate and up one projection (gate_up_proj), split per tile
   return dense(type);
 }
 
@@ -85,8 +87,13 @@ TEST_P(MlpTiling, EqualsTheUntiledStepInF64) {
   const Case c = GetParam();
   auto be = make_cpu_backend(1);
   ModelWeights w = random_weights(*be, config_of(c.type), DType::F64, 11, 10.0);
-  if (c.lora) add_lora_with_random_b(*be, w, lora_on_every_projection(2, 4), 12, uniform_draw(0.3));
-  else w.train_all(*be);
+  if (c.lora) {
+    LoraConfig lora = lora_on_every_projection(2, 4);
+    lora.targets = w.present_lora_targets(lora.targets);  // phi3: its fused projections
+    add_lora_with_random_b(*be, w, lora, 12, uniform_draw(0.3));
+  } else {
+    w.train_all(*be);
+  }
   const int64_t layers = w.config.num_layers;
   for (RecomputeMode mode : {RecomputeMode::None, RecomputeMode::All, RecomputeMode::KeepAttention}) {
     const DecoderOptions plain = recompute_options(mode, layers);
@@ -110,7 +117,8 @@ INSTANTIATE_TEST_SUITE_P(Models, MlpTiling,
                          ::testing::Values(Case{"qwen2_lora", "qwen2", true}, Case{"llama_full", "llama", false},
                                            Case{"qwen3_lora", "qwen3", true},
                                            Case{"qwen3_5_full", "qwen3_5_text", false},
-                                           Case{"qwen3_moe_full", "qwen3_moe", false}),
+                                           Case{"qwen3_moe_full", "qwen3_moe", false},
+                                           Case{"phi3_lora", "phi3", true}, Case{"phi3_full", "phi3", false}),
                          [](const auto& info) { return info.param.name; });
 
 // With an MLP much wider than the hidden size the untiled step's peak holds [T, F] tensors that the

@@ -32,8 +32,13 @@ sigmoid router with correction biases that move the choice and group-limited top
 no aux loss, which transformers does not define for it) at sp 1, 2 and 4 on Ulysses, ring and hybrid meshes
 with dp 1 and 2, and LoRA on every projection and the routed experts.
 
+The phi3 part runs a tiny phi3 (fused qkv_proj and gate_up_proj, a sliding window, LongRoPE on 0.75 of each
+head with an original window of 12 that most documents pass) and a llama with dynamic NTK (its base grown for
+documents past 16 tokens) on every kind of mesh: a document cut over several ranks must rotate with the
+table of its whole length on each of them, never its shard's.
+
 usage: parity_matrix.py SPINDLE ROOT PART   (PART: sp2, sp4, sp8, dp, variants, lora, qlora, moe, gdn, wave2,
-       gpt_oss, glm4_moe, sft, errors)
+       gpt_oss, glm4_moe, phi3, sft, errors)
 """
 import json
 import os
@@ -44,7 +49,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
 from tiny_model import (config, gemma2_config, gemma3_text_config, glm4_moe_config, gpt_oss_config,  # noqa: E402
-                        mistral_config, qwen3_5_config, qwen3_moe_config, write_model)
+                        mistral_config, phi3_config, qwen3_5_config, qwen3_moe_config, write_model)
 
 spindle, root, part = sys.argv[1], sys.argv[2], sys.argv[3]
 work = tempfile.mkdtemp(prefix=f"spindle-parity-{part}-")
@@ -362,6 +367,26 @@ elif part == "glm4_moe":
     results.append(check("glm4_moe LoRA + expert LoRA hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=glm4,
                          extra=lora))
     results.append(check("glm4_moe LoRA + expert LoRA ring sp2 dp2", sp=2, ring=2, dp=2, model_dir=glm4, extra=lora))
+elif part == "phi3":
+    # LongRoPE and dynamic NTK choose a table per document from its whole length: documents of 2-30 tokens
+    # on both sides of the windows (12 and 16), cut by the contiguous, zigzag and hybrid layouts of 48-token
+    # rows; the fused projections (and LoRA on them: the default targets are qkv_proj, o_proj, gate_up_proj,
+    # down_proj), the window of 6 crossing shard boundaries.
+    phi3 = os.path.join(work, "phi3")
+    write_model(phi3, phi3_config())
+    dynamic = os.path.join(work, "dynamic")
+    write_model(dynamic, config(max_position_embeddings=16, rope_scaling={"type": "dynamic", "factor": 2.0}))
+    results.append(check("phi3 dp2", dp=2, model_dir=phi3))
+    results.append(check("phi3 ulysses sp2 dp2", sp=2, ulysses=2, dp=2, model_dir=phi3))
+    results.append(check("phi3 ulysses sp4 (KV heads replicated)", sp=4, ulysses=4, model_dir=phi3))
+    results.append(check("phi3 ring sp4", sp=4, ring=4, model_dir=phi3))
+    results.append(check("phi3 LoRA hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=phi3,
+                         extra=["--lora-rank", "4"]))
+    results.append(check("phi3 ring sp2 dp2 recompute all, f64", sp=2, ring=2, dp=2, model_dir=phi3,
+                         extra=["--full", "--recompute", "all"], dtype="f64"))
+    results.append(check("dynamic NTK ring sp4", sp=4, ring=4, model_dir=dynamic))
+    results.append(check("dynamic NTK hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=dynamic))
+    results.append(check("dynamic NTK ulysses sp2 dp2", sp=2, ulysses=2, dp=2, model_dir=dynamic))
 elif part == "errors":
     # A wrong mesh is an error naming the flags, before anything is allocated.
     for args, expect in ((["--nproc-per-node", "2", "--sp", "3"], "--sp"),

@@ -4,7 +4,8 @@ tiny_model.write_model (llama; qwen2 with q/k/v biases and a tied head; qwen3 wi
 head_dim apart from hidden/heads; qwen3_moe with experts and a dense layer; qwen3_5 with gated DeltaNet and
 gated attention layers; qwen3_5_moe with experts and a shared expert in every layer; gpt_oss with sinks, a
 sliding layer and biased [E, in, out] experts; glm4_moe with a dense layer, the sigmoid router's correction
-biases and ungated shared experts; one with the demo's
+biases and ungated shared experts; phi3 with fused qkv_proj and gate_up_proj, untied and
+tied; one with the demo's
 tokenizer) holds every tensor spindle's
 loader asks for, with the shapes it expects, and `spindle eval` scores a document on it.
 
@@ -18,7 +19,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_model import (config, glm4_moe_config, gpt_oss_config, qwen3_5_config, qwen3_5_moe_config,  # noqa: E402
+from tiny_model import (config, glm4_moe_config, gpt_oss_config, phi3_config, qwen3_5_config, qwen3_5_moe_config,  # noqa: E402
                         qwen3_moe_config, write_model)
 
 spindle, root = sys.argv[1], sys.argv[2]
@@ -32,6 +33,8 @@ cases = {
     "qwen3_5_moe": (qwen3_5_moe_config(), {}),
     "gpt_oss": (gpt_oss_config(), {}),
     "glm4_moe": (glm4_moe_config(), {}),
+    "phi3": (phi3_config(), {}),
+    "phi3_tied": (phi3_config(tie_word_embeddings=True), {}),
 }
 failures = 0
 with tempfile.TemporaryDirectory() as tmp:

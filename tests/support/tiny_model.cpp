@@ -28,7 +28,7 @@ nlohmann::json TinyModel::config_json() const {
       {"llama", "LlamaForCausalLM"}, {"qwen2", "Qwen2ForCausalLM"}, {"qwen3", "Qwen3ForCausalLM"},
       {"qwen3_moe", "Qwen3MoeForCausalLM"}, {"qwen3_5_text", "Qwen3_5ForCausalLM"},
       {"qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"}, {"gpt_oss", "GptOssForCausalLM"},
-      {"glm4_moe", "Glm4MoeForCausalLM"}};
+      {"glm4_moe", "Glm4MoeForCausalLM"}, {"phi3", "Phi3ForCausalLM"}};
   if (auto it = kArchitectures.find(model_type); it != kArchitectures.end()) j["architectures"] = {it->second};
   // Every qwen3_5_moe MLP is a mixture of experts: its config has no dense width (transformers
   // refuses the attribute).
@@ -73,6 +73,17 @@ TinyModel tiny_glm4_moe() {
              {"topk_group", 2},             {"norm_topk_prob", true},  {"routed_scaling_factor", 2.5},
              {"use_qk_norm", true},         {"attention_bias", true},  {"partial_rotary_factor", 0.5},
              {"num_nextn_predict_layers", 1}};
+  return m;
+}
+
+TinyModel tiny_phi3() {
+  TinyModel m;
+  m.model_type = "phi3";
+  m.extra = {{"original_max_position_embeddings", 12},
+             {"max_position_embeddings", 256},
+             {"sliding_window", 6},
+             {"partial_rotary_factor", 0.75},
+             {"rope_scaling", {{"type", "longrope"}, {"short_factor", {1.05, 1.1, 1.2}}, {"long_factor", {1.5, 4.0, 9.0}}}}};
   return m;
 }
 

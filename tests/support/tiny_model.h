@@ -24,7 +24,7 @@ namespace spindle::test {
 // Defaults: the tiny GQA llama the sequence-parallel and FSDP tests train (4 query heads over 2 KV
 // heads, so Ulysses 4 replicates KV heads). Tests override the fields their tolerances were set on.
 struct TinyModel {
-  std::string model_type = "llama";  // llama | qwen2 | qwen3 | qwen3_moe | qwen3_5_text | qwen3_5_moe_text | gpt_oss | glm4_moe (presets below)
+  std::string model_type = "llama";  // llama | qwen2 | qwen3 | qwen3_moe | qwen3_5_text | qwen3_5_moe_text | gpt_oss | glm4_moe | phi3 (presets below)
   int64_t vocab_size = 64;
   int64_t hidden_size = 32;
   int64_t intermediate_size = 48;
@@ -68,6 +68,11 @@ TinyModel tiny_gpt_oss();
 // correction bias, renormalised and scaled by 2.5, plus one ungated shared expert of width 12;
 // q/k/v biases, q/k norms, RoPE on half of each head (partial_rotary_factor 0.5).
 TinyModel tiny_glm4_moe();
+// phi3: 2 layers, q/k/v in one projection (qkv_proj) and gate/up in one (gate_up_proj), a sliding
+// window of 6 on both; LongRoPE (v4 spelling, as Phi-3 checkpoints ship it) on 0.75 of each head (6 of
+// 8 dims: 3 factors per list) with an original window of 12, so documents of 13 tokens and more rotate
+// with the long factors; max_position_embeddings 256 gives the attention factor √(1 + ln(256/12)/ln 12).
+TinyModel tiny_phi3();
 
 // The multimodal checkpoint's config.json around a text-only preset (qwen3_5_text or
 // qwen3_5_moe_text): model_type qwen3_5 / qwen3_5_moe, the text model under text_config, a tiny

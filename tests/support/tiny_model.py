@@ -5,8 +5,8 @@ The C++ tests' counterpart is tests/support/tiny_model.h; both default to the ti
 parity checks train (4 query heads over 2 KV heads, so Ulysses 4 replicates KV heads). The tensors
 follow from the config (qwen2: q/k/v biases; qwen3: q/k norms; qwen3_moe: routers and experts;
 qwen3_5_moe: a shared expert too; glm4_moe: a dense first layer, the routers' correction biases and
-ungated shared experts; no lm_head when tied), so a new family or layer kind is a new entry
-in `layer_tensors` and its config keys, not a new maker.
+ungated shared experts; phi3: fused qkv_proj and gate_up_proj; no lm_head when tied), so a new family or
+layer kind is a new entry in `layer_tensors` and its config keys, not a new maker.
 
     from tiny_model import config, write_model
     write_model(path, config(model_type="qwen2", hidden_size=64), seed=3)
@@ -21,7 +21,8 @@ from safetensors.numpy import save_file
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                  "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-                 "glm4_moe": "Glm4MoeForCausalLM"}
+                 "glm4_moe": "Glm4MoeForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
 
 
 def config(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -101,6 +102,16 @@ def glm4_moe_config(**overrides):
              num_experts_per_tok=3, moe_intermediate_size=12, n_shared_experts=1, n_group=4, topk_group=2,
              norm_topk_prob=True, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
              partial_rotary_factor=0.5, num_nextn_predict_layers=0)
+    c.update(overrides)
+    return config(**c)
+
+
+def phi3_config(**overrides):
+    """phi3 as tests/support/tiny_model.h's tiny_phi3(): q/k/v in one projection (qkv_proj), gate/up in one
+    (gate_up_proj), a sliding window of 6 on every layer, LongRoPE (v4 spelling) on 0.75 of each head with an
+    original window of 12: documents of 13 tokens and more rotate with the long factors."""
+    c = dict(model_type="phi3", original_max_position_embeddings=12, sliding_window=6, partial_rotary_factor=0.75,
+             rope_scaling={"type": "longrope", "short_factor": [1.05, 1.1, 1.2], "long_factor": [1.5, 4.0, 9.0]})
     c.update(overrides)
     return config(**c)
 
@@ -215,6 +226,12 @@ def layer_tensors(c, layer):
     o_bias = c["model_type"] not in ("qwen2", "glm4_moe") and c.get("attention_bias", False)
     p = f"model.layers.{layer}."
     out = []
+    if c["model_type"] == "phi3":  # q, k, v in one projection; gate, up in one
+        return [(p + "self_attn.qkv_proj.weight", (q + 2 * kv, h), "matrix"),
+                (p + "self_attn.o_proj.weight", (h, q), "matrix"),
+                (p + "mlp.gate_up_proj.weight", (2 * inter, h), "matrix"),
+                (p + "mlp.down_proj.weight", (h, inter), "matrix"),
+                (p + "input_layernorm.weight", (h,), "norm"), (p + "post_attention_layernorm.weight", (h,), "norm")]
     for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
         out.append((p + f"self_attn.{proj}.weight", (rows, h), "matrix"))
         if qkv_bias:

@@ -788,8 +788,8 @@ class CpuBackend final : public Backend {
     cpu::copy_columns(src, src_col, dst, dst_col, width);
   }
   void rope_partial(Stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq, int64_t rotary_dim,
-                    int sign) override {
-    cpu::rope_partial(x, positions, inv_freq, rotary_dim, sign);
+                    double attention_scale, int sign) override {
+    cpu::rope_partial(x, positions, inv_freq, rotary_dim, attention_scale, sign);
   }
   void sigmoid_gate_forward(Stream, const Tensor& x, const Tensor& gate, Tensor& out) override {
     cpu::sigmoid_gate_forward(x, gate, out);

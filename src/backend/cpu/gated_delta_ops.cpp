@@ -55,7 +55,8 @@ void copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_c
     std::memcpy(to + (r * dst.dim(1) + dst_col) * elem, from + (r * src.dim(1) + src_col) * elem, width * elem);
 }
 
-void rope_partial(Tensor& x, const Tensor& positions, const Tensor& inv_freq, int64_t rotary_dim, int sign) {
+void rope_partial(Tensor& x, const Tensor& positions, const Tensor& inv_freq, int64_t rotary_dim, double attention_scale,
+                  int sign) {
   require_float(x, "rope_partial");
   SPINDLE_CHECK(x.rank() == 3 && rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= x.dim(2) &&
                     inv_freq.dtype() == DType::F32 && inv_freq.numel() == rotary_dim / 2 &&
@@ -71,7 +72,8 @@ void rope_partial(Tensor& x, const Tensor& positions, const Tensor& inv_freq, in
       for (int64_t i = 0; i < half; ++i) {
         // The angle rounded to F32 as transformers computes it (an fp32 product).
         const float angle = static_cast<float>(pos[t]) * freq[i];
-        const double cs = std::cos(static_cast<double>(angle)), sn = std::sin(static_cast<double>(angle)) * sign;
+        const double cs = std::cos(static_cast<double>(angle)) * attention_scale;
+        const double sn = std::sin(static_cast<double>(angle)) * attention_scale * sign;
         for (int64_t h = 0; h < heads; ++h) {
           T* row = p + (t * heads + h) * d;
           const double a = row[i], b = row[i + half];

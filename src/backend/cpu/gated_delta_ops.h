@@ -10,7 +10,8 @@
 namespace spindle::cpu {
 
 void copy_columns(const Tensor& src, int64_t src_col, Tensor& dst, int64_t dst_col, int64_t width);
-void rope_partial(Tensor& x, const Tensor& positions, const Tensor& inv_freq, int64_t rotary_dim, int sign);
+void rope_partial(Tensor& x, const Tensor& positions, const Tensor& inv_freq, int64_t rotary_dim, double attention_scale,
+                  int sign);
 void sigmoid_gate_forward(const Tensor& x, const Tensor& gate, Tensor& out);
 void sigmoid_gate_backward(const Tensor& x, const Tensor& gate, const Tensor& dout, Tensor& dx, Tensor& dgate);
 

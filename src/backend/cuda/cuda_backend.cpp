@@ -491,7 +491,7 @@ class CudaBackend final : public Backend {
   }
 
   void rope_partial(Stream stream, Tensor& x, const Tensor& positions, const Tensor& inv_freq, int64_t rotary_dim,
-                    int sign) override {
+                    double attention_scale, int sign) override {
     require_compute(x, "rope_partial");
     require_i32(positions, "rope_partial");
     require_device(inv_freq, "rope_partial");
@@ -501,7 +501,7 @@ class CudaBackend final : public Backend {
                   "rope_partial: x {} positions {} inv_freq {} rotary_dim {}", x.describe(), positions.describe(),
                   inv_freq.describe(), rotary_dim);
     cuda::rope_partial(s(stream), x.data(), x.dtype(), x.dim(0), x.dim(1), x.dim(2), rotary_dim,
-                       positions.data_as<int32_t>(), inv_freq.data_as<float>(), sign);
+                       positions.data_as<int32_t>(), inv_freq.data_as<float>(), attention_scale, sign);
   }
 
   void sigmoid_gate_forward(Stream stream, const Tensor& x, const Tensor& gate, Tensor& out) override {

@@ -20,9 +20,10 @@ namespace spindle::cuda {
 // dst[r, dst_col + j] = src[r, src_col + j], j < width; elements of elem_bytes (2, 4 or 8).
 void copy_columns(cudaStream_t s, const void* src, int64_t src_cols, int64_t src_col, void* dst, int64_t dst_cols,
                   int64_t dst_col, int64_t rows, int64_t width, size_t elem_bytes);
-// x [tokens, heads, d]: the first rotary_dim dims of each head rotated (pairs i, i + rotary_dim/2).
+// x [tokens, heads, d]: the first rotary_dim dims of each head rotated (pairs i, i + rotary_dim/2),
+// cos and sin times attention_scale.
 void rope_partial(cudaStream_t s, void* x, DType io, int64_t tokens, int64_t heads, int64_t d, int64_t rotary_dim,
-                  const int32_t* pos, const float* inv_freq, int sign);
+                  const int32_t* pos, const float* inv_freq, double attention_scale, int sign);
 void sigmoid_gate_forward(cudaStream_t s, const void* x, const void* gate, void* out, DType io, int64_t n);
 void sigmoid_gate_backward(cudaStream_t s, const void* x, const void* gate, const void* dout, void* dx, void* dgate,
                            DType io, int64_t n);

@@ -68,18 +68,18 @@ __global__ void copy_column_words_kernel(const V* src, uint32_t src_stride, V* d
 }
 
 // ---- partial RoPE ---------------------------------------------------------------------------------
-// As rope.cu: the f32 angle, its cos and sin in double, the rotation in f32; dims ≥ rotary_dim
-// are left alone.
+// As rope.cu: the f32 angle, its cos and sin in double times the attention scale, the rotation in
+// f32; dims ≥ rotary_dim are left alone.
 template <typename T>
 __global__ void rope_partial_kernel(T* x, int64_t tokens, int64_t heads, int64_t d, int64_t half, const int32_t* pos,
-                                    const float* inv_freq, int sign) {
+                                    const float* inv_freq, double attention_scale, int sign) {
   const int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (item >= tokens * half) return;
   const int64_t t = item / half, i = item % half;
   const float angle = __fmul_rn(static_cast<float>(pos[t]), inv_freq[i]);
   double sn, cs;
   sincos(static_cast<double>(angle), &sn, &cs);
-  const float c = static_cast<float>(cs), s = static_cast<float>(sn * sign);
+  const float c = static_cast<float>(cs * attention_scale), s = static_cast<float>(sn * attention_scale * sign);
   T* row = x + t * heads * d;
   for (int64_t h = 0; h < heads; ++h, row += d) {
     const float a = to_f32(row[i]), b = to_f32(row[i + half]);
@@ -302,13 +302,13 @@ void copy_columns(cudaStream_t s, const void* src, int64_t src_cols, int64_t src
 }
 
 void rope_partial(cudaStream_t s, void* x, DType io, int64_t tokens, int64_t heads, int64_t d, int64_t rotary_dim,
-                  const int32_t* pos, const float* inv_freq, int sign) {
+                  const int32_t* pos, const float* inv_freq, double attention_scale, int sign) {
   const int64_t half = rotary_dim / 2, items = tokens * half;
   if (items == 0) return;
   dispatch_compute(io, "rope_partial", [&](auto z) {
     using T = decltype(z);
     rope_partial_kernel<<<static_cast<unsigned>((items + kThreads - 1) / kThreads), kThreads, 0, s>>>(
-        static_cast<T*>(x), tokens, heads, d, half, pos, inv_freq, sign);
+        static_cast<T*>(x), tokens, heads, d, half, pos, inv_freq, attention_scale, sign);
     CUDA_CHECK_LAUNCH();
   });
 }

@@ -15,14 +15,21 @@ SelfAttention::SelfAttention(ParameterSink& sink, const ModelConfig& c, int64_t 
       norm_eps_(c.rms_norm_eps),
       zero_centered_norm_(c.zero_centered_norm),
       output_gate_(c.attn_output_gate),
+      fused_qkv_(c.fused_qkv),
       spec_(c.attention_spec(layer)),
       rope_attention_factor_(c.rope_of(spec_).attention_factor) {
   const std::string pre = layer_prefix + "self_attn.";
   const int64_t h = c.hidden_size;
-  // With the output gate, q_proj's rows are per head D query rows then D gate rows.
-  q_ = sink.add_linear({"q_proj", pre + "q_proj", c.q_dim() * (output_gate_ ? 2 : 1), h, c.qkv_bias});
-  k_ = sink.add_linear({"k_proj", pre + "k_proj", c.kv_dim(), h, c.qkv_bias});
-  v_ = sink.add_linear({"v_proj", pre + "v_proj", c.kv_dim(), h, c.qkv_bias});
+  SPINDLE_CHECK(!(fused_qkv_ && output_gate_), "{}: a fused qkv_proj with an output gate is not a layout any family has",
+                pre);
+  if (fused_qkv_) {
+    qkv_ = sink.add_linear({"qkv_proj", pre + "qkv_proj", c.q_dim() + 2 * c.kv_dim(), h, c.qkv_bias});
+  } else {
+    // With the output gate, q_proj's rows are per head D query rows then D gate rows.
+    q_ = sink.add_linear({"q_proj", pre + "q_proj", c.q_dim() * (output_gate_ ? 2 : 1), h, c.qkv_bias});
+    k_ = sink.add_linear({"k_proj", pre + "k_proj", c.kv_dim(), h, c.qkv_bias});
+    v_ = sink.add_linear({"v_proj", pre + "v_proj", c.kv_dim(), h, c.qkv_bias});
+  }
   o_ = sink.add_linear({"o_proj", pre + "o_proj", h, c.q_dim(), c.o_bias});
   if (c.qk_norm) {
     q_norm_ = &sink.add(pre + "q_norm.weight", Shape{c.head_dim});
@@ -44,9 +51,14 @@ double SelfAttention::forward_flops_per_pair(const ModelConfig& c) {
   return 4.0 * static_cast<double>(c.num_heads * c.head_dim);
 }
 
+std::vector<Linear*> SelfAttention::linears() {
+  if (fused_qkv_) return {&qkv_, &o_};
+  return {&q_, &k_, &v_, &o_};
+}
+
 std::vector<Parameter*> SelfAttention::parameters() const {
   std::vector<Parameter*> out;
-  for (const Linear* lin : {&q_, &k_, &v_, &o_}) append_parameters(out, *lin);
+  for (const Linear* lin : const_cast<SelfAttention*>(this)->linears()) append_parameters(out, *lin);
   if (q_norm_) out.push_back(q_norm_);
   if (k_norm_) out.push_back(k_norm_);
   if (sinks_) out.push_back(sinks_);
@@ -72,9 +84,13 @@ void SelfAttention::allocate(Backend& be, DType dt, int64_t t, ActivationNeeds n
   a.q = be.empty(Shape{t, heads_, head_dim_}, dt);
   a.k = be.empty(Shape{t, kv_heads_, head_dim_}, dt);
   a.v = be.empty(Shape{t, kv_heads_, head_dim_}, dt);
-  q_.allocate(be, a.q_proj, t, dt);
-  k_.allocate(be, a.k_proj, t, dt);
-  v_.allocate(be, a.v_proj, t, dt);
+  if (fused_qkv_) {
+    qkv_.allocate(be, a.qkv_proj, t, dt);
+  } else {
+    q_.allocate(be, a.q_proj, t, dt);
+    k_.allocate(be, a.k_proj, t, dt);
+    v_.allocate(be, a.v_proj, t, dt);
+  }
   o_.allocate(be, a.o_proj, t, dt);
 }
 
@@ -92,7 +108,16 @@ void SelfAttention::forward(const LayerContext& ctx, const Tensor& xn, MixerActi
   const int64_t t = ctx.tokens(), q_dim = heads_ * head_dim_, kv_dim = kv_heads_ * head_dim_;
   Tensor flat_k = a.k.reshape(Shape{t, kv_dim}), flat_v = a.v.reshape(Shape{t, kv_dim});
   Tensor& q_out = q_norm_ ? a.q_raw : a.q;  // [T, Hq, D] the query before q/k norm and RoPE
-  if (output_gate_) {
+  if (fused_qkv_) {
+    // [T, Hq·D + 2·Hkv·D]: per token the query, the key, the value, split apart.
+    Tensor fused = be.empty(Shape{t, q_dim + 2 * kv_dim}, xn.dtype());
+    qkv_.forward(be, st, xn, fused, a.qkv_proj);
+    Tensor q_flat = q_out.reshape(Shape{t, q_dim});
+    Tensor k_flat = (q_norm_ ? a.k_raw : a.k).reshape(Shape{t, kv_dim});
+    be.copy_columns(st, fused, 0, q_flat, 0, q_dim);
+    be.copy_columns(st, fused, q_dim, k_flat, 0, kv_dim);
+    be.copy_columns(st, fused, q_dim + kv_dim, flat_v, 0, kv_dim);
+  } else if (output_gate_) {
     // [T·Hq, 2D] per head: query then gate, split apart.
     Tensor fused = be.empty(Shape{t * heads_, 2 * head_dim_}, xn.dtype());
     Tensor fused_flat = fused.reshape(Shape{t, 2 * q_dim});
@@ -106,17 +131,17 @@ void SelfAttention::forward(const LayerContext& ctx, const Tensor& xn, MixerActi
   }
   if (q_norm_) {
     Tensor raw_k = a.k_raw.reshape(Shape{t, kv_dim});
-    k_.forward(be, st, xn, raw_k, a.k_proj);
+    if (!fused_qkv_) k_.forward(be, st, xn, raw_k, a.k_proj);
     Tensor qr = a.q_raw.reshape(Shape{t * heads_, head_dim_}), qn = a.q.reshape(qr.shape());
     Tensor kr = a.k_raw.reshape(Shape{t * kv_heads_, head_dim_}), kn = a.k.reshape(kr.shape());
     be.rmsnorm_forward(st, qr, rmsnorm_multiplier(be, st, q_norm_->value, zero_centered_norm_), norm_eps_, qn,
                        a.q_rstd);
     be.rmsnorm_forward(st, kr, rmsnorm_multiplier(be, st, k_norm_->value, zero_centered_norm_), norm_eps_, kn,
                        a.k_rstd);
-  } else {
+  } else if (!fused_qkv_) {
     k_.forward(be, st, xn, flat_k, a.k_proj);
   }
-  v_.forward(be, st, xn, flat_v, a.v_proj);
+  if (!fused_qkv_) v_.forward(be, st, xn, flat_v, a.v_proj);
   rotate(ctx, a.q, +1);
   rotate(ctx, a.k, +1);
   if (run_core) {
@@ -130,13 +155,14 @@ void SelfAttention::forward(const LayerContext& ctx, const Tensor& xn, MixerActi
 }
 
 void SelfAttention::rotate(const LayerContext& ctx, Tensor& x, int sign) const {
-  const Tensor& table = spec_.sliding_rope ? ctx.sliding_rope_inv_freq : ctx.rope_inv_freq;
-  if (rotary_dim_ == head_dim_) {
-    ctx.backend.rope(ctx.stream, x, ctx.batch.positions, table, rope_attention_factor_, sign);
-  } else {
-    SPINDLE_CHECK(rope_attention_factor_ == 1.0, "{}: partial RoPE with an attention factor is not implemented",
-                  o_.prefix);
-    ctx.backend.rope_partial(ctx.stream, x, ctx.batch.positions, table, rotary_dim_, sign);
+  // Each span of tokens with its own table (one span unless the RoPE depends on document lengths).
+  for (const RopeSpan& span : spec_.sliding_rope ? ctx.sliding_rope : ctx.rope) {
+    Tensor xs = x.rows(span.begin, span.end);
+    const Tensor positions = ctx.batch.positions.rows(span.begin, span.end);
+    if (rotary_dim_ == head_dim_)
+      ctx.backend.rope(ctx.stream, xs, positions, span.inv_freq, rope_attention_factor_, sign);
+    else
+      ctx.backend.rope_partial(ctx.stream, xs, positions, span.inv_freq, rotary_dim_, rope_attention_factor_, sign);
   }
 }
 
@@ -182,6 +208,15 @@ void SelfAttention::backward(const LayerContext& ctx, const Tensor& xn, const Mi
                         a.k_rstd, dk.reshape(ks), dk_raw_rows, trainable_grad(*k_norm_), false);
     dq = dq_raw;
     dk = dk_raw;
+  }
+  if (fused_qkv_) {
+    // qkv_proj's gradient [T, Hq·D + 2·Hkv·D]: per token the query's, the key's, the value's.
+    Tensor fused = be.empty(Shape{t, q_dim + 2 * kv_dim}, dt);
+    be.copy_columns(st, dq.reshape(Shape{t, q_dim}), 0, fused, 0, q_dim);
+    be.copy_columns(st, dk.reshape(Shape{t, kv_dim}), 0, fused, q_dim, kv_dim);
+    be.copy_columns(st, dv.reshape(Shape{t, kv_dim}), 0, fused, q_dim + kv_dim, kv_dim);
+    qkv_.backward(be, st, xn, fused, a.qkv_proj, &dxn, false);
+    return;
   }
   if (output_gate_) {
     // The fused [T·Hq, 2D] gradient of q_proj: per head the query's, then the gate's.

@@ -12,8 +12,9 @@ namespace spindle {
 
 class SelfAttention final : public Mixer {
  public:
-  // Parameters "<prefix>self_attn.{q,k,v,o}_proj.{weight,bias}", "<prefix>self_attn.{q,k}_norm.weight" and
-  // "<prefix>self_attn.sinks"; layer `layer`'s attention spec (ModelConfig::attention_spec).
+  // Parameters "<prefix>self_attn.{q,k,v,o}_proj.{weight,bias}" (or "qkv_proj" for q, k and v with
+  // fused_qkv), "<prefix>self_attn.{q,k}_norm.weight" and "<prefix>self_attn.sinks"; layer `layer`'s
+  // attention spec (ModelConfig::attention_spec).
   SelfAttention(ParameterSink& sink, const ModelConfig& config, int64_t layer, const std::string& layer_prefix);
 
   MixerKind kind() const override { return MixerKind::SelfAttention; }
@@ -26,7 +27,7 @@ class SelfAttention final : public Mixer {
   void use_kept_core(MixerActivations& view, const MixerActivations& kept) const override;
   bool allocates_dxn() const override { return true; }
   std::vector<Parameter*> parameters() const override;
-  std::vector<Linear*> linears() override { return {&q_, &k_, &v_, &o_}; }
+  std::vector<Linear*> linears() override;
 
   // Multiply-adds of QKᵀ and PV per visible (query, key) pair, times 2: the forward's FLOPs per pair.
   static double forward_flops_per_pair(const ModelConfig& config);
@@ -43,11 +44,13 @@ class SelfAttention final : public Mixer {
   double norm_eps_;
   bool zero_centered_norm_;  // q/k norms multiply by 1 + w
   bool output_gate_;         // q_proj also gives each head's output gate
+  bool fused_qkv_;           // q, k and v from one projection, qkv_ (phi3); q_, k_, v_ unused
   Linear q_, k_, v_, o_;
+  Linear qkv_;  // [Hq·D + 2·Hkv·D, H] (fused_qkv_)
   Parameter* q_norm_ = nullptr;  // [D] (qk_norm)
   Parameter* k_norm_ = nullptr;  // [D] (qk_norm)
   AttentionSpec spec_;
-  double rope_attention_factor_;  // cos and sin scaled by it (YaRN's attention factor; 1 otherwise)
+  double rope_attention_factor_;  // cos and sin scaled by it (YaRN's, LongRoPE's attention factor; 1 otherwise)
   Parameter* sinks_ = nullptr;    // [Hq] (spec_.sinks)
 };
 

@@ -15,6 +15,16 @@ LinearActivations first_rows(const LinearActivations& a, int64_t n) {
   return view;
 }
 
+// The same of the projections' records of a tile (their LoRA intermediates; no tensor of the MLP's).
+SwigluActivations first_rows(const SwigluActivations& a, int64_t n) {
+  SwigluActivations view;
+  view.gate_proj = first_rows(a.gate_proj, n);
+  view.up_proj = first_rows(a.up_proj, n);
+  view.gate_up_proj = first_rows(a.gate_up_proj, n);
+  view.down_proj = first_rows(a.down_proj, n);
+  return view;
+}
+
 }  // namespace
 
 void SwigluMlp::activate(Backend& be, Stream st, const Tensor& gate, const Tensor& up, Tensor& out) const {
@@ -30,18 +40,63 @@ void SwigluMlp::activate_backward(Backend& be, Stream st, const Tensor& gate, co
 
 SwigluMlp::SwigluMlp(ParameterSink& sink, const ModelConfig& c, const std::string& layer_prefix, int64_t width,
                      const std::string& module)
-    : width_(width), activation_(c.mlp_activation) {
+    : width_(width), activation_(c.mlp_activation), fused_(c.fused_gate_up) {
   const std::string pre = layer_prefix + module + ".";
   const int64_t h = c.hidden_size;
-  gate_ = sink.add_linear({"gate_proj", pre + "gate_proj", width, h, false});
-  up_ = sink.add_linear({"up_proj", pre + "up_proj", width, h, false});
+  if (fused_) {
+    gate_up_ = sink.add_linear({"gate_up_proj", pre + "gate_up_proj", 2 * width, h, false});
+  } else {
+    gate_ = sink.add_linear({"gate_proj", pre + "gate_proj", width, h, false});
+    up_ = sink.add_linear({"up_proj", pre + "up_proj", width, h, false});
+  }
   down_ = sink.add_linear({"down_proj", pre + "down_proj", h, width, false});
+}
+
+std::vector<Linear*> SwigluMlp::linears() {
+  if (fused_) return {&gate_up_, &down_};
+  return {&gate_, &up_, &down_};
 }
 
 std::vector<Parameter*> SwigluMlp::parameters() const {
   std::vector<Parameter*> out;
-  for (const Linear* lin : {&gate_, &up_, &down_}) append_parameters(out, *lin);
+  for (const Linear* lin : const_cast<SwigluMlp*>(this)->linears()) append_parameters(out, *lin);
   return out;
+}
+
+void SwigluMlp::allocate_gate_up(Backend& be, SwigluActivations& a, int64_t t, DType dt) const {
+  if (fused_) {
+    gate_up_.allocate(be, a.gate_up_proj, t, dt);
+  } else {
+    gate_.allocate(be, a.gate_proj, t, dt);
+    up_.allocate(be, a.up_proj, t, dt);
+  }
+}
+
+void SwigluMlp::gate_and_up(Backend& be, Stream st, const Tensor& x, Tensor& gate, Tensor& up,
+                            SwigluActivations& a) const {
+  if (!fused_) {
+    gate_.forward(be, st, x, gate, a.gate_proj);
+    up_.forward(be, st, x, up, a.up_proj);
+    return;
+  }
+  // [N, 2F]: per token the gate, then the up projection, split apart.
+  Tensor both = be.empty(Shape{x.dim(0), 2 * width_}, gate.dtype());
+  gate_up_.forward(be, st, x, both, a.gate_up_proj);
+  be.copy_columns(st, both, 0, gate, 0, width_);
+  be.copy_columns(st, both, width_, up, 0, width_);
+}
+
+void SwigluMlp::gate_and_up_backward(Backend& be, Stream st, const Tensor& x, const Tensor& d_gate, const Tensor& d_up,
+                                     const SwigluActivations& a, Tensor& dx) const {
+  if (!fused_) {
+    gate_.backward(be, st, x, d_gate, a.gate_proj, &dx, false);
+    up_.backward(be, st, x, d_up, a.up_proj, &dx, true);
+    return;
+  }
+  Tensor both = be.empty(Shape{x.dim(0), 2 * width_}, d_gate.dtype());  // gate_up_proj's gradient
+  be.copy_columns(st, d_gate, 0, both, 0, width_);
+  be.copy_columns(st, d_up, 0, both, width_, width_);
+  gate_up_.backward(be, st, x, both, a.gate_up_proj, &dx, false);
 }
 
 void SwigluMlp::allocate(Backend& be, DType dt, int64_t t, ActivationNeeds needs, FeedForwardActivations& f) const {
@@ -53,8 +108,7 @@ void SwigluMlp::allocate(Backend& be, DType dt, int64_t t, ActivationNeeds needs
   if (needs.intermediates && !(a.gate.defined() && a.gate.dim(0) == t)) {
     a.gate = be.empty(Shape{t, width_}, dt);
     a.up = be.empty(Shape{t, width_}, dt);
-    gate_.allocate(be, a.gate_proj, t, dt);
-    up_.allocate(be, a.up_proj, t, dt);
+    allocate_gate_up(be, a, t, dt);
     down_.allocate(be, a.down_proj, t, dt);
   }
   if (needs.product && !(a.act.defined() && a.act.dim(0) == t)) a.act = be.empty(Shape{t, width_}, dt);
@@ -68,8 +122,7 @@ void SwigluMlp::forward(const LayerContext& ctx, const Tensor& xn, FeedForwardAc
   }
   Backend& be = ctx.backend;
   const Stream st = ctx.stream;
-  gate_.forward(be, st, xn, a.gate, a.gate_proj);
-  up_.forward(be, st, xn, a.up, a.up_proj);
+  gate_and_up(be, st, xn, a.gate, a.up, a);
   // A kept layer does not keep act (see SwigluActivations): it lives until the down projection.
   Tensor act = a.act.defined() ? a.act : be.empty(a.gate.shape(), a.gate.dtype());
   activate(be, st, a.gate, a.up, act);
@@ -111,8 +164,7 @@ void SwigluMlp::backward(const LayerContext& ctx, const Tensor& xn, const FeedFo
   down_.backward(be, st, act, dout, a.down_proj, &d_act, false);
   Tensor d_gate = be.empty(d_act.shape(), dt), d_up = be.empty(d_act.shape(), dt);
   activate_backward(be, st, a.gate, a.up, d_act, d_gate, d_up);
-  gate_.backward(be, st, xn, d_gate, a.gate_proj, &dxn, false);
-  up_.backward(be, st, xn, d_up, a.up_proj, &dxn, true);
+  gate_and_up_backward(be, st, xn, d_gate, d_up, a, dxn);
 }
 
 // Tiles of `tile` rows; the buffers are allocated once per call for the largest tile and the last
@@ -127,20 +179,18 @@ void SwigluMlp::forward_tiled(const LayerContext& ctx, const Tensor& xn, int64_t
   Tensor gate = be.empty(Shape{n_max, width_}, dt);  // [N, F]
   Tensor up = be.empty(Shape{n_max, width_}, dt);    // [N, F]
   Tensor act = be.empty(Shape{n_max, width_}, dt);   // [N, F] silu(gate)·up, the down projection's input
-  LinearActivations gate_lora, up_lora, down_lora;   // x·Aᵀ [N, r] each, with LoRA; not kept
-  gate_.allocate(be, gate_lora, n_max, dt);
-  up_.allocate(be, up_lora, n_max, dt);
-  down_.allocate(be, down_lora, n_max, dt);
+  SwigluActivations lora;                            // x·Aᵀ [N, r] of each projection, with LoRA; not kept
+  allocate_gate_up(be, lora, n_max, dt);
+  down_.allocate(be, lora.down_proj, n_max, dt);
   for (int64_t begin = 0; begin < t; begin += n_max) {
     const int64_t n = std::min(n_max, t - begin);
     const Tensor x = xn.rows(begin, begin + n);  // [n, H]
     Tensor y = out.rows(begin, begin + n);       // [n, H]
     Tensor g = gate.rows(0, n), u = up.rows(0, n), p = act.rows(0, n);
-    LinearActivations gl = first_rows(gate_lora, n), ul = first_rows(up_lora, n), dl = first_rows(down_lora, n);
-    gate_.forward(be, st, x, g, gl);
-    up_.forward(be, st, x, u, ul);
+    SwigluActivations tl = first_rows(lora, n);
+    gate_and_up(be, st, x, g, u, tl);
     activate(be, st, g, u, p);
-    down_.forward(be, st, p, y, dl);
+    down_.forward(be, st, p, y, tl.down_proj);
   }
 }
 
@@ -161,10 +211,9 @@ void SwigluMlp::backward_tiled(const LayerContext& ctx, const Tensor& xn, int64_
                                                        // down projection's backward has read the product
   Tensor d_act = be.empty(Shape{n_max, width_}, dt);   // [N, F] ∂L/∂act
   Tensor d_up = be.empty(Shape{n_max, width_}, dt);    // [N, F] ∂L/∂up
-  LinearActivations gate_lora, up_lora, down_lora;     // x·Aᵀ [N, r] each, with LoRA
-  gate_.allocate(be, gate_lora, n_max, dt);
-  up_.allocate(be, up_lora, n_max, dt);
-  down_.allocate(be, down_lora, n_max, dt);
+  SwigluActivations lora;                              // x·Aᵀ [N, r] of each projection, with LoRA
+  allocate_gate_up(be, lora, n_max, dt);
+  down_.allocate(be, lora.down_proj, n_max, dt);
   for (int64_t begin = 0; begin < t; begin += n_max) {
     const int64_t n = std::min(n_max, t - begin);
     const Tensor x = xn.rows(begin, begin + n);      // [n, H]
@@ -172,16 +221,14 @@ void SwigluMlp::backward_tiled(const LayerContext& ctx, const Tensor& xn, int64_
     Tensor dx = dxn.rows(begin, begin + n);          // [n, H]
     Tensor g = gate.rows(0, n), u = up.rows(0, n), p = act.rows(0, n);
     Tensor dp = d_act.rows(0, n), du = d_up.rows(0, n);
-    LinearActivations gl = first_rows(gate_lora, n), ul = first_rows(up_lora, n), dl = first_rows(down_lora, n);
-    gate_.forward(be, st, x, g, gl);
-    up_.forward(be, st, x, u, ul);
+    SwigluActivations tl = first_rows(lora, n);
+    gate_and_up(be, st, x, g, u, tl);
     activate(be, st, g, u, p);
-    down_.save_for_backward(be, st, p, dl);
-    down_.backward(be, st, p, dy, dl, &dp, false);
+    down_.save_for_backward(be, st, p, tl.down_proj);
+    down_.backward(be, st, p, dy, tl.down_proj, &dp, false);
     Tensor& dg = p;  // the product is dead from here: its rows take ∂L/∂gate
     activate_backward(be, st, g, u, dp, dg, du);
-    gate_.backward(be, st, x, dg, gl, &dx, false);
-    up_.backward(be, st, x, du, ul, &dx, true);
+    gate_and_up_backward(be, st, x, dg, du, tl, dx);
   }
 }
 

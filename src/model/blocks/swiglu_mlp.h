@@ -18,8 +18,9 @@ namespace spindle {
 
 class SwigluMlp final : public FeedForward {
  public:
-  // Parameters "<prefix><module>.{gate,up,down}_proj.weight", intermediate width `width`; `module` is
-  // "mlp" for a layer's MLP, "mlp.shared_expert" for a MoE layer's shared expert.
+  // Parameters "<prefix><module>.{gate,up,down}_proj.weight" (gate_up_proj for gate and up with
+  // fused_gate_up), intermediate width `width`; `module` is "mlp" for a layer's MLP,
+  // "mlp.shared_expert" for a MoE layer's shared expert.
   SwigluMlp(ParameterSink& sink, const ModelConfig& config, const std::string& layer_prefix, int64_t width,
             const std::string& module = "mlp");
 
@@ -33,7 +34,7 @@ class SwigluMlp final : public FeedForward {
   // out [T, H] (overwritten) = the forward's output again, from the record's gate and up: the
   // forward's kernels on the same inputs (for a caller whose backward needs the output).
   void recompute_output(const LayerContext& ctx, const FeedForwardActivations& a, Tensor& out) const;
-  std::vector<Linear*> linears() override { return {&gate_, &up_, &down_}; }
+  std::vector<Linear*> linears() override;
 
  private:
   void forward_tiled(const LayerContext& ctx, const Tensor& xn, int64_t tile, Tensor& out) const;
@@ -45,9 +46,18 @@ class SwigluMlp final : public FeedForward {
   void activate_backward(Backend& be, Stream st, const Tensor& gate, const Tensor& up, const Tensor& dout,
                          Tensor& dgate, Tensor& dup) const;
 
+  // gate and up [N, F] of x [N, H] (their projections' records in `a`): from their own projections,
+  // or from the fused one split (copy_columns). The backward writes dx (=) from their gradients.
+  void allocate_gate_up(Backend& be, SwigluActivations& a, int64_t tokens, DType dtype) const;
+  void gate_and_up(Backend& be, Stream st, const Tensor& x, Tensor& gate, Tensor& up, SwigluActivations& a) const;
+  void gate_and_up_backward(Backend& be, Stream st, const Tensor& x, const Tensor& d_gate, const Tensor& d_up,
+                            const SwigluActivations& a, Tensor& dx) const;
+
   int64_t width_;
   MlpActivation activation_;
+  bool fused_;  // gate and up from one projection, gate_up_ (phi3); gate_, up_ unused
   Linear gate_, up_, down_;
+  Linear gate_up_;  // [2F, H]: the gate's rows, then up's (fused_)
 };
 
 }  // namespace spindle
