@@ -76,7 +76,7 @@ ONLY = set(ARGS.only.split(",")) if ARGS.only else None
 
 VOCAB = 96
 # The model types whose feed-forwards are routed experts (router load-balancing loss, decisive routers).
-MOE_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss", "glm4_moe")
+MOE_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "gpt_oss", "glm4_moe")
 
 
 def documents(rng):
@@ -881,6 +881,21 @@ def main():
                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
                                          "out_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate"]))
     write_case("qwen3_5_moe_text", transformers.Qwen3_5MoeTextConfig(**moe_text, tie_word_embeddings=False))
+    # qwen3_next: qwen3_5's three layers with the DeltaNet projections fused per key head (in_proj_qkvz,
+    # in_proj_ba; two value heads per key head), the middle layer dense (mlp_only_layers), the others
+    # routed experts plus the gated shared expert. The full case renormalises no top-k (norm_topk_prob off)
+    # with the load-balancing loss on; its LoRA case (aux off, norm_topk_prob on, as released) adapts the
+    # fused projections, attention and the shared expert's gate with nonzero B.
+    next_text = dict(moe_text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.25},
+                     intermediate_size=40, decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False)
+    write_case("qwen3_next", transformers.Qwen3NextConfig(**next_text, norm_topk_prob=False))
+    write_case("qwen3_next_lora", transformers.Qwen3NextConfig(**dict(next_text, output_router_logits=False),
+                                                               norm_topk_prob=True),
+               # No *_proj of the MLPs: PEFT 0.21 maps those names onto the routed experts' fused tensors.
+               lora=dict(r=4, lora_alpha=8, lora_dropout=0.0, init_std=0.1,
+                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba",
+                                         "out_proj", "shared_expert_gate"]))
     # PEFT's LoRA on the multimodal model's fused routed experts (target_parameters) and its gated attention,
     # the load-balancing loss on: the adapter's tensors under model.language_model., the base's experts fused.
     write_case("qwen3_5_moe_expert_lora", qwen3_5_moe_config(), model_class=multimodal,

@@ -98,6 +98,7 @@ struct GatedDeltaNetActivations {
   Tensor norm_rstd;       // [T·Hv] stat dtype
   Tensor normed;          // [T, Hv·dv] the gated norm's output, out_proj's input
   LinearActivations in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj;
+  LinearActivations in_proj_qkvz, in_proj_ba;  // fused_projections (qwen3_next) instead of the four
 };
 
 // One member per mixer kind; a layer uses the one of its kind.

@@ -57,6 +57,10 @@ struct LinearAttentionConfig {
   int64_t value_head_dim = 0;   // dv (linear_value_head_dim)
   int64_t conv_kernel = 4;      // K (linear_conv_kernel_dim)
   int64_t chunk_size = 64;      // tokens per chunk of the delta rule (not in config.json)
+  // qwen3_next's checkpoint layout: in_proj_qkvz [2·Hk·dk + 2·Hv·dv, H] and in_proj_ba [2·Hv, H],
+  // their rows grouped per key head (q, k, v, z of that head's value heads; then b, a). Otherwise
+  // qwen3_5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a.
+  bool fused_projections = false;
 };
 
 // How a MixtureOfExperts routes and activates where a family departs from qwen3_moe's block: the

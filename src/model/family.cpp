@@ -37,6 +37,8 @@ const ModelFamily kFamilies[] = {
     // the multimodal checkpoint's text tower, and the text-only Qwen3_5MoeForCausalLM folder.
     {"qwen3_5_moe", "model.language_model.", read_qwen3_5_moe_config, "text_config", {"model.visual.", "mtp."}},
     {"qwen3_5_moe_text", "model.", read_qwen3_5_moe_config, {}, {"model.visual.", "mtp."}},
+    // Qwen3-Next: the Qwen3.5-MoE blocks, its DeltaNet projections fused per key head; mtp.* unread.
+    {"qwen3_next", "model.", read_qwen3_next_config, {}, {"mtp."}},
     // gpt-oss (sinks, alternating sliding windows, YaRN, biased clamped-SwiGLU experts).
     {"gpt_oss", "model.", read_gpt_oss_config, {}, {},
      "the CUDA kernels for gpt-oss's clamped-SwiGLU experts and attention sinks are not built yet"},

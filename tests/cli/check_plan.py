@@ -152,6 +152,11 @@ cases += [
      ["--full", "--recompute", "none"], (2, ["--sp", "2", "--ring", "2"])),
     ("qwen3_5_moe (text) sp 4 = Ulysses 2 x ring 2 (state passing inside Ulysses), LoRA", "qwen3_5_moe_text", 128,
      ["--recompute", "all"], (4, ["--sp", "4", "--ulysses", "2", "--ring", "2"])),
+    # qwen3_next: the fused DeltaNet projections' outputs regrouped through per-call buffers, a dense layer.
+    ("qwen3_next LoRA on in_proj_qkvz and in_proj_ba, recompute all", "qwen3_next", 96,
+     ["--lora-targets", "in_proj_qkvz", "in_proj_ba", "q_proj", "--recompute", "all"], (1, [])),
+    ("qwen3_next ring sp 2, full, no recompute", "qwen3_next", 96, ["--full", "--recompute", "none"],
+     (2, ["--sp", "2", "--ring", "2"])),
 ]
 # glm4_moe: a dense first layer, then routed experts behind the sigmoid router (its correction biases are
 # F32 buffers of the layer, never trained: no gradient or optimizer state) and ungated shared experts.

@@ -174,3 +174,37 @@ TEST(ModelConfig, RejectsWhatItCannotRunWithAClearMessage) {
   EXPECT_NE(error_of(j).find("\"vocab_size\" must be a positive integer"), std::string::npos);
   EXPECT_THROW(ModelConfig::from_file("/nonexistent/model"), Error);
 }
+
+TEST(ModelConfig, Qwen3NextFusesTheDeltaNetProjectionsAndPlacesExpertsByStep) {
+  json j = base();
+  j["model_type"] = "qwen3_next";
+  j["num_hidden_layers"] = 4;
+  j["head_dim"] = 8;
+  j["layer_types"] = {"linear_attention", "full_attention", "linear_attention", "full_attention"};
+  j["linear_num_key_heads"] = 2;
+  j["linear_num_value_heads"] = 4;
+  j["linear_key_head_dim"] = 8;
+  j["linear_value_head_dim"] = 8;
+  j["num_experts"] = 4;
+  j["num_experts_per_tok"] = 2;
+  j["moe_intermediate_size"] = 8;
+  j["shared_expert_intermediate_size"] = 12;
+  j["decoder_sparse_step"] = 2;
+  j["mlp_only_layers"] = {3};
+  ModelConfig c = ModelConfig::from_json(j, "next");
+  EXPECT_TRUE(c.linear_attention.fused_projections);
+  EXPECT_TRUE(c.moe.norm_topk_prob);  // transformers' default for this family
+  EXPECT_DOUBLE_EQ(c.rope.partial_rotary_factor, 0.25);
+  // Layers 1 and 3 are every 2nd; 3 is listed dense: only layer 1 routes.
+  const FeedForwardKind moe = FeedForwardKind::MixtureOfExperts, dense = FeedForwardKind::SwiGLU;
+  ASSERT_EQ(c.layer_kinds.size(), 4u);
+  EXPECT_EQ(c.layer_kinds[0].feed_forward, dense);
+  EXPECT_EQ(c.layer_kinds[1].feed_forward, moe);
+  EXPECT_EQ(c.layer_kinds[2].feed_forward, dense);
+  EXPECT_EQ(c.layer_kinds[3].feed_forward, dense);
+  EXPECT_EQ(c.layer_kinds[0].mixer, MixerKind::GatedDeltaNet);
+  j["norm_topk_prob"] = false;
+  EXPECT_FALSE(ModelConfig::from_json(j, "next").moe.norm_topk_prob);
+  j["mlp_only_layers"] = {7};
+  EXPECT_NE(error_of(j).find("mlp_only_layers"), std::string::npos);
+}

@@ -237,6 +237,10 @@ INSTANTIATE_TEST_SUITE_P(Qwen35, HfParity, ::testing::Values("qwen3_5", "qwen3_5
 // tensors; the load-balancing loss on), LoRA on it with nonzero B (shared expert, its gate, DeltaNet,
 // attention), and the text-only Qwen3_5MoeForCausalLM (per-expert tensors, as transformers 5 saves them).
 INSTANTIATE_TEST_SUITE_P(Qwen35Moe, HfParity, ::testing::Values("qwen3_5_moe", "qwen3_5_moe_lora", "qwen3_5_moe_text"));
+// Qwen3-Next: the DeltaNet projections fused per key head (in_proj_qkvz, in_proj_ba, two value heads per
+// key head), a dense middle layer (mlp_only_layers), experts saved per expert; the full case with no
+// top-k renormalisation and the load-balancing loss, the LoRA case on the fused projections.
+INSTANTIATE_TEST_SUITE_P(Qwen3Next, HfParity, ::testing::Values("qwen3_next", "qwen3_next_lora"));
 // PEFT's LoRA on the routed experts' fused tensors (target_parameters, peft 0.21), with LoRA on attention:
 // qwen3_moe over a per-expert checkpoint, the multimodal qwen3_5_moe over a fused one (aux loss on in both).
 INSTANTIATE_TEST_SUITE_P(ExpertLora, HfParity, ::testing::Values("qwen3_moe_expert_lora", "qwen3_5_moe_expert_lora"));

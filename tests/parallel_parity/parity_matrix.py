@@ -22,7 +22,8 @@ from a folder bitsandbytes saved, with FSDP sharding the packed bytes and absmax
 
 The gdn part runs a tiny qwen3_5 (gated DeltaNet layers with slow-decay heads, gated attention over 2
 KV heads) on every kind of mesh up to sp 8: DeltaNet heads over Ulysses, the recurrent state passed
-from rank to rank (ring, hybrid, a Ulysses degree that does not divide the DeltaNet key heads).
+from rank to rank (ring, hybrid, a Ulysses degree that does not divide the DeltaNet key heads); and a tiny
+qwen3_next (the same layers with the DeltaNet projections fused per key head, experts, a dense layer).
 
 The gpt_oss part runs a tiny gpt_oss (sinks, a sliding window crossing the shards, the biased router and
 clamped-SwiGLU experts, the load-balancing loss) on Ulysses, ring and hybrid meshes.
@@ -49,7 +50,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
 from tiny_model import (config, gemma2_config, gemma3_text_config, glm4_moe_config, gpt_oss_config,  # noqa: E402
-                        mistral_config, phi3_config, qwen3_5_config, qwen3_moe_config, write_model)
+                        mistral_config, phi3_config, qwen3_5_config, qwen3_moe_config, qwen3_next_config, write_model)
 
 spindle, root, part = sys.argv[1], sys.argv[2], sys.argv[3]
 work = tempfile.mkdtemp(prefix=f"spindle-parity-{part}-")
@@ -308,6 +309,16 @@ elif part == "gdn":
                          dtype="f64"))
     # sp 8 on a model with 2 KV heads and 2 DeltaNet key heads: ulysses 2 (both head counts), ring 4.
     results.append(check("qwen3_5 hybrid u2 x r4 (sp8)", sp=8, ulysses=2, ring=4, model_dir=hybrid_model))
+    # qwen3_next: the DeltaNet projections fused per key head, a dense middle layer, experts and a shared
+    # expert with the load-balancing loss; LoRA on the fused projections.
+    next_model = os.path.join(work, "qwen3_next")
+    write_model(next_model, qwen3_next_config())
+    slow_deltanet_decay(next_model)
+    aux = ["--full", "--router-aux-loss-coef", "0.05"]
+    results.append(check("qwen3_next ulysses sp2 dp2", sp=2, ulysses=2, dp=2, model_dir=next_model, extra=aux))
+    results.append(check("qwen3_next hybrid u2 x r2", sp=4, ulysses=2, ring=2, model_dir=next_model, extra=aux))
+    results.append(check("qwen3_next LoRA on in_proj_qkvz/in_proj_ba ring sp2", sp=2, ring=2, model_dir=next_model,
+                         extra=["--lora-rank", "4", "--lora-targets", "in_proj_qkvz", "in_proj_ba", "q_proj"]))
 elif part == "wave2":
     # Sliding windows (5 keys: they cross the shard and zigzag-chunk boundaries of 48-token rows),
     # soft-capped attention and final logits, sandwich norms, GeGLU, two RoPE tables, on every kind of

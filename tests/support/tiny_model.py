@@ -20,7 +20,8 @@ from safetensors.numpy import save_file
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+                 "gpt_oss": "GptOssForCausalLM",
                  "glm4_moe": "Glm4MoeForCausalLM",
                  "phi3": "Phi3ForCausalLM"}
 
@@ -117,13 +118,13 @@ def phi3_config(**overrides):
 
 
 def is_moe_layer(c, layer):
-    """transformers' rule for qwen3_moe: sparse unless in mlp_only_layers, every decoder_sparse_step-th layer;
+    """transformers' rule for qwen3_moe and qwen3_next: sparse unless in mlp_only_layers, every decoder_sparse_step-th layer;
     gpt_oss: every layer; glm4_moe: from first_k_dense_replace on."""
     if c["model_type"] == "gpt_oss":
         return True
     if c["model_type"] == "glm4_moe":
         return layer >= c.get("first_k_dense_replace", 1)
-    if c["model_type"] != "qwen3_moe":
+    if c["model_type"] not in ("qwen3_moe", "qwen3_next"):
         return False
     return layer not in c.get("mlp_only_layers", []) and (layer + 1) % c.get("decoder_sparse_step", 1) == 0
 
@@ -148,6 +149,17 @@ def qwen3_5_moe_config(**overrides):
                        shared_expert_intermediate_size=16, output_router_logits=False, router_aux_loss_coef=0.001)
     c["architectures"] = [ARCHITECTURES["qwen3_5_moe_text"]]
     del c["intermediate_size"]
+    c.update(overrides)
+    return c
+
+
+def qwen3_next_config(**overrides):
+    """qwen3_next: qwen3_5_moe_config()'s layers with the DeltaNet projections fused per key head
+    (in_proj_qkvz, in_proj_ba), the middle layer a dense SwiGLU of width 20 (mlp_only_layers), the router
+    renormalising the top-k (norm_topk_prob)."""
+    c = qwen3_5_moe_config(model_type="qwen3_next", intermediate_size=20, mlp_only_layers=[1], decoder_sparse_step=1,
+                           norm_topk_prob=True)
+    c["architectures"] = [ARCHITECTURES["qwen3_next"]]
     c.update(overrides)
     return c
 
@@ -190,8 +202,14 @@ def deltanet_tensors(c, p):
     key = c["linear_num_key_heads"] * c["linear_key_head_dim"]
     heads, value = c["linear_num_value_heads"], c["linear_num_value_heads"] * c["linear_value_head_dim"]
     a = p + "linear_attn."
-    return [(a + "in_proj_qkv.weight", (2 * key + value, h), "matrix"), (a + "in_proj_z.weight", (value, h), "matrix"),
-            (a + "in_proj_b.weight", (heads, h), "matrix"), (a + "in_proj_a.weight", (heads, h), "matrix"),
+    if c["model_type"] == "qwen3_next":  # rows grouped per key head: q, k, v, z; then b, a
+        projections = [(a + "in_proj_qkvz.weight", (2 * key + 2 * value, h), "matrix"),
+                       (a + "in_proj_ba.weight", (2 * heads, h), "matrix")]
+    else:
+        projections = [(a + "in_proj_qkv.weight", (2 * key + value, h), "matrix"),
+                       (a + "in_proj_z.weight", (value, h), "matrix"), (a + "in_proj_b.weight", (heads, h), "matrix"),
+                       (a + "in_proj_a.weight", (heads, h), "matrix")]
+    return projections + [
             (a + "conv1d.weight", (2 * key + value, 1, c["linear_conv_kernel_dim"]), "matrix"),
             (a + "dt_bias", (heads,), "bias"), (a + "A_log", (heads,), "bias"),
             (a + "norm.weight", (c["linear_value_head_dim"],), "norm"), (a + "out_proj.weight", (h, value), "matrix")]
@@ -201,7 +219,7 @@ def layer_tensors(c, layer):
     """(name, shape, kind) of one decoder layer, kind "matrix", "bias", "norm" or "sink"."""
     h, inter, d = c["hidden_size"], c.get("intermediate_size"), c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-    if c["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text"):
+    if c["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
         p = f"model.layers.{layer}."
         if c["layer_types"][layer] == "linear_attention":
             mixer = deltanet_tensors(c, p)
@@ -212,7 +230,8 @@ def layer_tensors(c, layer):
                      (p + "self_attn.o_proj.weight", (h, q), "matrix"),
                      (p + "self_attn.q_norm.weight", (d,), "norm"), (p + "self_attn.k_norm.weight", (d,), "norm")]
         norms = [(p + "input_layernorm.weight", (h,), "norm"), (p + "post_attention_layernorm.weight", (h,), "norm")]
-        if c["model_type"] == "qwen3_5_moe_text":  # every layer: routed experts, a shared expert and its gate
+        moe = c["model_type"] == "qwen3_5_moe_text" or (c["model_type"] == "qwen3_next" and is_moe_layer(c, layer))
+        if moe:  # routed experts, a shared expert and its gate
             shared = c["shared_expert_intermediate_size"]
             return mixer + routed_expert_tensors(c, p) + [
                 (p + "mlp.shared_expert.gate_proj.weight", (shared, h), "matrix"),

@@ -20,17 +20,23 @@ GatedDeltaNet::GatedDeltaNet(ParameterSink& sink, const ModelConfig& c, const st
       key_dim_(c.linear_attention.key_head_dim),
       value_dim_(c.linear_attention.value_head_dim),
       chunk_size_(c.linear_attention.chunk_size),
-      norm_eps_(c.rms_norm_eps) {
+      norm_eps_(c.rms_norm_eps),
+      fused_(c.linear_attention.fused_projections) {
   SPINDLE_CHECK(key_heads_ > 0 && value_heads_ % key_heads_ == 0 && key_dim_ > 0 && value_dim_ > 0,
                 "gated DeltaNet with {} key heads of {} and {} value heads of {}", key_heads_, key_dim_, value_heads_,
                 value_dim_);
   const std::string pre = layer_prefix + "linear_attn.";
   const int64_t h = c.hidden_size, key = key_heads_ * key_dim_, value = value_heads_ * value_dim_;
   const int64_t channels = 2 * key + value;
-  qkv_ = sink.add_linear({"in_proj_qkv", pre + "in_proj_qkv", channels, h, false});
-  z_ = sink.add_linear({"in_proj_z", pre + "in_proj_z", value, h, false});
-  b_ = sink.add_linear({"in_proj_b", pre + "in_proj_b", value_heads_, h, false});
-  a_ = sink.add_linear({"in_proj_a", pre + "in_proj_a", value_heads_, h, false});
+  if (fused_) {
+    qkvz_ = sink.add_linear({"in_proj_qkvz", pre + "in_proj_qkvz", channels + value, h, false});
+    ba_ = sink.add_linear({"in_proj_ba", pre + "in_proj_ba", 2 * value_heads_, h, false});
+  } else {
+    qkv_ = sink.add_linear({"in_proj_qkv", pre + "in_proj_qkv", channels, h, false});
+    z_ = sink.add_linear({"in_proj_z", pre + "in_proj_z", value, h, false});
+    b_ = sink.add_linear({"in_proj_b", pre + "in_proj_b", value_heads_, h, false});
+    a_ = sink.add_linear({"in_proj_a", pre + "in_proj_a", value_heads_, h, false});
+  }
   conv_ = &sink.add(pre + "conv1d.weight", Shape{channels, 1, c.linear_attention.conv_kernel});
   dt_bias_ = &sink.add(pre + "dt_bias", Shape{value_heads_});
   a_log_ = &sink.add(pre + "A_log", Shape{value_heads_});
@@ -40,7 +46,11 @@ GatedDeltaNet::GatedDeltaNet(ParameterSink& sink, const ModelConfig& c, const st
 
 std::vector<Parameter*> GatedDeltaNet::parameters() const {
   std::vector<Parameter*> out;
-  for (const Linear* lin : {&qkv_, &z_, &b_, &a_}) append_parameters(out, *lin);
+  if (fused_) {
+    for (const Linear* lin : {&qkvz_, &ba_}) append_parameters(out, *lin);
+  } else {
+    for (const Linear* lin : {&qkv_, &z_, &b_, &a_}) append_parameters(out, *lin);
+  }
   for (Parameter* p : {conv_, dt_bias_, a_log_, norm_}) out.push_back(p);
   append_parameters(out, out_);
   return out;
@@ -66,10 +76,15 @@ void GatedDeltaNet::allocate(Backend& be, DType dt, int64_t t, ActivationNeeds n
   a.z = be.empty(Shape{t, value}, dt);
   a.norm_rstd = be.empty(Shape{t * value_heads_}, st);
   a.normed = be.empty(Shape{t, value}, dt);
-  qkv_.allocate(be, a.in_proj_qkv, t, dt);
-  z_.allocate(be, a.in_proj_z, t, dt);
-  b_.allocate(be, a.in_proj_b, t, dt);
-  a_.allocate(be, a.in_proj_a, t, dt);
+  if (fused_) {
+    qkvz_.allocate(be, a.in_proj_qkvz, t, dt);
+    ba_.allocate(be, a.in_proj_ba, t, dt);
+  } else {
+    qkv_.allocate(be, a.in_proj_qkv, t, dt);
+    z_.allocate(be, a.in_proj_z, t, dt);
+    b_.allocate(be, a.in_proj_b, t, dt);
+    a_.allocate(be, a.in_proj_a, t, dt);
+  }
   out_.allocate(be, a.out_proj, t, dt);
 }
 
@@ -83,10 +98,7 @@ void GatedDeltaNet::forward(const LayerContext& ctx, const Tensor& xn, MixerActi
   Backend& be = ctx.backend;
   const Stream st = ctx.stream;
   const int64_t t = ctx.tokens();
-  qkv_.forward(be, st, xn, a.qkv, a.in_proj_qkv);
-  z_.forward(be, st, xn, a.z, a.in_proj_z);
-  b_.forward(be, st, xn, a.b, a.in_proj_b);
-  a_.forward(be, st, xn, a.a, a.in_proj_a);
+  projections(ctx, xn, a);
 
   if (DeltaNetSequence* sequence = ctx.attention.deltanet()) {
     // A shard of the sequence: the conv, gates and delta rule need the tokens before this shard's,
@@ -116,6 +128,47 @@ void GatedDeltaNet::forward(const LayerContext& ctx, const Tensor& xn, MixerActi
                   t);
   }
   output(ctx, a, out);
+}
+
+namespace {
+
+// One key head's share of each fused projection's rows: where q, k, v, z (and b, a) start in the fused
+// output and in the regrouped tensors. r = Hv/Hk value heads read key head kh.
+struct FusedSpans {
+  int64_t dk, dv, r, key, value;  // head dims, value heads per key head, Hk·dk, Hv·dv
+  int64_t qkvz_row(int64_t kh) const { return kh * (2 * dk + 2 * r * dv); }
+  int64_t ba_row(int64_t kh) const { return kh * 2 * r; }
+};
+
+}  // namespace
+
+void GatedDeltaNet::projections(const LayerContext& ctx, const Tensor& xn, GatedDeltaNetActivations& a) const {
+  Backend& be = ctx.backend;
+  const Stream st = ctx.stream;
+  if (!fused_) {
+    qkv_.forward(be, st, xn, a.qkv, a.in_proj_qkv);
+    z_.forward(be, st, xn, a.z, a.in_proj_z);
+    b_.forward(be, st, xn, a.b, a.in_proj_b);
+    a_.forward(be, st, xn, a.a, a.in_proj_a);
+    return;
+  }
+  const int64_t t = ctx.tokens();
+  const FusedSpans f{key_dim_, value_dim_, value_heads_ / key_heads_, key_heads_ * key_dim_, value_heads_ * value_dim_};
+  Tensor qkvz = be.empty(Shape{t, 2 * f.key + 2 * f.value}, ctx.dtype);  // [T, 2·Hk·dk + 2·Hv·dv] grouped rows
+  Tensor ba = be.empty(Shape{t, 2 * value_heads_}, ctx.dtype);            // [T, 2·Hv] grouped rows
+  qkvz_.forward(be, st, xn, qkvz, a.in_proj_qkvz);
+  ba_.forward(be, st, xn, ba, a.in_proj_ba);
+  // Into qwen3_5's order: q of every key head, k of every key head, v of every value head; z, b, a
+  // per value head (value head kh·r + j).
+  for (int64_t kh = 0; kh < key_heads_; ++kh) {
+    const int64_t row = f.qkvz_row(kh);
+    be.copy_columns(st, qkvz, row, a.qkv, kh * f.dk, f.dk);
+    be.copy_columns(st, qkvz, row + f.dk, a.qkv, f.key + kh * f.dk, f.dk);
+    be.copy_columns(st, qkvz, row + 2 * f.dk, a.qkv, 2 * f.key + kh * f.r * f.dv, f.r * f.dv);
+    be.copy_columns(st, qkvz, row + 2 * f.dk + f.r * f.dv, a.z, kh * f.r * f.dv, f.r * f.dv);
+    be.copy_columns(st, ba, f.ba_row(kh), a.b, kh * f.r, f.r);
+    be.copy_columns(st, ba, f.ba_row(kh) + f.r, a.a, kh * f.r, f.r);
+  }
 }
 
 void GatedDeltaNet::output(const LayerContext& ctx, GatedDeltaNetActivations& a, Tensor& out) const {
@@ -190,10 +243,29 @@ void GatedDeltaNet::projections_backward(const LayerContext& ctx, const Tensor& 
                                          Tensor& dxn) const {
   Backend& be = ctx.backend;
   const Stream st = ctx.stream;
-  qkv_.backward(be, st, xn, d_qkv, a.in_proj_qkv, &dxn, false);
-  z_.backward(be, st, xn, dz, a.in_proj_z, &dxn, true);
-  b_.backward(be, st, xn, db, a.in_proj_b, &dxn, true);
-  a_.backward(be, st, xn, da, a.in_proj_a, &dxn, true);
+  if (!fused_) {
+    qkv_.backward(be, st, xn, d_qkv, a.in_proj_qkv, &dxn, false);
+    z_.backward(be, st, xn, dz, a.in_proj_z, &dxn, true);
+    b_.backward(be, st, xn, db, a.in_proj_b, &dxn, true);
+    a_.backward(be, st, xn, da, a.in_proj_a, &dxn, true);
+    return;
+  }
+  // The gradients back into the fused rows' order, then one backward per fused projection.
+  const int64_t t = ctx.tokens();
+  const FusedSpans f{key_dim_, value_dim_, value_heads_ / key_heads_, key_heads_ * key_dim_, value_heads_ * value_dim_};
+  Tensor d_qkvz = be.empty(Shape{t, 2 * f.key + 2 * f.value}, ctx.dtype);
+  Tensor d_ba = be.empty(Shape{t, 2 * value_heads_}, ctx.dtype);
+  for (int64_t kh = 0; kh < key_heads_; ++kh) {
+    const int64_t row = f.qkvz_row(kh);
+    be.copy_columns(st, d_qkv, kh * f.dk, d_qkvz, row, f.dk);
+    be.copy_columns(st, d_qkv, f.key + kh * f.dk, d_qkvz, row + f.dk, f.dk);
+    be.copy_columns(st, d_qkv, 2 * f.key + kh * f.r * f.dv, d_qkvz, row + 2 * f.dk, f.r * f.dv);
+    be.copy_columns(st, dz, kh * f.r * f.dv, d_qkvz, row + 2 * f.dk + f.r * f.dv, f.r * f.dv);
+    be.copy_columns(st, db, kh * f.r, d_ba, f.ba_row(kh), f.r);
+    be.copy_columns(st, da, kh * f.r, d_ba, f.ba_row(kh) + f.r, f.r);
+  }
+  qkvz_.backward(be, st, xn, d_qkvz, a.in_proj_qkvz, &dxn, false);
+  ba_.backward(be, st, xn, d_ba, a.in_proj_ba, &dxn, true);
 }
 
 }  // namespace spindle

@@ -6,6 +6,7 @@
 #include "model/config.h"
 #include "model/config_fields.h"
 #include "model/families/qwen3_5.h"
+#include "model/families/qwen3_moe.h"
 
 namespace spindle {
 
@@ -21,14 +22,25 @@ void read_qwen3_5_moe_config(const nlohmann::json& j, ModelConfig& c, const std:
     fail("{}: num_experts_per_tok {} is more than num_experts {}: each token picks its experts among num_experts",
          source, moe.experts_per_token, moe.num_experts);
   moe.norm_topk_prob = true;  // Qwen3_5MoeTopKRouter renormalises unconditionally
-  moe.output_router_logits = bool_or(j, "output_router_logits", false, source);
-  moe.router_aux_loss_coef = 0.001;
-  if (j.contains("router_aux_loss_coef") && !j["router_aux_loss_coef"].is_null()) {
-    if (!j["router_aux_loss_coef"].is_number() || j["router_aux_loss_coef"].get<double>() < 0)
-      fail("{}: \"router_aux_loss_coef\" must be a number >= 0, got {}", source, j["router_aux_loss_coef"].dump());
-    moe.router_aux_loss_coef = j["router_aux_loss_coef"].get<double>();
-  }
+  read_router_loss(j, c, source);
   for (LayerKind& kind : c.layer_kinds) kind.feed_forward = FeedForwardKind::MixtureOfExperts;
+}
+
+void read_qwen3_next_config(const nlohmann::json& j, ModelConfig& c, const std::string& source) {
+  read_qwen3_5_config(j, c, source);
+  c.linear_attention.fused_projections = true;
+  MoeConfig& moe = c.moe;
+  // Defaults of transformers' Qwen3NextConfig (the 80B-A3B's sizes).
+  moe.num_experts = positive_int_or(j, "num_experts", 512, source);
+  moe.experts_per_token = positive_int_or(j, "num_experts_per_tok", 10, source);
+  moe.expert_intermediate_size = positive_int_or(j, "moe_intermediate_size", 512, source);
+  moe.shared_expert_intermediate_size = positive_int_or(j, "shared_expert_intermediate_size", 512, source);
+  if (moe.experts_per_token > moe.num_experts)
+    fail("{}: num_experts_per_tok {} is more than num_experts {}: each token picks its experts among num_experts",
+         source, moe.experts_per_token, moe.num_experts);
+  moe.norm_topk_prob = bool_or(j, "norm_topk_prob", true, source);  // Qwen2MoeTopKRouter: only when set
+  read_router_loss(j, c, source);
+  read_sparse_layers(j, c, source);
 }
 
 }  // namespace spindle

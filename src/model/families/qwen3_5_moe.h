@@ -18,4 +18,10 @@ struct ModelConfig;
 // decoder_sparse_step) and its router always renormalises the top-k (no norm_topk_prob).
 void read_qwen3_5_moe_config(const nlohmann::json& j, ModelConfig& config, const std::string& source);
 
+// Qwen3-Next (qwen3_next): qwen3_5_moe's blocks with the DeltaNet input projections fused per key head
+// (in_proj_qkvz, in_proj_ba: LinearAttentionConfig::fused_projections), the experts on the layers
+// decoder_sparse_step and mlp_only_layers pick (dense SwiGLU elsewhere), and the router renormalising
+// the top-k only with norm_topk_prob (default true), as transformers' Qwen2MoeTopKRouter.
+void read_qwen3_next_config(const nlohmann::json& j, ModelConfig& config, const std::string& source);
+
 }  // namespace spindle

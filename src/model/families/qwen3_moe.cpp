@@ -35,6 +35,12 @@ void read_qwen3_moe_config(const nlohmann::json& j, ModelConfig& c, const std::s
          source, moe.experts_per_token, moe.num_experts);
   // Defaults of transformers' Qwen3MoeConfig.
   moe.norm_topk_prob = bool_or(j, "norm_topk_prob", false, source);
+  read_router_loss(j, c, source);
+  read_sparse_layers(j, c, source);
+}
+
+void read_router_loss(const nlohmann::json& j, ModelConfig& c, const std::string& source) {
+  MoeConfig& moe = c.moe;
   moe.output_router_logits = bool_or(j, "output_router_logits", false, source);
   moe.router_aux_loss_coef = 0.001;
   if (j.contains("router_aux_loss_coef") && !j["router_aux_loss_coef"].is_null()) {
@@ -42,7 +48,9 @@ void read_qwen3_moe_config(const nlohmann::json& j, ModelConfig& c, const std::s
       fail("{}: \"router_aux_loss_coef\" must be a number >= 0, got {}", source, j["router_aux_loss_coef"].dump());
     moe.router_aux_loss_coef = j["router_aux_loss_coef"].get<double>();
   }
+}
 
+void read_sparse_layers(const nlohmann::json& j, ModelConfig& c, const std::string& source) {
   int64_t sparse_step = 1;
   if (j.contains("decoder_sparse_step") && !j["decoder_sparse_step"].is_null())
     sparse_step = positive_int(j, "decoder_sparse_step", source);
