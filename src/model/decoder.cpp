@@ -146,6 +146,10 @@ Decoder::Decoder(Backend& backend, ModelWeights& weights, DecoderOptions options
   check_offload_layers(options_.offload, options_.offload_layers);
   if (options_.mlp_tile_tokens < 0)
     fail("--mlp-tile-tokens must be 0 (untiled) or a positive number of tokens, got {}", options_.mlp_tile_tokens);
+  if (options_.mlp_tile_tokens > 0 && c.sandwich_norms)
+    fail("--mlp-tile-tokens {} is not supported with {}'s sandwich norms: the norm after the MLP needs its whole "
+         "output; leave --mlp-tile-tokens at 0 (or auto, which never tiles this model)",
+         options_.mlp_tile_tokens, c.model_type);
   if (options_.checkpoint_stride < 1)
     fail("--checkpoint-stride must be 1 or more, got {}", options_.checkpoint_stride);
   if (options_.checkpoint_stride > 1 && options_.keep_attention)

@@ -100,9 +100,10 @@ double unhidden_copy_seconds(const PlanOptions& o, const ModelConfig& c, const R
 }
 
 // The MLP tilings --recompute auto tries: the one given, or with auto untiled then
-// kAutoMlpTileTokens (only when the model has a SwiGLU MLP layer to tile).
+// kAutoMlpTileTokens (only when the model has a SwiGLU MLP layer to tile and no norm after it).
 std::vector<int64_t> candidate_tiles(const PlanOptions& o, const ModelConfig& config) {
   if (o.mlp_tile_tokens != kMlpTileAuto) return {o.mlp_tile_tokens};
+  if (config.sandwich_norms) return {0};  // Gemma's norm after the MLP needs the MLP's whole output
   for (int64_t l = 0; l < config.num_layers; ++l)
     if (config.layer_kind(l).feed_forward == FeedForwardKind::SwiGLU) return {0, kAutoMlpTileTokens};
   return {0};
