@@ -75,6 +75,8 @@ OUT = ARGS.out or ARGS.out_dir or "testdata/hf"
 ONLY = set(ARGS.only.split(",")) if ARGS.only else None
 
 VOCAB = 96
+# Where multimodal checkpoints keep what text-only training never runs (Qwen3.5's and Gemma 3's towers).
+VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.")
 # The model types whose feed-forwards are routed experts (router load-balancing loss, decisive routers).
 MOE_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "gpt_oss", "glm4_moe")
 
@@ -502,6 +504,15 @@ def clamp_margin(model, docs):
     return margin
 
 
+def checkpoint_name(folder, name):
+    """A parameter's name as save_pretrained wrote it: transformers 5 keeps some multimodal checkpoints in
+    their released layout (Gemma 3: language_model.model.* for the in-memory model.language_model.*)."""
+    names = load_file(os.path.join(folder, "model.safetensors")).keys()
+    if name.startswith("model.language_model.") and "language_model.model.embed_tokens.weight" in names:
+        return "language_model.model." + name[len("model.language_model."):]
+    return name
+
+
 def slow_deltanet_decay(model):
     """Gated DeltaNet heads (linear_attn.A_log) with exp(A_log) in [1e-3, 3e-3]: their per-token decay
     exp(-exp(A_log)·softplus(a + dt_bias)) stays above 0.99, so their state lasts the whole document
@@ -677,9 +688,10 @@ def write_case(name, config, legacy_rope=None, lora=None, model_class=None):
 
     # The vision tower is not spindle's to train: frozen, and no gradient of it is a reference.
     for n, p in model.named_parameters():
-        if n.startswith("model.visual."):
+        if n.startswith(VISION_PREFIXES):
             p.requires_grad_(False)
-    trainable = [(n, p) for n, p in model.named_parameters() if not n.startswith("model.visual.")]
+    trainable = [(checkpoint_name(folder, n), p) for n, p in model.named_parameters()
+                 if not n.startswith(VISION_PREFIXES)]
     if lora is not None:
         import peft
 
@@ -816,11 +828,23 @@ def main():
             rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
 
-    for case, make, lora in (("gemma2", gemma2, None),
-                             ("gemma2_lora", gemma2, dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)),
-                             ("gemma3_text", gemma3_text, None)):
+    # gemma3: the multimodal checkpoint (Gemma3ForConditionalGeneration) around gemma3_text's layers, a tiny
+    # SigLIP tower and projector that text-only training never runs; its text model under
+    # model.language_model., a tied head.
+    def gemma3():
+        vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=16, patch_size=4)
+        return transformers.Gemma3Config(text_config=gemma3_text().to_dict(), vision_config=vision.to_dict(),
+                                         mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+                                         boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3)
+
+    for case, make, lora, model_class in (
+            ("gemma2", gemma2, None, None),
+            ("gemma2_lora", gemma2, dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets), None),
+            ("gemma3_text", gemma3_text, None, None),
+            ("gemma3", gemma3, None, transformers.Gemma3ForConditionalGeneration)):
         try:  # one family's API change must not cost the other cases
-            write_case(case, make(), lora=lora)
+            write_case(case, make(), lora=lora, model_class=model_class)
         except Exception as e:
             print(f"{case}: FAILED {e!r}")
 

@@ -206,8 +206,10 @@ class Backend {
   // ---- model ops -------------------------------------------------------------------------------
   // out[T, H] = table[ids[t], :]; ids I32 [T].
   virtual void embedding_forward(Stream stream, const Tensor& ids, const Tensor& table, Tensor& out) = 0;
-  // dtable[ids[t], :] += dout[t, :].
-  virtual void embedding_backward(Stream stream, const Tensor& ids, const Tensor& dout, Tensor& dtable) = 0;
+  // dtable[ids[t], :] += dout[t, :] for every t with ids[t] != padding_id (transformers' padding_idx:
+  // that row gets no gradient from its lookups); padding_id −1: every token adds.
+  virtual void embedding_backward(Stream stream, const Tensor& ids, const Tensor& dout, Tensor& dtable,
+                                  int64_t padding_id) = 0;
 
   // y[R, C] = x / sqrt(mean(x²) + eps) · w[C]; rstd[R] (F32) saved for backward.
   virtual void rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& w, double eps, Tensor& y,

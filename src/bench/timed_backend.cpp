@@ -160,9 +160,10 @@ void TimedBackend::embedding_forward(Stream s, const Tensor& ids, const Tensor& 
   timed(s, C::OtherOps, "embedding_forward", 0, bytes_of({&ids, &out, &out}),
         [&] { inner_.embedding_forward(s, ids, table, out); });
 }
-void TimedBackend::embedding_backward(Stream s, const Tensor& ids, const Tensor& dout, Tensor& dtable) {
+void TimedBackend::embedding_backward(Stream s, const Tensor& ids, const Tensor& dout, Tensor& dtable,
+                                      int64_t padding_id) {
   timed(s, C::OtherOps, "embedding_backward", 0, bytes_of({&ids, &dout, &dout, &dout}),
-        [&] { inner_.embedding_backward(s, ids, dout, dtable); });
+        [&] { inner_.embedding_backward(s, ids, dout, dtable, padding_id); });
 }
 void TimedBackend::rmsnorm_forward(Stream s, const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) {
   timed(s, C::OtherOps, "rmsnorm_forward", 0, bytes_of({&x, &w, &y, &rstd}),

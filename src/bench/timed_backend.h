@@ -120,7 +120,8 @@ class TimedBackend final : public Backend {
   void add_bias(Stream stream, Tensor& y, const Tensor& bias) override;
   void bias_backward(Stream stream, const Tensor& dy, Tensor& dbias) override;
   void embedding_forward(Stream stream, const Tensor& ids, const Tensor& table, Tensor& out) override;
-  void embedding_backward(Stream stream, const Tensor& ids, const Tensor& dout, Tensor& dtable) override;
+  void embedding_backward(Stream stream, const Tensor& ids, const Tensor& dout, Tensor& dtable,
+                          int64_t padding_id) override;
   void rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) override;
   void rmsnorm_backward(Stream stream, const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
                         Tensor& dx, Tensor* dw, bool accumulate_dx) override;

@@ -205,6 +205,13 @@ ModelConfig ModelConfig::from_json(const json& file, const std::string& source) 
       !file["architectures"].empty() && file["architectures"][0].is_string())
     c.multimodal_architecture = file["architectures"][0];
   c.vocab_size = require_int(j, "vocab_size", source);
+  if (j.contains("pad_token_id") && !j["pad_token_id"].is_null()) {
+    if (!j["pad_token_id"].is_number_integer())
+      fail("{}: \"pad_token_id\" must be an integer or null, got {}", source, j["pad_token_id"].dump());
+    const int64_t pad = j["pad_token_id"].get<int64_t>();
+    // transformers refuses a padding_idx outside the table; a checkpoint with one trains as if unset.
+    if (pad >= 0 && pad < c.vocab_size) c.pad_token_id = pad;
+  }
   c.hidden_size = require_int(j, "hidden_size", source);
   // Families whose every MLP is a mixture of experts (qwen3_5_moe) have no intermediate_size: it is
   // required below only when a layer has a dense MLP.

@@ -117,6 +117,9 @@ struct ModelConfig {
   // PEFT records it in an adapter's auto_mapping, where AutoPeftModel finds the base class.
   std::string multimodal_architecture;
   int64_t vocab_size = 0;
+  // config.json's pad_token_id, or -1 when it has none: transformers' nn.Embedding(padding_idx=...)
+  // gives that row no gradient from the tokens that look it up (its lm_head share when tied remains).
+  int64_t pad_token_id = -1;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
   int64_t num_layers = 0;

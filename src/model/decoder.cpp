@@ -469,7 +469,7 @@ void Decoder::step(const MicroBatch& batch, double loss_scale, Tensor& loss_sum,
   if (weights_.embed->trainable) {
     before_backward(ParameterUnit::embedding());
     if (c.embedding_multiplier != 0) be.scale(st, d_res, embedding_multiplier());
-    be.embedding_backward(st, batch.input_ids, d_res, weights_.embed->grad);
+    be.embedding_backward(st, batch.input_ids, d_res, weights_.embed->grad, c.pad_token_id);
     after_backward(ParameterUnit::embedding());
   }
 }

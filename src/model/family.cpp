@@ -28,6 +28,10 @@ const ModelFamily kFamilies[] = {
     {"mistral", "model.", read_mistral_config},
     {"gemma2", "model.", read_gemma2_config, {}, {}, kGemmaCpuOnly},
     {"gemma3_text", "model.", read_gemma3_text_config, {}, {}, kGemmaCpuOnly},
+    // Gemma 3's multimodal checkpoint (Gemma3ForConditionalGeneration, in the released layout that
+    // transformers also saves): the text model under text_config and language_model.model.*.
+    {"gemma3", "language_model.model.", read_gemma3_text_config, "text_config",
+     {"vision_tower.", "multi_modal_projector."}, kGemmaCpuOnly},
     {"qwen3_moe", "model.", read_qwen3_moe_config},
     // Qwen3.5 (gated DeltaNet + gated attention): the multimodal checkpoint's text tower, and the
     // text-only Qwen3_5ForCausalLM folder.

@@ -93,7 +93,7 @@ class DryBackend final : public Backend {
   void add_bias(Stream, Tensor&, const Tensor&) override {}
   void bias_backward(Stream, const Tensor&, Tensor&) override {}
   void embedding_forward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
-  void embedding_backward(Stream, const Tensor&, const Tensor&, Tensor&) override {}
+  void embedding_backward(Stream, const Tensor&, const Tensor&, Tensor&, int64_t) override {}
   void rmsnorm_forward(Stream, const Tensor&, const Tensor&, double, Tensor&, Tensor&) override {}
   void rmsnorm_backward(Stream, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor*,
                         bool) override {}

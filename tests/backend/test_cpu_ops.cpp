@@ -418,11 +418,16 @@ TEST_F(CpuOps, EmbeddingGatherScatterAndBias) {
   Tensor dtable = be->zeros(table.shape(), DType::F64);
   Tensor ones = be->empty(Shape{3, 3}, DType::F64);
   be->fill(st, ones, 1.0);
-  be->embedding_backward(st, ids, ones, dtable);
+  be->embedding_backward(st, ids, ones, dtable, -1);
   auto D = to_host(*be, dtable);
   EXPECT_EQ(D[12], 2.0);
   EXPECT_EQ(D[0], 1.0);
   EXPECT_EQ(D[3], 0.0);
+  // The padding row (transformers' padding_idx) gets nothing from its lookups; the others as before.
+  be->embedding_backward(st, ids, ones, dtable, 4);
+  D = to_host(*be, dtable);
+  EXPECT_EQ(D[12], 2.0);
+  EXPECT_EQ(D[0], 2.0);
   Tensor one_row = out.rows(0, 1);
   EXPECT_THROW(be->embedding_forward(st, int_tensor(*be, {5}), table, one_row), Error);
 

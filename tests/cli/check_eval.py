@@ -14,7 +14,7 @@ failures = 0
 for case in ["llama", "qwen2", "qwen3", "qwen2_lora", "llama_rslora", "qwen3_5", "qwen3_5_lora", "qwen3_moe",
              "qwen3_moe_lora", "qwen3_5_moe", "qwen3_5_moe_lora", "qwen3_5_moe_text", "qwen3_moe_expert_lora",
              "qwen3_5_moe_expert_lora", "mistral", "mistral_lora", "qwen3_yarn", "llama_yarn", "gemma2", "gemma2_lora",
-             "gemma3_text", "gpt_oss", "gpt_oss_lora", "qwen3_next", "qwen3_next_lora", "glm4_moe", "glm4_moe_lora",
+             "gemma3_text", "gemma3", "gpt_oss", "gpt_oss_lora", "qwen3_next", "qwen3_next_lora", "glm4_moe", "glm4_moe_lora",
              "glm4_moe_expert_lora", "glm4_moe_v4", "phi3", "phi3_lora", "phi3_short", "llama_dynamic"]:
     d = os.path.join(root, "testdata", "hf", case)
     cmd = [spindle, "eval", "--model", d, "--data", os.path.join(d, "data.jsonl"), "--max-length", "48",

@@ -286,8 +286,9 @@ TEST_P(CudaOps, EmbeddingForwardBackwardWithRepeatedIds) {
   EXPECT_EQ(to_host(*gpu, out), to_host(*cpu, cout_));
   Tensor dout = on_gpu(dv, Shape{tokens, hidden}, t), dtable = on_gpu(gv, Shape{vocab, hidden}, t);
   Tensor cdout = on_cpu(dv, Shape{tokens, hidden}), cdtable = on_cpu(gv, Shape{vocab, hidden});
-  gpu->embedding_backward(gs, gpu_ints(ids), dout, dtable);
-  cpu->embedding_backward(cs, cpu_ints(ids), cdout, cdtable);
+  // ids are multiples of 5: the padding row 10 is among them.
+  gpu->embedding_backward(gs, gpu_ints(ids), dout, dtable, 10);
+  cpu->embedding_backward(cs, cpu_ints(ids), cdout, cdtable, 10);
   expect_close(to_host(*gpu, dtable), to_host(*cpu, cdtable), tol_for(t), "embedding_backward");
   // A bad id is reported at the next synchronization with the CPU backend's message.
   Tensor one = poisoned(Shape{1, hidden}, t);

@@ -230,7 +230,8 @@ INSTANTIATE_TEST_SUITE_P(Wave2, HfParity, ::testing::Values("mistral", "mistral_
 // gemma2: sliding/full layers, soft-capped attention and final logits, sandwich (1 + w) norms, GeGLU,
 // √hidden embeddings, tied head (and LoRA on it); gemma3_text: q/k norms and the sliding layers' own
 // RoPE against the full layers' scaled one.
-INSTANTIATE_TEST_SUITE_P(Gemma, HfParity, ::testing::Values("gemma2", "gemma2_lora", "gemma3_text"));
+// gemma3: the multimodal checkpoint (text model under language_model.model., a SigLIP tower carried).
+INSTANTIATE_TEST_SUITE_P(Gemma, HfParity, ::testing::Values("gemma2", "gemma2_lora", "gemma3_text", "gemma3"));
 // Gated DeltaNet and gated attention layers (qwen3_5, text-only; slow-decay DeltaNet heads).
 INSTANTIATE_TEST_SUITE_P(Qwen35, HfParity, ::testing::Values("qwen3_5", "qwen3_5_lora"));
 // Qwen3.5-MoE / Qwen3.6: the multimodal checkpoint (tiny vision tower, experts fused as released, mtp.*

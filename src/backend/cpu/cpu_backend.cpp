@@ -327,7 +327,7 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void embedding_backward(Stream, const Tensor& ids, const Tensor& dout, Tensor& dtable) override {
+  void embedding_backward(Stream, const Tensor& ids, const Tensor& dout, Tensor& dtable, int64_t padding_id) override {
     require_i32(ids, "embedding_backward");
     require_same(dout, dtable, "embedding_backward");
     const int64_t t_count = ids.numel(), hidden = dtable.dim(1);
@@ -336,8 +336,10 @@ class CpuBackend final : public Backend {
       using T = decltype(z);
       const T* g = dout.data_as<T>();
       T* d = dtable.data_as<T>();
-      for (int64_t t = 0; t < t_count; ++t)
+      for (int64_t t = 0; t < t_count; ++t) {
+        if (id[t] == padding_id) continue;
         for (int64_t j = 0; j < hidden; ++j) d[id[t] * hidden + j] += g[t * hidden + j];
+      }
     });
   }
 

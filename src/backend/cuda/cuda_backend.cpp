@@ -333,14 +333,15 @@ class CudaBackend final : public Backend {
                       cuda::kErrTokenId);
   }
 
-  void embedding_backward(Stream stream, const Tensor& ids, const Tensor& dout, Tensor& dtable) override {
+  void embedding_backward(Stream stream, const Tensor& ids, const Tensor& dout, Tensor& dtable,
+                          int64_t padding_id) override {
     require_i32(ids, "embedding_backward");
     require_compute(dout, "embedding_backward");
     require_same(dout, dtable, "embedding_backward");
     SPINDLE_CHECK(dtable.rank() == 2 && dout.numel() == ids.numel() * dtable.dim(1),
                   "embedding_backward: ids {} dout {} dtable {}", ids.describe(), dout.describe(), dtable.describe());
     cuda::scatter_add_rows(s(stream), dout.data(), ids.data_as<int32_t>(), ids.numel(), dtable.data(), dtable.dim(0),
-                           dtable.dim(1), dtable.dtype(), ctx_->device_error());
+                           dtable.dim(1), dtable.dtype(), ctx_->device_error(), static_cast<int32_t>(padding_id));
   }
 
   void rmsnorm_forward(Stream stream, const Tensor& x, const Tensor& w, double eps, Tensor& y,

@@ -98,8 +98,9 @@ void gather_rows(cudaStream_t s, const void* src, int64_t src_rows, const int32_
                  size_t row_bytes, DeviceError* err, int code);
 // dst[idx[r], :] += src[r, :]. Rows with the same index are summed in f32 in a fixed order (stable
 // sort of the indices), then added to dst once: deterministic, one rounding per destination row.
+// Rows whose index is skip_index (>= 0) add nothing (the embedding's padding row).
 void scatter_add_rows(cudaStream_t s, const void* src, const int32_t* idx, int64_t n, void* dst, int64_t dst_rows,
-                      int64_t row_elems, DType t, DeviceError* err);
+                      int64_t row_elems, DType t, DeviceError* err, int32_t skip_index = -1);
 
 // ---- lora.cu -----------------------------------------------------------------------------------
 // BF16, all contiguous: dy [t, n], b [n, r], xa [t, r] -> dxa [t, r] = scaling·dy·b and, when db is

@@ -42,10 +42,11 @@ __global__ void iota_kernel(int32_t* p, int64_t n) {
 // indices sums that run's source rows in f32 (in token order) and adds the sum to dst once.
 template <typename T>
 __global__ void scatter_runs_kernel(const T* src, const int32_t* keys, const int32_t* order, int64_t n, T* dst,
-                                    int64_t dst_rows, int64_t row_elems, DeviceError* err) {
+                                    int64_t dst_rows, int64_t row_elems, DeviceError* err, int32_t skip_index) {
   const int64_t first = blockIdx.x;
   const int32_t key = keys[first];
   if (first > 0 && keys[first - 1] == key) return;  // not the start of a run
+  if (skip_index >= 0 && key == skip_index) return;
   if (key < 0 || key >= dst_rows) {
     if (threadIdx.x == 0) report(err, kErrScatterIndex, order[first], key, dst_rows);
     return;
@@ -87,7 +88,7 @@ void gather_rows(cudaStream_t s, const void* src, int64_t src_rows, const int32_
 }
 
 void scatter_add_rows(cudaStream_t s, const void* src, const int32_t* idx, int64_t n, void* dst, int64_t dst_rows,
-                      int64_t row_elems, DType t, DeviceError* err) {
+                      int64_t row_elems, DType t, DeviceError* err, int32_t skip_index) {
   if (n == 0 || row_elems == 0) return;
   if (n > 0x7fffffff) throw_message("scatter_add_rows", "more than 2^31 rows");
   const int count = static_cast<int>(n);
@@ -110,7 +111,8 @@ void scatter_add_rows(cudaStream_t s, const void* src, const int32_t* idx, int64
     using T = decltype(z);
     const int threads = row_elems >= 256 ? 256 : 64;
     scatter_runs_kernel<<<static_cast<unsigned>(n), threads, 0, s>>>(static_cast<const T*>(src), keys, order, n,
-                                                                     static_cast<T*>(dst), dst_rows, row_elems, err);
+                                                                     static_cast<T*>(dst), dst_rows, row_elems, err,
+                                                                     skip_index);
     CUDA_CHECK_LAUNCH();
   });
 }
