@@ -9,10 +9,13 @@
 // the loss and gradients are those of one process on the same step.
 #pragma once
 
-#include <nlohmann/json.hpp>
+#include <memory>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "loss/preference_loss.h"
+#include "train/objective.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
 
@@ -35,6 +38,24 @@ struct DpoConfig {
   nlohmann::json fingerprint() const;  // with TrainConfig's: what a resumed run must share
   // What dpo adds to a run's identity (run_folder.h): the loss options, and the reference by contents.
   nlohmann::json identity_options() const;
+};
+
+// The preference losses as an objective of the training loop (objective.h): rows of whole pairs,
+// the reference per dpo's options, the step of preference_step.h.
+class DpoObjective final : public Objective {
+ public:
+  explicit DpoObjective(DpoConfig config);
+  std::string command() const override { return "dpo"; }
+  nlohmann::json identity_options() const override;
+  void add_fingerprint(nlohmann::json& fingerprint) const override;
+  DatasetKind data_kind() const override { return DatasetKind::kPreferencePairs; }
+  void check_models(const ModelConfig& model) const override;
+  void check_mesh(const TrainConfig& config, const RunTopology& run) const override;
+  void describe_data(const TrainDataLoader& loader, const TrainConfig& config) const override;
+  std::unique_ptr<ObjectiveRunner> bind(const ObjectiveContext& context) const override;
+
+ private:
+  DpoConfig config_;
 };
 
 // Runs a whole `spindle dpo` job (resuming when config.train.resume). Throws Error for bad

@@ -1,6 +1,7 @@
 #include "train/preference_step.h"
 
 #include <algorithm>
+#include <functional>
 
 #include "core/error.h"
 
@@ -192,7 +193,20 @@ PreferenceStepResult preference_step(Backend& backend, Decoder& policy, ModelWei
              reference.cache.size(), num_pairs, n);
       break;
   }
+  // The router loss's statistics: from the policy's forward over every micro-batch of the step.
+  RouterAuxLoss* aux = options.backward ? options.router_aux : nullptr;
+  if (aux) {
+    std::function<void(Tensor&)> reduce;
+    if ((options.sequence_group && options.sequence_group->size() > 1) ||
+        (options.pair_group && options.pair_group->size() > 1))
+      reduce = [&backend, &options](Tensor& t) {
+        for (comm::Communicator* group : {options.sequence_group, options.pair_group})
+          if (group && group->size() > 1) group->all_reduce_sum(backend.default_stream(), t);
+      };
+    aux->begin_step(options.step_tokens, std::move(reduce));
+  }
   accumulate_log_probs(backend, policy, batches, policy_sum);
+  if (aux) aux->finish_statistics();  // the same point on every rank: after the policy's forward pass
   count_tokens(batches, tokens);
 
   std::vector<double> partial;  // one reduction over the sequence group
@@ -245,6 +259,10 @@ PreferenceStepResult preference_step(Backend& backend, Decoder& policy, ModelWei
     MicroBatch weighted = pb.batch;
     weighted.weights = upload_stat(backend, weights, sd);
     policy.step(weighted, 1.0, surrogate, /*backward=*/true);
+  }
+  if (aux) {
+    result.aux_loss = aux->value();
+    aux->end_step();
   }
   return result;
 }

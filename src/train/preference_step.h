@@ -8,7 +8,8 @@
 //   2. policy sums π_s: a forward without gradients (Decoder::step's per-token CE);
 //   3. the per-response sums are added up across the sequence-parallel group (each rank holds part
 //      of each response's tokens), then the loss and c_s are computed in double on the host;
-//   4. a forward/backward with per-token weights w_t = −c_{s(t)}: its gradient is ∂L/∂θ.
+//   4. a forward/backward with per-token weights w_t = −c_{s(t)}: its gradient is ∂L/∂θ (plus the
+//      router loss's, for MoE models trained with it: its statistics come from step 2's forward).
 // So a step costs one forward without gradients plus one forward/backward (plus the reference
 // forward when it is not cached). The extra policy forward is the price of not keeping every
 // micro-batch's activations until all sums of the step are known.
@@ -19,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -28,6 +30,7 @@
 #include "loss/preference_loss.h"
 #include "model/batch.h"
 #include "model/decoder.h"
+#include "model/router_aux_loss.h"
 #include "model/weights.h"
 
 namespace spindle {
@@ -115,11 +118,19 @@ struct PreferenceStepOptions {
   // sequence_group already spans all ranks of the step. Never both spanning the same ranks.
   comm::Communicator* pair_group = nullptr;
   bool backward = true;  // false: loss and metrics only (evaluation, finite differences)
+  // Training steps of MoE models: the router load-balancing loss (model/router_aux_loss.h) over the
+  // step's `step_tokens` real tokens (every row of every rank, prompts included, as transformers
+  // counts the tokens of DPO's concatenated forward), its statistics collected by the policy's
+  // forward pass and summed over sequence_group and pair_group. The policy decoder must compute
+  // with it. Null: none.
+  RouterAuxLoss* router_aux = nullptr;
+  int64_t step_tokens = 0;
 };
 
 struct PreferenceStepResult {
   PreferenceMetrics metrics;        // of the whole step (after both reductions)
   std::vector<PairLogProbs> pairs;  // [P] this sequence group's pairs, reduced
+  std::optional<double> aux_loss;   // the router loss of the step (without its coefficient), when trained with one
 };
 
 // Runs the step; with options.backward, adds ∂L/∂θ into the trainable parameters' grads (callers
