@@ -59,7 +59,7 @@ void validate(const BenchOptions& o) {
     check_checkpoint_stride(parse_recompute_mode(o.recompute), o.checkpoint_stride);
   }
   parse_mlp_tile_tokens(o.mlp_tile_tokens);
-  if (o.sp < 0 || o.ulysses < 0 || o.ring < 0) fail("--sp, --ulysses and --ring must be positive");
+  if (o.dp < 0 || o.sp < 0 || o.ulysses < 0 || o.ring < 0) fail("--dp, --sp, --ulysses and --ring must be positive");
   if (o.doc_length < 0 || o.doc_length == 1)
     fail("--doc-length {}: a document needs at least 2 tokens (0: one document per step)", o.doc_length);
 }
@@ -315,6 +315,7 @@ BenchReport run_bench(const BenchOptions& options, const std::function<void(cons
   auto backend = make_backend(local);
   Parallel par;
   parallel::MeshFlags flags;
+  if (options.dp) flags.dp = options.dp;
   if (options.sp) flags.sp = options.sp;
   if (options.ulysses) flags.ulysses = options.ulysses;
   if (options.ring) flags.ring = options.ring;

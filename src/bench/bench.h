@@ -51,9 +51,9 @@ struct BenchOptions {
   double peak_tflops = 0;              // MFU denominator; 0: the device's BF16 dense peak if known
   uint64_t seed = 1234;
   // Mesh when run as several processes (--nproc-per-node / torchrun): each step is one sequence of
-  // `seq` tokens per data-parallel replica, split over sp ranks (0 = default, see resolve_mesh);
+  // `seq` tokens per data-parallel replica (dp of them), split over sp ranks (0 = default, see resolve_mesh);
   // parameters sharded over all ranks (FSDP), as `spindle sft` runs.
-  int sp = 0, ulysses = 0, ring = 0;
+  int dp = 0, sp = 0, ulysses = 0, ring = 0;
 };
 
 struct BenchResult {

@@ -1,7 +1,8 @@
 // `spindle dpo`'s training loop (run_dpo) in one process: one step at lr 0 on the PyTorch + PEFT
 // reference (testdata/dpo: a tiny Qwen2 with a trained LoRA adapter, four pre-tokenized pairs)
 // reproduces TRL's loss, rewards, accuracy and gradient norm; new adapters start at exactly ln 2;
-// a precomputed reference gives the losses of the per-step one; data of the wrong kind fails.
+// a precomputed reference gives the losses of the per-step one; data of the wrong kind fails;
+// activation offload is reported per step and changes no bit; MoE models train with the router loss.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -12,6 +13,7 @@
 
 #include "core/error.h"
 #include "data/prepared_dataset.h"
+#include "support/tiny_model.h"
 #include "train/dpo_trainer.h"
 #include "train/metrics.h"
 
@@ -299,3 +301,88 @@ TEST(RunDpo, WrongDataOrOptionsFailBeforeTraining) {
   EXPECT_FALSE(fs::exists(fs::path(c.train.output) / "metrics.jsonl"));
   fs::remove_all(dir);
 }
+
+// --offload activations, as sft runs it: every step's line reports the offloaded host memory and the
+// copies of that step alone (reset before each), and the losses and gradient norms are those of the
+// same run without offload, bit for bit.
+TEST(RunDpo, OffloadIsReportedPerStepAndChangesNoBit) {
+  const fs::path dir = fresh_dir("offload");
+  const fs::path data = write_pairs(dir);
+  auto run = [&](const std::string& offload) {
+    DpoConfig c = base_config(dir, data);
+    c.train.output = (dir / offload).string();
+    c.train.adapter = kDir + "/adapter";
+    c.train.no_packing = true;  // a pair per row, the four pairs in every step
+    c.train.grad_accum = 4;
+    c.train.max_steps = 3;
+    c.train.lr = 1e-2;
+    c.train.recompute = "all";
+    c.train.offload = offload;
+    EXPECT_EQ(run_dpo(c).steps, 3);
+    return metrics_of(c);
+  };
+  const auto kept = run("none");
+  const auto offloaded = run("activations");
+  ASSERT_EQ(kept.size(), 3u);
+  ASSERT_EQ(offloaded.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    SCOPED_TRACE(fmt::format("step {}", i + 1));
+    EXPECT_EQ(offloaded[i].loss, kept[i].loss);
+    EXPECT_EQ(offloaded[i].grad_norm, kept[i].grad_norm);
+    EXPECT_EQ(kept[i].offload_host_bytes, 0);
+    EXPECT_GT(offloaded[i].offload_host_bytes, 0);
+    EXPECT_GT(offloaded[i].offload_copy_bytes, 0);
+    // This step's copies only: every step moves the same tensors (the same four rows).
+    EXPECT_EQ(offloaded[i].offload_copy_bytes, offloaded[0].offload_copy_bytes);
+  }
+  std::ifstream in(dir / "activations" / "metrics.jsonl");
+  std::string first;
+  std::getline(in, first);
+  const nlohmann::json j = nlohmann::json::parse(first);
+  for (const char* key : {"offload_host_memory", "offload_copy_bytes", "offload_copy_s", "offload_wait_s"})
+    EXPECT_TRUE(j.contains(key)) << key;
+  fs::remove_all(dir);
+}
+
+// A MoE model whose config asks for the router load-balancing loss (output_router_logits) trains
+// with it, as sft does: every line logs aux_loss, the loss is the preference loss alone (the first
+// step's equals that of a run without the router loss), and the router loss's gradient changes
+// the updates. --router-aux-loss-coef 0 turns it off.
+TEST(RunDpo, MoeModelsTrainWithTheRouterLoss) {
+  const fs::path dir = fresh_dir("router-loss");
+  const fs::path data = write_pairs(dir);
+  test::TinyModel tiny = test::tiny_qwen3_moe();
+  tiny.vocab_size = 96;  // testdata/dpo's pairs
+  tiny.extra["output_router_logits"] = true;
+  tiny.extra["router_aux_loss_coef"] = 0.5;
+  const fs::path model = dir / "moe";
+  test::write_model_folder(model, tiny, 7, 10.0);
+  auto run = [&](const std::string& name, double coefficient) {
+    DpoConfig c = base_config(dir, data);
+    c.train.model = model.string();
+    c.train.output = (dir / name).string();
+    c.train.no_packing = true;
+    c.train.grad_accum = 2;
+    c.train.max_steps = 3;
+    c.train.lr = 1e-2;
+    c.train.lora_rank = 4;
+    c.train.router_aux_loss_coef = coefficient;
+    EXPECT_EQ(run_dpo(c).steps, 3);
+    return metrics_of(c);
+  };
+  const auto with_loss = run("config", -1);  // the config's: on, 0.5
+  const auto without = run("off", 0);
+  ASSERT_EQ(with_loss.size(), 3u);
+  ASSERT_EQ(without.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    ASSERT_TRUE(with_loss[i].aux_loss.has_value()) << "step " << i + 1;
+    EXPECT_GT(*with_loss[i].aux_loss, 0.0);
+    EXPECT_FALSE(without[i].aux_loss.has_value());
+  }
+  EXPECT_EQ(with_loss[0].loss, std::log(2.0));  // new adapters: the policy is its reference
+  EXPECT_EQ(with_loss[0].loss, without[0].loss);
+  EXPECT_NE(with_loss[0].grad_norm, without[0].grad_norm);  // the router loss's gradient
+  EXPECT_NE(with_loss[2].loss, without[2].loss);
+  fs::remove_all(dir);
+}
+
