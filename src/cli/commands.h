@@ -12,6 +12,7 @@
 
 namespace spindle {
 struct TrainSummary;
+struct DpoConfig;
 }
 namespace spindle::plan {
 struct PlanOptions;
@@ -113,6 +114,8 @@ void add_dtype_option(CLI::App* cmd, std::string& dtype);          // --dtype
 
 // The options of `spindle sft` (also taken by dpo and check), bound to a TrainConfig.
 void add_train_options(CLI::App* cmd, TrainConfig& config);
+// The loss and reference options of `spindle dpo` (also taken by check), defined in cmd_dpo.cpp.
+void add_preference_options(CLI::App* cmd, DpoConfig& config);
 
 void register_all(CLI::App& app, CommandList& commands);
 

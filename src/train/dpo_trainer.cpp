@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <deque>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -37,19 +38,35 @@ PreferenceLossOptions DpoConfig::loss_options() const {
   o.beta = beta;
   o.label_smoothing = label_smoothing;
   o.rpo_alpha = rpo_alpha;
+  o.cpo_alpha = cpo_alpha;
+  o.simpo_gamma = simpo_gamma;
   return o;
 }
 
 void DpoConfig::validate() const {
   train.validate();
-  loss_options().validate();
+  validate_preference();
+}
+
+void DpoConfig::validate_preference() const {
+  const PreferenceLossOptions loss = loss_options();
+  loss.validate();
+  if (!uses_reference(loss.type) && (!ref_model.empty() || precompute_ref))
+    fail("--loss-type {} compares the policy with no reference model: drop {}", loss_type,
+         ref_model.empty() ? "--precompute-ref" : "--ref-model");
   if (!ref_model.empty() && !fs::exists(fs::path(ref_model) / "config.json"))
     fail("--ref-model {}: no config.json there (a Hugging Face model folder)", ref_model);
 }
 
 nlohmann::json DpoConfig::fingerprint() const {
-  return {{"loss_type", loss_type}, {"beta", beta}, {"label_smoothing", label_smoothing}, {"rpo_alpha", rpo_alpha},
-          {"ref_model", ref_model}};
+  nlohmann::json j = {{"loss_type", loss_type}, {"beta", beta}, {"label_smoothing", label_smoothing},
+                      {"rpo_alpha", rpo_alpha}, {"ref_model", ref_model}};
+  const PreferenceLossOptions loss = loss_options();
+  if (!uses_reference(loss.type)) {  // the losses without a reference: their own options
+    j["cpo_alpha"] = loss.nll_weight();
+    j["simpo_gamma"] = simpo_gamma;
+  }
+  return j;
 }
 
 nlohmann::json DpoConfig::identity_options() const {
@@ -80,15 +97,19 @@ struct LaidOutPairs {
   int64_t num_pairs() const { return static_cast<int64_t>(pairs.size()); }
 };
 
-LaidOutPairs lay_out(Backend& backend, const std::vector<LoaderItem>& items, const RunTopology& run, DType dtype) {
+// `prompt_targets` (orpo): the chosen responses' prompts supervised too (supervise_chosen_prompts),
+// on the whole rows before they are sharded.
+LaidOutPairs lay_out(Backend& backend, const std::vector<LoaderItem>& items, const RunTopology& run, DType dtype,
+                     bool prompt_targets = false) {
   const parallel::MeshConfig& mesh = run.mesh_config;
   LaidOutPairs out;
   std::vector<const PackedRow*> rows;
   std::vector<std::vector<int32_t>> row_sequences;  // [row][document of the row] → response id
   std::map<std::pair<size_t, int64_t>, int64_t> step_pair;
+  std::deque<PackedRow> supervised;                 // prompt_targets: the rows with their prompts' targets
+  std::vector<std::vector<uint8_t>> row_prompts;    // prompt_targets: [row][token] 1 for a prompt's target
   for (const LoaderItem& item : items) {
     for (size_t r = 0; r < item.rows.size(); ++r) {
-      rows.push_back(&item.rows[r]);
       std::vector<int32_t>& ids = row_sequences.emplace_back();
       for (int64_t document : item.documents[r]) {
         const auto key = std::make_pair(item.source, document / 2);
@@ -96,9 +117,15 @@ LaidOutPairs lay_out(Backend& backend, const std::vector<LoaderItem>& items, con
         if (added) out.pairs.push_back({item.source, document / 2});
         ids.push_back(preference_sequence_id(it->second, document % 2 == 1));
       }
-      for (int32_t doc : item.rows[r].doc_ids) out.tokens += doc >= 0;
+      rows.push_back(&item.rows[r]);
+      if (prompt_targets) {
+        PackedRow& row = supervised.emplace_back(item.rows[r]);
+        row_prompts.push_back(supervise_chosen_prompts(row, ids));
+        rows.back() = &row;
+      }
+      for (int32_t doc : rows.back()->doc_ids) out.tokens += doc >= 0;
       ++out.rows;
-      out.targets += item.rows[r].num_items();
+      out.targets += rows.back()->num_items();
     }
   }
   // Every replica runs the same number of micro-batches: attention and FSDP collectives need all ranks.
@@ -106,17 +133,29 @@ LaidOutPairs lay_out(Backend& backend, const std::vector<LoaderItem>& items, con
   while (rows.size() % mesh.dp) {
     rows.push_back(&padding);
     row_sequences.emplace_back();
+    if (prompt_targets) row_prompts.emplace_back(padding.doc_ids.size(), 0);
   }
   const int dp_rank = run.mesh ? run.mesh->coordinates().dp : 0;
   for (size_t j = static_cast<size_t>(dp_rank); j < rows.size(); j += mesh.dp) {
     if (mesh.sp == 1) {
-      out.batches.push_back(make_preference_batch(backend, {*rows[j]}, {row_sequences[j]}, dtype));
+      std::vector<std::vector<uint8_t>> prompts;
+      if (prompt_targets) prompts.push_back(row_prompts[j]);
+      out.batches.push_back(
+          make_preference_batch(backend, {*rows[j]}, {row_sequences[j]}, dtype, prompt_targets ? &prompts : nullptr));
     } else {
       // Shift before shard: targets were built on the full row; the shard keeps the row's document
       // index per token, so the response ids follow their tokens exactly like positions do.
       const parallel::ShardPlan plan = parallel::plan_shards(rows[j]->doc_ids, mesh);
-      const PackedRow shard = parallel::take_shard(*rows[j], plan, run.mesh->sp_rank());
-      out.batches.push_back(make_preference_batch(backend, {shard}, {row_sequences[j]}, dtype));
+      const int sp_rank = run.mesh->sp_rank();
+      const PackedRow shard = parallel::take_shard(*rows[j], plan, sp_rank);
+      std::vector<std::vector<uint8_t>> prompts;
+      if (prompt_targets) {  // the flags follow their tokens into the shard
+        std::vector<uint8_t>& flags = prompts.emplace_back();
+        for (int64_t source : plan.source[static_cast<size_t>(sp_rank)])
+          flags.push_back(source < 0 ? 0 : row_prompts[j][static_cast<size_t>(source)]);
+      }
+      out.batches.push_back(
+          make_preference_batch(backend, {shard}, {row_sequences[j]}, dtype, prompt_targets ? &prompts : nullptr));
     }
   }
   return out;
@@ -170,8 +209,11 @@ class PreferenceRunner final : public ObjectiveRunner {
     // Reference. A full fine-tune without --ref-model compares with its initial model: precomputed
     // from the policy itself before the first update (or from --model's weights when it resumed,
     // which the policy no longer holds).
-    initial_policy_ = config.full && dpo.ref_model.empty();
-    precompute_ = dpo.precompute_ref || initial_policy_;
+    // Losses without a reference (cpo, simpo, orpo) need none of it.
+    needs_reference_ = uses_reference(loss_.type);
+    prompt_targets_ = loss_.type == PreferenceLossType::kOrpo;
+    initial_policy_ = needs_reference_ && config.full && dpo.ref_model.empty();
+    precompute_ = needs_reference_ && (dpo.precompute_ref || initial_policy_);
     if (!dpo.ref_model.empty() || (initial_policy_ && c.resumed)) {
       const fs::path folder = initial_policy_ ? fs::path(config.model) : fs::path(dpo.ref_model);
       const ModelConfig ref_config = initial_policy_ ? policy_.weights.config : ModelConfig::from_file(dpo.ref_model);
@@ -186,9 +228,10 @@ class PreferenceRunner final : public ObjectiveRunner {
   void prepare(const ObjectiveData& data) override {
     items_per_step_ = data.items_per_step;
     if (!data.eval.empty())
-      eval_data_.emplace(std::vector<DataSource>{{data.eval, 1.0}}, data.pack, data.seed, DatasetKind::kPreferencePairs);
+      eval_data_.emplace(std::vector<DataSource>{{data.eval, 1.0, {}}}, data.pack, data.seed, DatasetKind::kPreferencePairs);
     if (!precompute_) {
-      if (run_.is_main()) std::fprintf(stderr, "reference: %s, computed every step\n", reference_name_);
+      if (run_.is_main() && needs_reference_)
+        std::fprintf(stderr, "reference: %s, computed every step\n", reference_name_);
       return;
     }
     const auto t0 = std::chrono::steady_clock::now();
@@ -209,7 +252,7 @@ class PreferenceRunner final : public ObjectiveRunner {
 
   ObjectiveStep step(const std::vector<LoaderItem>& items, bool backward) override {
     // Every rank holds the same items; lay_out gives each its rows and shards.
-    const LaidOutPairs laid = lay_out(backend_, items, run_, policy_.weights.dtype);
+    const LaidOutPairs laid = lay_out(backend_, items, run_, policy_.weights.dtype, prompt_targets_);
     std::vector<double> cached;
     PreferenceStepOptions options = step_options(laid, backward);
     if (backward && policy_.router_aux) {  // the router loss over every real token of the step
@@ -229,8 +272,19 @@ class PreferenceRunner final : public ObjectiveRunner {
     s.tokens = laid.tokens;
     s.rows = laid.rows;
     s.aux_loss = result.aux_loss;
-    s.preference = train::StepMetrics::Preference{pm.rewards_chosen, pm.rewards_rejected, pm.margins,  pm.accuracy,
-                                                  pm.logps_chosen,   pm.logps_rejected,   pm.nll_loss, pm.pairs};
+    train::StepMetrics::Preference& p = s.preference.emplace();
+    p.rewards_chosen = pm.rewards_chosen;
+    p.rewards_rejected = pm.rewards_rejected;
+    p.margins = pm.margins;
+    p.accuracy = pm.accuracy;
+    p.logps_chosen = pm.logps_chosen;
+    p.logps_rejected = pm.logps_rejected;
+    p.nll_loss = pm.nll_loss;
+    p.pairs = pm.pairs;
+    if (loss_.type == PreferenceLossType::kOrpo) {
+      p.log_odds_ratio = pm.log_odds_ratio;
+      p.log_odds_chosen = pm.log_odds_chosen;
+    }
     return s;
   }
 
@@ -240,7 +294,7 @@ class PreferenceRunner final : public ObjectiveRunner {
     PreferenceSums totals;
     int64_t targets = 0;
     for_each_chunk(*eval_data_, items_per_step_, [&](std::vector<LoaderItem> items) {
-      const LaidOutPairs laid = lay_out(backend_, items, run_, policy_.weights.dtype);
+      const LaidOutPairs laid = lay_out(backend_, items, run_, policy_.weights.dtype, prompt_targets_);
       std::vector<double> cached;
       const PreferenceStepResult r = preference_step(backend_, policy_.decoder(), policy_.weights, laid.batches,
                                                      reference_source(eval_cache_, laid, cached),
@@ -283,6 +337,7 @@ class PreferenceRunner final : public ObjectiveRunner {
   }
 
   ReferenceSource reference_source(const PairTable& cache, const LaidOutPairs& laid, std::vector<double>& cached) {
+    if (!needs_reference_) return ReferenceSource::adapter_disabled();  // not used (preference_step.h)
     if (precompute_) {
       cached = lookup(cache, laid);
       return ReferenceSource::cached(cached);
@@ -295,7 +350,7 @@ class PreferenceRunner final : public ObjectiveRunner {
   const RunTopology& run_;
   AssembledRun& policy_;
   PreferenceLossOptions loss_;
-  bool initial_policy_ = false, precompute_ = false;
+  bool needs_reference_ = true, prompt_targets_ = false, initial_policy_ = false, precompute_ = false;
   std::unique_ptr<AssembledRun> reference_;
   const char* reference_name_ = "";
   int64_t items_per_step_ = 1;

@@ -21,13 +21,16 @@
 
 namespace spindle {
 
-// Every option of `spindle dpo`: those of `spindle sft` plus the loss and the reference.
+// Every option of `spindle dpo`: those of `spindle sft` plus the loss and the reference (none for
+// the losses without one: cpo, simpo, orpo).
 struct DpoConfig {
   TrainConfig train;
-  std::string loss_type = "sigmoid";  // sigmoid (DPO) | ipo
+  std::string loss_type = "sigmoid";  // sigmoid (DPO) | ipo | cpo | simpo | orpo (loss/preference_loss.h)
   double beta = 0.1;
   double label_smoothing = 0.0;
   double rpo_alpha = 0.0;
+  double cpo_alpha = -1;     // cpo, simpo: weight of the chosen responses' NLL (-1: 1 for cpo, 0 for simpo)
+  double simpo_gamma = 0.5;  // simpo: the target reward margin
   // Reference log-probabilities: by default the policy with its LoRA adapters disabled (the base
   // model); with --full, the initial model, precomputed. ref_model: a separate model folder instead.
   std::string ref_model;
@@ -35,6 +38,7 @@ struct DpoConfig {
 
   PreferenceLossOptions loss_options() const;
   void validate() const;               // throws Error naming the option to change
+  void validate_preference() const;    // the loss and reference options alone
   nlohmann::json fingerprint() const;  // with TrainConfig's: what a resumed run must share
   // What dpo adds to a run's identity (run_folder.h): the loss options, and the reference by contents.
   nlohmann::json identity_options() const;

@@ -200,15 +200,18 @@ TEST(RunDpo, PrecomputedReferenceEqualsPerStepReference) {
 
 // A run resumed from a mid-run checkpoint logs the same steps as the uninterrupted run, bit for
 // bit: weights, AdamW state, data order and the reference log-probabilities all come back (a
-// trained adapter, so the reference differs from the policy; and a full fine-tune, whose
-// reference is its initial model, precomputed before the first step and not in the checkpoint).
+// trained adapter, so the reference differs from the policy; a full fine-tune, whose reference is
+// its initial model, precomputed before the first step and not in the checkpoint; and ORPO, which
+// has no reference).
 TEST(RunDpo, ResumedRunLogsTheSameSteps) {
   const fs::path dir = fresh_dir("resume");
   const fs::path data = write_pairs(dir);
-  for (bool full : {false, true}) {
-    SCOPED_TRACE(full ? "full" : "adapter");
+  for (const std::string run : {"adapter", "full", "orpo"}) {
+    SCOPED_TRACE(run);
+    const bool full = run == "full";
     DpoConfig c = base_config(dir, data);
-    c.train.output = (dir / (full ? "whole-full" : "whole-adapter")).string();
+    if (run == "orpo") c.loss_type = "orpo";  // no reference; the chosen prompts supervised
+    c.train.output = (dir / ("whole-" + run)).string();
     c.train.no_packing = true;  // a pair per row: two optimizer steps per pass over the four pairs
     c.train.grad_accum = 2;
     c.train.max_steps = 6;
@@ -224,7 +227,7 @@ TEST(RunDpo, ResumedRunLogsTheSameSteps) {
 
     // A second output folder holding what the first had after step 4: its checkpoint and log.
     DpoConfig r = c;
-    r.train.output = (dir / (full ? "resumed-full" : "resumed-adapter")).string();
+    r.train.output = (dir / ("resumed-" + run)).string();
     fs::create_directories(r.train.output);
     fs::copy(fs::path(c.train.output) / "checkpoint-4", fs::path(r.train.output) / "checkpoint-4",
              fs::copy_options::recursive);
@@ -386,3 +389,65 @@ TEST(RunDpo, MoeModelsTrainWithTheRouterLoss) {
   fs::remove_all(dir);
 }
 
+// CPO, SimPO, CPO-SimPO and ORPO through the whole loop: one step at lr 0 on the TRL reference of
+// scripts/gpu/preference_reference.py (float64) reproduces its loss, metrics and gradient norm
+// (ORPO's chosen prompts supervised by the loop's own layout), with no reference model.
+TEST(RunDpo, ReferenceFreeLossesMatchTrlInTheLoop) {
+  const std::string file = kDir + "/expected_reference_free.json";
+  if (!fs::exists(file)) GTEST_SKIP() << "testdata/dpo/expected_reference_free.json missing";
+  const nlohmann::json expected = nlohmann::json::parse(std::ifstream(file));
+  const fs::path dir = fresh_dir("reference-free");
+  const fs::path data = write_pairs(dir);
+  for (const auto& [name, want] : expected["variants"].items()) {
+    const nlohmann::json& o = want["options"];
+    DpoConfig c = base_config(dir, data);
+    c.train.output = (dir / name).string();
+    c.train.adapter = kDir + "/adapter";
+    c.train.lr = 0;
+    // F64: ORPO's gradient is a difference of two terms whose F32 rounding alone is 1e-4 of the norm.
+    c.train.dtype = "f64";
+    c.loss_type = o["loss_type"] == "sigmoid" ? "cpo" : o["loss_type"].get<std::string>();
+    c.beta = o["beta"];
+    c.label_smoothing = o["label_smoothing"];
+    if (c.loss_type != "orpo") c.cpo_alpha = o["cpo_alpha"];
+    c.simpo_gamma = o["simpo_gamma"];
+    ASSERT_EQ(run_dpo(c).steps, 1) << name;
+    const auto lines = metrics_of(c);
+    ASSERT_EQ(lines.size(), 1u);
+    const train::StepMetrics& m = lines[0];
+    ASSERT_TRUE(m.preference.has_value());
+    const auto& p = *m.preference;
+    EXPECT_EQ(p.pairs, 4);
+    EXPECT_NEAR(m.loss, want["loss"].get<double>(), 1e-5 * want["loss"].get<double>()) << name;
+    EXPECT_NEAR(p.nll_loss, want["nll_loss"].get<double>(), 1e-5) << name;
+    EXPECT_NEAR(p.margins, want["margins"].get<double>(), 1e-5) << name;
+    EXPECT_EQ(p.accuracy, want["accuracy"].get<double>()) << name;
+    EXPECT_EQ(p.log_odds_ratio.has_value(), name == "orpo");
+    if (p.log_odds_ratio) {
+      EXPECT_NEAR(*p.log_odds_ratio, want["log_odds_ratio"].get<double>(), 1e-5);
+    }
+    double norm = 0;
+    for (const auto& [tensor, g] : want["grad_norms"].items()) norm += g.get<double>() * g.get<double>();
+    norm = std::sqrt(norm);
+    EXPECT_NEAR(m.grad_norm, norm, 1e-4 * norm) << name;
+    // Supervised targets: both responses', and ORPO's chosen prompts'.
+    int64_t targets = 0;
+    for (const char* side : {"tokens_chosen", "tokens_rejected"})
+      for (const auto& n : want[side]) targets += n.get<int64_t>();
+    int64_t chosen = 0;
+    for (const auto& n : want["tokens_chosen"]) chosen += n.get<int64_t>();
+    if (name == "orpo") targets += want["nll_tokens"].get<int64_t>() - chosen;
+    EXPECT_EQ(m.num_items, targets) << name;
+  }
+  // No reference model for them: --ref-model and --precompute-ref are refused before any work.
+  DpoConfig c = base_config(dir, data);
+  c.loss_type = "orpo";
+  c.precompute_ref = true;
+  try {
+    run_dpo(c);
+    FAIL() << "--precompute-ref accepted with orpo";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--precompute-ref"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
