@@ -23,6 +23,7 @@
 #include "parallel/fsdp.h"
 #include "parallel/sequence_shard.h"
 #include "parallel/sp_attention.h"
+#include "train/run_assembly.h"
 #include "train/setup.h"
 #include "train/step_runner.h"
 
@@ -58,7 +59,7 @@ void validate(const BenchOptions& o) {
     check_checkpoint_stride(parse_recompute_mode(o.recompute), o.checkpoint_stride);
   }
   parse_mlp_tile_tokens(o.mlp_tile_tokens);
-  if (o.sp < 0 || o.ulysses < 0 || o.ring < 0) fail("--sp, --ulysses and --ring must be positive");
+  if (o.dp < 0 || o.sp < 0 || o.ulysses < 0 || o.ring < 0) fail("--dp, --sp, --ulysses and --ring must be positive");
   if (o.doc_length < 0 || o.doc_length == 1)
     fail("--doc-length {}: a document needs at least 2 tokens (0: one document per step)", o.doc_length);
 }
@@ -76,15 +77,11 @@ float read_scalar(Backend& backend, const Tensor& t) {
 
 bool is_out_of_memory(const Error& e) { return std::string(e.what()).find("out of GPU memory") != std::string::npos; }
 
-// What a multi-process sweep shares across lengths: the groups, the SP attention, FSDP.
+// What a sweep shares across lengths: the processes and the model, assembled as sft assembles it
+// (train/run_assembly.h: FSDP over every rank, the mesh's sequence-parallel strategies, the router loss).
 struct Parallel {
   RunTopology run;
-  std::unique_ptr<AttentionStrategy> attention;  // null for sp = 1
-  std::unique_ptr<parallel::Fsdp> fsdp;          // null for one process
-  void attach(Decoder& decoder) const {
-    if (attention) decoder.set_attention(attention.get());
-    if (fsdp) decoder.set_parameter_hooks(fsdp.get());
-  }
+  std::unique_ptr<AssembledRun> model;
 };
 
 // Times the groups' calls during the profiled steps. A call enqueued on the compute stream holds
@@ -118,8 +115,10 @@ class CommTimer final : public comm::CommObserver {
   std::vector<comm::Communicator*> groups_;
 };
 
-void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, const DeviceInfo& device,
-                double peak_tflops, const Parallel& par, BenchResult& r) {
+void run_length(Backend& backend, const BenchOptions& o, const DeviceInfo& device, double peak_tflops,
+                const Parallel& par, BenchResult& r) {
+  ModelWeights& weights = par.model->weights;
+  parallel::Fsdp* fsdp = par.model->state->fsdp();
   const ModelConfig& config = weights.config;
   const DType dtype = weights.dtype;
   const int64_t seq = r.seq;
@@ -138,11 +137,9 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   batch.row_one_causal_document = whole_row_causal;  // as StepRunner::run sets it
 
   const RecomputeMode recompute = parse_recompute_mode(o.recompute);
-  DecoderOptions decoder_options = recompute_options(recompute, config.num_layers, o.recompute_layers);
-  decoder_options.offload = parse_offload(o.offload, recompute);
-  decoder_options.offload_layers = o.offload_layers;
-  decoder_options.mlp_tile_tokens = mlp_tile_tokens_to_run(parse_mlp_tile_tokens(o.mlp_tile_tokens));
-  decoder_options.checkpoint_stride = o.checkpoint_stride;
+  const DecoderOptions decoder_options =
+      memory_options(recompute, config.num_layers, o.recompute_layers, parse_offload(o.offload, recompute),
+                     o.offload_layers, parse_mlp_tile_tokens(o.mlp_tile_tokens), o.checkpoint_stride);
   r.recompute = o.recompute;
   r.recompute_layers = o.recompute_layers;
   r.offload = decoder_options.offload;
@@ -153,24 +150,21 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
   Tensor loss = backend.zeros(Shape{1}, stat_dtype(dtype));
 
   // MoE models: the router load-balancing loss as sft runs it (model/router_aux_loss.h).
-  std::unique_ptr<RouterAuxLoss> router_aux;
-  if (const double c = router_aux_loss_coefficient(config, o.router_aux_loss_coef); c > 0)
-    router_aux = std::make_unique<RouterAuxLoss>(backend, config, dtype, c);
+  RouterAuxLoss* router_aux = par.model->router_aux.get();
   std::function<void(Tensor&)> reduce;
   if (par.run.world) reduce = [&](Tensor& t) { par.run.world->all_reduce_sum(stream, t); };
 
   // The optimizer step is not part of the timed step (see format_report).
   auto one_step = [&](Decoder& decoder, Backend& be) {
-    if (par.fsdp) par.fsdp->zero_grads();
+    if (fsdp) fsdp->zero_grads();
     else weights.zero_grads(be);
     if (router_aux) router_aux->begin_step(step_tokens, reduce);
     decoder.step(batch, loss_scale, loss, true);
     if (router_aux) router_aux->end_step();
   };
 
-  Decoder decoder(backend, weights, decoder_options);
-  par.attach(decoder);
-  decoder.set_router_aux_loss(router_aux.get());
+  const std::unique_ptr<Decoder> decoder_on_device = par.model->make_decoder(backend, decoder_options);
+  Decoder& decoder = *decoder_on_device;
   for (int i = 0; i < o.warmup; ++i) one_step(decoder, backend);
   backend.synchronize(stream);
   backend.fill(stream, loss, 0.0);
@@ -215,9 +209,8 @@ void run_length(Backend& backend, ModelWeights& weights, const BenchOptions& o, 
     OpRecorder recorder(backend);
     TimedBackend timed(backend, recorder);
     CommTimer comm_timer(recorder, stream, par);
-    Decoder profiled(timed, weights, decoder_options);
-    par.attach(profiled);
-    profiled.set_router_aux_loss(router_aux.get());
+    const std::unique_ptr<Decoder> timed_decoder = par.model->make_decoder(timed, decoder_options);
+    Decoder& profiled = *timed_decoder;
     auto wall = make_device_timer(backend);
     const int start = wall->mark(stream);
     for (int i = 0; i < o.profile_steps; ++i) one_step(profiled, timed);
@@ -263,6 +256,32 @@ std::string gib(int64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<do
 
 }  // namespace
 
+RunDescription describe_bench_run(const BenchOptions& o, const ModelConfig& config, DType dtype) {
+  RunDescription d;
+  d.model = config;
+  // Random weights (--quantize: each projection quantised as it is drawn, so the dense model never
+  // exists on the device), drawn by the backend.
+  d.weights = WeightSource::kRandom;
+  d.weight_seed = o.seed;
+  d.dtype = dtype;
+  d.quantize = parse_quantize_options(o.quantize, o.double_quant, o.quant_block_size);
+  if (o.full) {
+    d.adapter.kind = AdapterDescription::Kind::kFull;
+  } else {
+    d.adapter.kind = AdapterDescription::Kind::kNewLora;
+    d.adapter.lora.rank = o.lora_rank;
+    d.adapter.lora.alpha = o.lora_alpha;
+    // Every projection the family has, unless named (the routed experts, "experts", only when named).
+    d.adapter.lora.targets = o.lora_targets;
+    d.adapter.seed = o.seed + 1;
+  }
+  d.shard = true;  // several processes: FSDP over all of them, as sft runs by default
+  d.router_aux_loss = router_aux_loss_coefficient(config, o.router_aux_loss_coef);
+  // No optimizer state: the timed step is forward and backward (format_report says so). The memory
+  // options are each length's (run_length).
+  return d;
+}
+
 PackedRow synthetic_row(int64_t length, int64_t doc_length, int64_t vocab, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab - 1));
@@ -296,6 +315,7 @@ BenchReport run_bench(const BenchOptions& options, const std::function<void(cons
   auto backend = make_backend(local);
   Parallel par;
   parallel::MeshFlags flags;
+  if (options.dp) flags.dp = options.dp;
   if (options.sp) flags.sp = options.sp;
   if (options.ulysses) flags.ulysses = options.ulysses;
   if (options.ring) flags.ring = options.ring;
@@ -307,39 +327,17 @@ BenchReport run_bench(const BenchOptions& options, const std::function<void(cons
   report.sp = mesh.sp;
   report.ulysses = mesh.ulysses;
   report.ring = mesh.ring;
-  if (par.run.mesh && mesh.sp > 1) par.attention = parallel::make_sequence_parallel_attention(*par.run.mesh, report.config);
   const DeviceInfo device = describe_device(*backend);
   report.device_name = device.name;
   report.peak_tflops = options.peak_tflops > 0 ? options.peak_tflops : device.bf16_dense_tflops;
 
   // BF16 storage with F32 accumulation on CUDA (the product); F32 on the CPU reference.
   const DType dtype = backend->device().kind == DeviceKind::CUDA ? DType::BF16 : DType::F32;
-  // --quantize: each projection is quantised as it is drawn, so the dense model never exists on the device.
   const auto build_start = std::chrono::steady_clock::now();
-  ModelWeights weights =
-      ModelWeights::random(*backend, report.config, dtype, options.seed,
-                           parse_quantize_options(options.quantize, options.double_quant, options.quant_block_size));
-  if (options.full) {
-    weights.train_all(*backend);
-  } else {
-    LoraConfig lora;
-    lora.rank = options.lora_rank;
-    lora.alpha = options.lora_alpha;
-    // Every projection the family has, unless named (the routed experts, "experts", only when named).
-    lora.targets = options.lora_targets.empty() ? weights.projection_names() : options.lora_targets;
-    weights.add_lora(*backend, lora, options.seed + 1);
-  }
-  for (const Parameter& p : weights.parameters()) {
-    report.parameters += p.value.numel();
-    if (p.trainable) report.trainable_parameters += p.value.numel();
-  }
-  for (const Linear* lin : weights.linears())  // a 4-bit weight: count its weights, not its bytes and absmax
-    if (lin->quantized()) {
-      report.parameters += lin->out_features() * lin->in_features();
-      for (const Parameter* p : {lin->quant.packed, lin->quant.absmax, lin->quant.nested_absmax})
-        if (p) report.parameters -= p->value.numel();
-    }
-  if (par.run.world) par.fsdp = std::make_unique<parallel::Fsdp>(*backend, weights, *par.run.world);
+  par.model = assemble_run(*backend, describe_bench_run(options, report.config, dtype),
+                           RunPlacement{par.run.world.get(), par.run.mesh.get()});
+  report.parameters = par.model->parameters;
+  report.trainable_parameters = par.model->trainable_parameters;
   backend->synchronize(backend->default_stream());
   report.model_build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - build_start).count();
   if (options.on_model_built) options.on_model_built(report.model_build_s);
@@ -353,7 +351,7 @@ BenchReport run_bench(const BenchOptions& options, const std::function<void(cons
              parallel::sequence_multiple(mesh), mesh.sp, mesh.ulysses, mesh.ring);
       BenchOptions chosen = options;  // --recompute auto: this length's setting
       if (options.recompute == "auto") options.choose_recompute(seq, chosen);
-      run_length(*backend, weights, chosen, device, report.peak_tflops, par, r);
+      run_length(*backend, chosen, device, report.peak_tflops, par, r);
     } catch (const Error& e) {
       if (!is_out_of_memory(e)) throw;
       r.error = e.what();

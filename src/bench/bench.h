@@ -14,6 +14,7 @@
 #include "bench/timed_backend.h"
 #include "data/packing.h"
 #include "model/config.h"
+#include "train/run_assembly.h"
 
 namespace spindle::bench {
 
@@ -50,9 +51,9 @@ struct BenchOptions {
   double peak_tflops = 0;              // MFU denominator; 0: the device's BF16 dense peak if known
   uint64_t seed = 1234;
   // Mesh when run as several processes (--nproc-per-node / torchrun): each step is one sequence of
-  // `seq` tokens per data-parallel replica, split over sp ranks (0 = default, see resolve_mesh);
+  // `seq` tokens per data-parallel replica (dp of them), split over sp ranks (0 = default, see resolve_mesh);
   // parameters sharded over all ranks (FSDP), as `spindle sft` runs.
-  int sp = 0, ulysses = 0, ring = 0;
+  int dp = 0, sp = 0, ulysses = 0, ring = 0;
 };
 
 struct BenchResult {
@@ -97,6 +98,11 @@ struct BenchReport {
 // shorter) as packing lays them out, positions restarting at each. Every position but a
 // document's last predicts the next token. `spindle plan` plans the same rows.
 PackedRow synthetic_row(int64_t length, int64_t doc_length, int64_t vocab, uint64_t seed);
+
+// What bench builds (train/run_assembly.h): random weights from --seed, LoRA from --seed + 1 on
+// --lora-targets (none: every projection the model has), FSDP over the processes, the router loss;
+// no optimizer state.
+RunDescription describe_bench_run(const BenchOptions& options, const ModelConfig& config, DType dtype);
 
 // Runs the whole sweep. Errors in the setup throw; a length that runs out of memory is recorded
 // in its result and ends the sweep (longer ones would not fit either).

@@ -75,6 +75,7 @@ int run_bench_command(BenchArgs& args) {
       p.device = o.device;
       p.mlp_tile_tokens = parse_mlp_tile_tokens(o.mlp_tile_tokens);
       p.world = group.world_size;
+      p.dp = o.dp;
       p.sp = o.sp;
       p.ulysses = o.ulysses;
       p.ring = o.ring;
@@ -150,38 +151,11 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
                   "pack each step's row with documents of this many tokens (the last one shorter), as SFT "
                   "packing does; 0: one document per step")
       ->capture_default_str();
-  cmd->add_option("--lora-rank", o.lora_rank, "LoRA rank on every projection of the model")->capture_default_str();
-  cmd->add_option("--lora-alpha", o.lora_alpha, "LoRA alpha")->capture_default_str();
-  cmd->add_option("--lora-targets", o.lora_targets,
-                  "projections to adapt, as sft's (experts: the routed experts' fused tensors; default: every "
-                  "projection the model has, the routed experts left out)");
-  cmd->add_flag("--full", o.full, "full fine-tuning instead of LoRA");
+  add_adapter_options(cmd, {o.lora_rank, o.lora_alpha, o.lora_targets, o.full});
   add_quantize_options(cmd, o.quantize, o.double_quant, o.quant_block_size);
-  cmd->add_option("--recompute", o.recompute,
-                  "recompute layer activations in backward: none (keep all), all (keep only layer inputs) or "
-                  "keep-attention (also keep attention outputs: no second attention forward), or auto (the fastest "
-                  "that fits the device, from spindle plan; docs/memory.md)")
-      ->check(CLI::IsMember({"none", "all", "keep-attention", "auto"}))
-      ->capture_default_str();
-  cmd->add_option("--offload", o.offload,
-                  "none, or activations: recomputed layers' inputs (and kept attention) in host memory, copied "
-                  "beside compute (docs/memory.md)")
-      ->capture_default_str();
-  cmd->add_option("--offload-layers", o.offload_layers, kOffloadLayersHelp)->capture_default_str();
-  cmd->add_option("--mlp-tile-tokens", o.mlp_tile_tokens, kMlpTileTokensHelp)->capture_default_str();
-  cmd->add_option("--checkpoint-stride", o.checkpoint_stride, kCheckpointStrideHelp)->capture_default_str();
-  cmd->add_option("--device-memory", args->device_memory,
-                  "with --recompute auto: the memory per device to fit (bytes, or 80GiB; default: the GPU's, or "
-                  "the machine's RAM with --device cpu)");
-  cmd->add_option("--host-memory", args->host_memory,
-                  "with --recompute auto: the host memory offloaded activations may take three quarters of (bytes, or "
-                  "128GiB; default: this machine's RAM, or less where the process's control group caps it)");
-  cmd->add_option("--recompute-layers", o.recompute_layers,
-                  "apply --recompute to the first N layers only; the others keep every activation (-1: all)")
-      ->capture_default_str();
-  cmd->add_option("--router-aux-loss-coef", o.router_aux_loss_coef,
-                  "MoE models: the step adds C x the router load-balancing loss, as sft (0: off; default: the "
-                  "config's router_aux_loss_coef when its output_router_logits is true, else off)");
+  add_memory_options(cmd, {o.recompute, o.recompute_layers, o.offload, o.offload_layers, o.mlp_tile_tokens,
+                           o.checkpoint_stride, args->device_memory, args->host_memory});
+  add_router_aux_loss_option(cmd, o.router_aux_loss_coef);
   cmd->add_option("--steps", o.steps, "timed steps per length")->capture_default_str();
   cmd->add_option("--warmup", o.warmup, "untimed steps first")->capture_default_str();
   cmd->add_option("--profile-steps", o.profile_steps,
@@ -191,17 +165,12 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
                   "list the profiled step's N most costly ops (GEMMs by shape, with TFLOP/s); the JSON has all")
       ->capture_default_str();
   cmd->add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
-  cmd->add_option("--attention", o.attention,
-                  "CUDA attention: auto (cuDNN for long one-document rows, the engine's own kernels elsewhere), "
-                  "own (never cuDNN) or cudnn (cuDNN for every call; fails on calls it cannot take)")
-      ->capture_default_str();
+  add_attention_option(cmd, o.attention);
   cmd->add_option("--device-index", o.device_index, "CUDA device (default: LOCAL_RANK, else 0)");
   cmd->add_option("--threads", o.cpu_threads, "CPU threads with --device cpu (default: all)");
   cmd->add_option("--peak-tflops", o.peak_tflops, "MFU denominator (default: the GPU's dense BF16 peak)");
   cmd->add_option("--seed", o.seed, "seed of the random weights and tokens")->capture_default_str();
-  cmd->add_option("--sp", o.sp, "sequence-parallel degree with --nproc-per-node N (default: 1)");
-  cmd->add_option("--ulysses", o.ulysses, "Ulysses part of --sp (default: the largest the heads allow)");
-  cmd->add_option("--ring", o.ring, "ring part of --sp (default: sp / ulysses)");
+  add_mesh_options(cmd, {o.dp, o.sp, o.ulysses, o.ring});
   cmd->add_flag("--json", args->json, "print one JSON document instead of the table");
   cmd->add_option("--json-file", args->json_file, "also write the JSON document there (after every length)");
   commands.push_back({cmd, [args] { return run_bench_command(*args); },
@@ -209,6 +178,7 @@ void add_bench_command(CLI::App& app, CommandList& commands) {
                         const CudaAttention attention = parse_cuda_attention(args->options.attention);
                         if (args->options.device == "cpu") check_cuda_attention_off_gpu(attention, "--device cpu");
                         parallel::MeshFlags flags;  // 0: not given
+                        if (args->options.dp) flags.dp = args->options.dp;
                         if (args->options.sp) flags.sp = args->options.sp;
                         if (args->options.ulysses) flags.ulysses = args->options.ulysses;
                         if (args->options.ring) flags.ring = args->options.ring;

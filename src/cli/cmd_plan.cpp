@@ -147,22 +147,10 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--model", o.model, "model folder or its config.json (only the architecture is used)")->required();
   cmd->add_option("--seq", args->seq, "tokens per row: 32768 or 32k,64k,1M (k = 1024, M = 1024k)")->capture_default_str();
   cmd->add_option("--doc-length", o.doc_length, "rows packed with documents of this many tokens (0: one document)");
-  cmd->add_option("--lora-rank", o.lora_rank, "LoRA rank on every projection")->capture_default_str();
-  cmd->add_option("--lora-alpha", o.lora_alpha, "LoRA alpha")->capture_default_str();
-  cmd->add_option("--lora-targets", o.lora_targets,
-                  "projections to adapt, as sft's and bench's (experts: the routed experts; default: every "
-                  "projection the model has, the routed experts left out)");
-  cmd->add_flag("--full", o.full, "full fine-tuning instead of LoRA");
+  add_adapter_options(cmd, {o.lora_rank, o.lora_alpha, o.lora_targets, o.full});
   add_quantize_options(cmd, o.quantize, o.double_quant, o.quant_block_size);
-  cmd->add_option("--recompute", o.recompute, "none, all, keep-attention or auto (the fastest that fits --device-memory, as sft and bench choose)")->capture_default_str();
-  cmd->add_option("--recompute-layers", o.recompute_layers, "apply --recompute to the first N layers only (-1: all)")
-      ->capture_default_str();
-  cmd->add_option("--offload", args->offload,
-                  "none, or activations: recomputed layers' inputs (and kept attention) in host memory")
-      ->capture_default_str();
-  cmd->add_option("--offload-layers", o.offload_layers, kOffloadLayersHelp)->capture_default_str();
-  cmd->add_option("--mlp-tile-tokens", args->mlp_tile_tokens, kMlpTileTokensHelp)->capture_default_str();
-  cmd->add_option("--checkpoint-stride", o.checkpoint_stride, kCheckpointStrideHelp)->capture_default_str();
+  add_memory_options(cmd, {o.recompute, o.recompute_layers, args->offload, o.offload_layers, args->mlp_tile_tokens,
+                           o.checkpoint_stride, args->device_memory, args->host_memory});
   cmd->add_flag("--dpo", o.preference,
                 "plan dpo's step instead of sft's: every micro-batch of the optimizer step laid out at once "
                 "(--grad-accum) and the backward's own per-token weights");
@@ -171,9 +159,7 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--ref-model", o.reference_model,
                   "with --dpo: a reference model folder held beside the policy (dpo's --ref-model; default: the "
                   "policy with its adapters disabled, or cached log-probabilities, which hold nothing more)");
-  cmd->add_option("--router-aux-loss-coef", o.router_aux_loss_coef,
-                  "MoE models: plan the router load-balancing loss as sft runs it with this coefficient (0: off; "
-                  "default: the config's router_aux_loss_coef when its output_router_logits is true, else off)");
+  add_router_aux_loss_option(cmd, o.router_aux_loss_coef);
   cmd->add_flag("--bench-step", args->bench_step,
                 "leave out the optimizer state, as `spindle bench`'s step does (to compare with its peak)");
   cmd->add_option("--device", o.device, "the device planned for: cuda (bf16) or cpu (f32)")->capture_default_str();
@@ -181,19 +167,10 @@ void add_plan_command(CLI::App& app, CommandList& commands) {
                   "the kind of device whose measured rates predict the step time and rank --recompute auto's "
                   "settings: h100, h200 or cpu (default: this machine's GPU, estimated from its properties when it "
                   "has no measured rates; h100 when no GPU is visible; docs/perf.md, step-time model)");
-  cmd->add_option("--dtype", o.dtype, "auto, f32, f64 (cpu) or bf16 (cuda)")->capture_default_str();
+  add_dtype_option(cmd, o.dtype);
   cmd->add_option("--world", o.world, "processes (GPUs) of the job, as --nproc-per-node × nodes would start")
       ->capture_default_str();
-  cmd->add_option("--dp", o.dp, "data-parallel replicas (default: world / sp)");
-  cmd->add_option("--sp", o.sp, "sequence-parallel degree (default 1)");
-  cmd->add_option("--ulysses", o.ulysses, "Ulysses part of --sp (default: the largest the heads allow)");
-  cmd->add_option("--ring", o.ring, "ring part of --sp (default: sp / ulysses)");
-  cmd->add_option("--device-memory", args->device_memory,
-                  "memory per device (bytes, or 80GiB, 512MiB): say whether the peak fits; with --recompute auto "
-                  "the budget (default: the GPU's, or the machine's RAM with --device cpu)");
-  cmd->add_option("--host-memory", args->host_memory,
-                  "the host memory of the machine planned for (default: this one's); offloaded activations may take "
-                  "three quarters of it");
+  add_mesh_options(cmd, {o.dp, o.sp, o.ulysses, o.ring});
   cmd->add_flag("--max-seq", args->max_seq,
                 "print the longest row that fits --device-memory (up to 64M tokens) with the --recompute / --offload "
                 "/ --mlp-tile-tokens / --checkpoint-stride given; with auto, recompute all with offload and "

@@ -100,16 +100,6 @@ std::vector<std::string> yaml_to_args(const std::string& path, CLI::App& cmd, co
 
 }  // namespace
 
-void add_quantize_options(CLI::App* cmd, std::string& quantize, bool& double_quant, int64_t& block_size) {
-  cmd->add_option("--quantize", quantize,
-                  "nf4 (or fp4): hold the frozen base projections in bitsandbytes' 4-bit format, quantised as they "
-                  "load (QLoRA; docs/qlora.md). A folder bitsandbytes already quantised loads as stored without it");
-  cmd->add_flag("--double-quant", double_quant, "with --quantize: store the absmax in 8 bits too (bitsandbytes' "
-                                                "double quantisation)");
-  cmd->add_option("--quant-block-size", block_size, "with --quantize: weights per absmax, 32 ... 4096")
-      ->capture_default_str();
-}
-
 void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--model", c.model, "Hugging Face model folder");
   cmd->add_option("--data", c.data, "training data: JSONL (any supported format) or a prepared dataset; PATH or "
@@ -152,15 +142,10 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
           },
           "", "non-negative"))
       ->capture_default_str();
-  cmd->add_option("--lora-rank", c.lora_rank)->capture_default_str();
-  cmd->add_option("--lora-alpha", c.lora_alpha)->capture_default_str();
-  cmd->add_option("--lora-targets", c.lora_targets, "projections to adapt")->capture_default_str();
+  add_adapter_options(cmd, {c.lora_rank, c.lora_alpha, c.lora_targets, c.full});
   cmd->add_flag("--rslora", c.rslora, "scale LoRA by alpha/sqrt(rank) (rsLoRA)");
-  cmd->add_option("--router-aux-loss-coef", c.router_aux_loss_coef,
-                  "MoE models: add C x the router load-balancing loss (0: off; default: the config's "
-                  "router_aux_loss_coef when its output_router_logits is true, else off)");
+  add_router_aux_loss_option(cmd, c.router_aux_loss_coef);
   cmd->add_option("--adapter", c.adapter, "start from this PEFT adapter folder");
-  cmd->add_flag("--full", c.full, "full fine-tune (every weight) instead of LoRA");
   cmd->add_option("--save-steps", c.save_steps, "checkpoint every N steps (0: only at the end)")->capture_default_str();
   cmd->add_option("--eval-data", c.eval_data, "held-out data scored during training");
   cmd->add_option("--eval-steps", c.eval_steps, "score --eval-data every N steps")->capture_default_str();
@@ -173,43 +158,14 @@ void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--tensorboard", c.tensorboard, "also write every step's metrics as TensorBoard event files "
                                                   "into this folder (tensorboard --logdir)");
   cmd->add_option("--log-every", c.log_every, "plain progress lines every N steps")->capture_default_str();
-  cmd->add_option("--recompute", c.recompute,
-                  "activation checkpointing: none (keep every activation), all (keep layer inputs, recompute "
-                  "layers in backward) or keep-attention (as all, but keep each layer's attention output: "
-                  "no second attention forward), or auto (sft: the fastest setting whose planned peak fits the "
-                  "device, docs/memory.md)")
-      ->capture_default_str();
-  cmd->add_option("--offload", c.offload,
-                  "none, or activations: recomputed layers' inputs (and kept attention outputs) go to host memory "
-                  "during forward and come back ahead of backward (docs/memory.md)")
-      ->capture_default_str();
-  cmd->add_option("--offload-layers", c.offload_layers, kOffloadLayersHelp)->capture_default_str();
-  cmd->add_option("--mlp-tile-tokens", c.mlp_tile_tokens, kMlpTileTokensHelp)->capture_default_str();
-  cmd->add_option("--checkpoint-stride", c.checkpoint_stride, kCheckpointStrideHelp)->capture_default_str();
-  cmd->add_option("--device-memory", c.device_memory,
-                  "with --recompute auto: the memory per device to fit (bytes, or 80GiB; default: the GPU's, or the "
-                  "machine's RAM on the CPU)");
-  cmd->add_option("--host-memory", c.host_memory,
-                  "with --recompute auto: the host memory offloaded activations may take three quarters of (bytes, or "
-                  "128GiB; default: this machine's RAM, or less where the process's control group caps it)");
-  cmd->add_option("--recompute-layers", c.recompute_layers,
-                  "apply --recompute to the first N layers only; the others keep every activation (faster, more "
-                  "memory; -1: all layers)")
-      ->capture_default_str();
+  add_memory_options(cmd, {c.recompute, c.recompute_layers, c.offload, c.offload_layers, c.mlp_tile_tokens,
+                           c.checkpoint_stride, c.device_memory, c.host_memory});
   cmd->add_option("--device", c.device, "auto, cpu or cuda (auto: CUDA when a GPU is visible; each process uses "
                                         "the GPU of its local rank)")->capture_default_str();
-  cmd->add_option("--dtype", c.dtype, "compute precision: auto (CPU f32, CUDA bf16), f32, f64 (CPU) or bf16 (CUDA)")
-      ->capture_default_str();
-  cmd->add_option("--attention", c.attention,
-                  "CUDA attention: auto (cuDNN for long one-document rows, the engine's own kernels elsewhere), "
-                  "own (never cuDNN) or cudnn (cuDNN for every call; fails on calls it cannot take)")
-      ->capture_default_str();
+  add_dtype_option(cmd, c.dtype);
+  add_attention_option(cmd, c.attention);
   cmd->add_option("--threads", c.threads, "CPU threads per process (default: the machine's cores / processes)");
-  cmd->add_option("--dp", c.dp, "data-parallel replicas (default: processes / sp)");
-  cmd->add_option("--sp", c.sp, "sequence-parallel degree: each row is split over this many processes (default 1)");
-  cmd->add_option("--ulysses", c.ulysses, "Ulysses (all-to-all over heads) part of --sp (default: the largest the "
-                                          "head counts allow)");
-  cmd->add_option("--ring", c.ring, "ring-attention part of --sp (default: sp / ulysses)");
+  add_mesh_options(cmd, {c.dp, c.sp, c.ulysses, c.ring});
   cmd->add_flag("--no-fsdp", c.no_fsdp, "with several processes, keep a full copy of the weights on each "
                                         "(default: FSDP shards weights, gradients and optimizer state)");
 }

@@ -12,6 +12,7 @@
 
 namespace spindle {
 struct TrainSummary;
+struct DpoConfig;
 }
 namespace spindle::plan {
 struct PlanOptions;
@@ -61,7 +62,7 @@ inline constexpr const char* kMlpTileTokensHelp =
     "live, for recomputing gate and up in backward; 0: untiled; auto: untiled unless --recompute auto finds that "
     "only tiled settings fit (docs/memory.md)";
 
-// --checkpoint-stride's help (sft, check, bench, plan; DecoderOptions::checkpoint_stride).
+// --checkpoint-stride's help (sft, dpo, check, bench, plan; DecoderOptions::checkpoint_stride).
 inline constexpr const char* kCheckpointStrideHelp =
     "with --recompute all: keep only every Nth layer's input (layers 0, N, 2N, ...); backward regenerates the "
     "others by running the layers between forward again (one more layer forward each), for the longest rows; "
@@ -76,10 +77,45 @@ inline constexpr const char* kOffloadLayersHelp =
 // --seq of bench and plan: "32768", "32k", "32k,64k,128k" (k = 1024).
 std::vector<int64_t> parse_sequence_lengths(const std::string& text);
 
-// The options of `spindle sft` (also taken by `check`), bound to a TrainConfig.
-void add_train_options(CLI::App* cmd, TrainConfig& config);
-// --quantize, --double-quant, --quant-block-size (every command that loads a model).
+// The options that say what a run builds (train/run_assembly.h), declared once for every command
+// that takes them (run_options.cpp): the same name, help and check in sft, dpo, check, bench and plan.
+// Each binds to the command's own fields.
+struct AdapterFlags {  // --lora-rank, --lora-alpha, --lora-targets, --full
+  int64_t& lora_rank;
+  double& lora_alpha;
+  std::vector<std::string>& lora_targets;
+  bool& full;
+};
+void add_adapter_options(CLI::App* cmd, const AdapterFlags& flags);
+// --quantize, --double-quant, --quant-block-size (every command that loads or builds a model).
 void add_quantize_options(CLI::App* cmd, std::string& quantize, bool& double_quant, int64_t& block_size);
+struct MemoryFlags {  // --recompute, --recompute-layers, --offload, --offload-layers, --mlp-tile-tokens,
+                      // --checkpoint-stride, --device-memory, --host-memory
+  std::string& recompute;
+  int64_t& recompute_layers;
+  std::string& offload;
+  int64_t& offload_layers;
+  std::string& mlp_tile_tokens;
+  int64_t& checkpoint_stride;
+  std::string& device_memory;
+  std::string& host_memory;
+};
+void add_memory_options(CLI::App* cmd, const MemoryFlags& flags);
+void add_router_aux_loss_option(CLI::App* cmd, double& coefficient);  // --router-aux-loss-coef
+struct MeshOptionFlags {  // --dp, --sp, --ulysses, --ring (0: not given)
+  int& dp;
+  int& sp;
+  int& ulysses;
+  int& ring;
+};
+void add_mesh_options(CLI::App* cmd, const MeshOptionFlags& flags);
+void add_attention_option(CLI::App* cmd, std::string& attention);  // --attention (the CUDA backend's)
+void add_dtype_option(CLI::App* cmd, std::string& dtype);          // --dtype
+
+// The options of `spindle sft` (also taken by dpo and check), bound to a TrainConfig.
+void add_train_options(CLI::App* cmd, TrainConfig& config);
+// The loss and reference options of `spindle dpo` (also taken by check), defined in cmd_dpo.cpp.
+void add_preference_options(CLI::App* cmd, DpoConfig& config);
 
 void register_all(CLI::App& app, CommandList& commands);
 

@@ -27,6 +27,7 @@
 #include "plan/dry_backend.h"
 #include "plan/dry_communicator.h"
 #include "train/optimizer.h"
+#include "train/run_assembly.h"
 
 namespace spindle::plan {
 
@@ -87,42 +88,32 @@ class PhaseHooks final : public ParameterHooks {
   bool in_backward_ = false;
 };
 
-// The parameters ModelWeights::quantize_projections leaves in place of each quantisable projection's
-// dense weight (model/quantized_weights.h), allocated on the DryBackend without the host pass that
-// computes their bytes (minutes for a 7B model, and a plan computes nothing): packed U8 [(n+1)/2],
-// absmax F32 [blocks] or, double-quantised, U8 codes [blocks] with F32 nested absmax
-// [ceil(blocks/256)] and one shared F32 [256] code map. tests/cli/check_plan.py compares the result
-// with `spindle bench --quantize`, so a change of that layout shows there.
-void declare_quantized_projections(Backend& backend, ModelWeights& weights, const QuantizeOptions& q) {
-  if (!q.active()) return;
-  Tensor code_map;
-  if (q.double_quant) code_map = backend.empty(Shape{256}, DType::F32);
-  for (Linear* lin : weights.linears()) {
-    if (lin->quantized() || !quantizable_projection(lin->module)) continue;
-    const int64_t n = lin->out * lin->in, blocks = quant4::num_blocks(n, q.blocksize);
-    auto add = [&](const std::string& name) -> Parameter& {
-      Parameter& p = weights.parameters().emplace_back();
-      p.name = name;
-      return p;
-    };
-    QuantizedWeight w;
-    w.blocksize = q.blocksize;
-    w.packed = lin->weight;
-    w.packed->value = Tensor();  // the dense matrix first, as the real pass frees it
-    w.packed->value = backend.empty(Shape{(n + 1) / 2}, DType::U8);
-    w.absmax = &add(lin->prefix + ".weight.absmax");
-    w.absmax->value = backend.empty(Shape{blocks}, q.double_quant ? DType::U8 : DType::F32);
-    if (q.double_quant) {
-      w.nested_absmax = &add(lin->prefix + ".weight.nested_absmax");
-      w.nested_absmax->value = backend.empty(Shape{quant4::num_blocks(blocks, quant4::kNestedBlocksize)}, DType::F32);
-      w.nested_blocksize = quant4::kNestedBlocksize;
-      w.nested_code = code_map;
-    }
-    lin->quant = w;
-    lin->format = *q.type == Quant4Type::NF4 ? WeightFormat::NF4 : WeightFormat::FP4;
-    lin->weight = nullptr;
+}  // namespace
+
+RunDescription describe_planned_run(const PlanOptions& o, const ModelConfig& config, DType dtype,
+                                    double router_aux_loss) {
+  RunDescription d;
+  d.model = config;
+  d.weights = WeightSource::kShapes;
+  d.dtype = dtype;
+  d.quantize = parse_quantize_options(o.quantize, o.double_quant, o.quant_block_size);
+  if (o.full) {
+    d.adapter.kind = AdapterDescription::Kind::kFull;
+  } else {
+    d.adapter.kind = AdapterDescription::Kind::kNewLora;
+    d.adapter.lora.rank = o.lora_rank;
+    d.adapter.lora.alpha = o.lora_alpha;
+    // As bench: every projection the family has unless named (the routed experts only when named).
+    d.adapter.lora.targets = o.lora_targets;
+    d.adapter.only_targets_present = o.lora_targets_if_present;
   }
+  d.shard = true;
+  if (o.optimizer) d.optimizer = AdamWConfig{};
+  d.router_aux_loss = router_aux_loss;
+  return d;
 }
+
+namespace {
 
 DType plan_dtype(const PlanOptions& o) {
   if (o.dtype == "auto") return o.device == "cuda" ? DType::BF16 : DType::F32;
@@ -150,55 +141,30 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const ModelC
     mesh = std::make_unique<parallel::Mesh>(mesh_config, *world);
   }
 
-  backend.set_phase(kWeights);
-  ModelWeights weights = ModelWeights::uninitialized(backend, config, dtype);
-  // As bench and sft hold them: packed bytes and absmax per projection (sharded as bytes by FSDP
-  // below); the step then allocates each projection's dequantised scratch where Linear does.
-  declare_quantized_projections(backend, weights, parse_quantize_options(o.quantize, o.double_quant, o.quant_block_size));
-  backend.set_phase(kTrainable);
-  if (o.full) {
-    weights.train_all(backend);
-  } else {
-    LoraConfig lora;
-    lora.rank = o.lora_rank;
-    lora.alpha = o.lora_alpha;
-    // As bench: every projection the family has unless named (the routed experts only when named).
-    lora.targets = o.lora_targets.empty() ? weights.projection_names() : o.lora_targets;
-    if (o.lora_targets_if_present) lora.targets = weights.present_lora_targets(lora.targets);
-    weights.add_lora(backend, lora, 0);
-  }
-  std::unique_ptr<parallel::Fsdp> fsdp;
-  if (world) {
-    backend.set_phase(kShards);
-    fsdp = std::make_unique<parallel::Fsdp>(backend, weights, *world);
-  }
-  std::unique_ptr<AdamWOptimizer> optimizer;
-  if (o.optimizer) {
-    backend.set_phase(kOptimizer);
-    if (fsdp) {
-      std::vector<OptimizerSlot> slots;
-      for (const parallel::ParameterShard& s : fsdp->trainable_shards()) slots.push_back({s.name, s.value, s.grad});
-      optimizer = std::make_unique<AdamWOptimizer>(backend, std::move(slots), AdamWConfig{}, world.get());
-    } else {
-      optimizer = std::make_unique<AdamWOptimizer>(backend, weights, AdamWConfig{});
-    }
-  }
-  // dpo's frozen reference model, loaded after the policy's state and sharded like it (dpo_trainer.cpp).
-  ModelWeights reference;
-  std::unique_ptr<parallel::Fsdp> reference_fsdp;
+  // The run sft, dpo and bench build (train/run_assembly.h), its allocations labelled by stage: the
+  // weights (4-bit projections as packed bytes and absmax, sharded as bytes by FSDP), the trainable
+  // parameters, the FSDP shards, the optimizer state, the router loss's statistics and gradient.
+  const std::unique_ptr<AssembledRun> run =
+      assemble_run(backend, describe_planned_run(o, config, dtype, aux_coefficient),
+                   RunPlacement{world.get(), mesh.get()}, [&backend](AssemblyStage stage) {
+                     switch (stage) {
+                       case AssemblyStage::kWeights: backend.set_phase(kWeights); break;
+                       case AssemblyStage::kTrainable: backend.set_phase(kTrainable); break;
+                       case AssemblyStage::kShards: backend.set_phase(kShards); break;
+                       case AssemblyStage::kOptimizer: backend.set_phase(kOptimizer); break;
+                       case AssemblyStage::kRouterAux: backend.set_phase(kBatch); break;
+                     }
+                   });
+  // dpo's frozen reference model, sharded like the policy (dpo_trainer.cpp).
+  std::unique_ptr<AssembledRun> reference;
   if (reference_config) {
     backend.set_phase(kReference);
-    reference = ModelWeights::uninitialized(backend, *reference_config, dtype);
-    declare_quantized_projections(backend, reference,
-                                  parse_quantize_options(o.quantize, o.double_quant, o.quant_block_size));
-    if (world) reference_fsdp = std::make_unique<parallel::Fsdp>(backend, reference, *world);
+    RunDescription frozen = describe_reference(run->description(), *reference_config, {});
+    frozen.weights = WeightSource::kShapes;
+    reference = assemble_run(backend, frozen, RunPlacement{world.get(), mesh.get()},
+                             [&backend](AssemblyStage) { backend.set_phase(kReference); });
   }
-  // The router load-balancing loss's statistics and gradient, held for the run (sft: StepRunner).
-  std::unique_ptr<RouterAuxLoss> router_aux;
-  if (aux_coefficient > 0) {
-    backend.set_phase(kBatch);
-    router_aux = std::make_unique<RouterAuxLoss>(backend, config, dtype, aux_coefficient);
-  }
+  RouterAuxLoss* router_aux = run->router_aux.get();
   RankPlan r;
   r.rank = rank;
   r.steady_bytes = backend.live_bytes();
@@ -224,26 +190,19 @@ RankPlan plan_rank(const PlanOptions& o, const ModelConfig& config, const ModelC
     batch.weights = backend.empty(batch_weights.shape(), batch_weights.dtype());
   }
 
-  const RecomputeMode recompute = parse_recompute_mode(o.recompute);
-  DecoderOptions decoder_options = recompute_options(recompute, config.num_layers, o.recompute_layers);
-  decoder_options.offload = o.offload;
-  decoder_options.offload_layers = o.offload_layers;
-  decoder_options.mlp_tile_tokens = mlp_tile_tokens_to_run(o.mlp_tile_tokens);
-  decoder_options.checkpoint_stride = o.checkpoint_stride;
   // The step's ops pass through the step-time model on their way to the dry backend.
   StepCostModel cost(rates, config.num_layers);
   bench::TimedBackend observed(backend, cost);
-  Decoder decoder(observed, weights, decoder_options);
-  std::unique_ptr<AttentionStrategy> attention;
-  if (mesh && mesh_config.sp > 1) attention = parallel::make_sequence_parallel_attention(*mesh, config);
-  decoder.set_attention(attention.get());
-  PhaseHooks hooks(backend, fsdp.get(), cost);
+  const std::unique_ptr<Decoder> planned = run->make_decoder(
+      observed, memory_options(parse_recompute_mode(o.recompute), config.num_layers, o.recompute_layers, o.offload,
+                               o.offload_layers, o.mlp_tile_tokens, o.checkpoint_stride));
+  Decoder& decoder = *planned;
+  PhaseHooks hooks(backend, run->state->fsdp(), cost);
   decoder.set_parameter_hooks(&hooks);
   if (router_aux) {
     std::function<void(Tensor&)> reduce;
     if (world) reduce = [&](Tensor& t) { world->all_reduce_sum(backend.default_stream(), t); };
     router_aux->begin_step(step_tokens, std::move(reduce));
-    decoder.set_router_aux_loss(router_aux.get());
   }
   Tensor loss = backend.zeros(Shape{1}, stat_dtype(dtype));
   backend.reset_peak_memory();

@@ -14,6 +14,7 @@
 #include "model/config.h"
 #include "model/recompute.h"
 #include "plan/step_cost.h"
+#include "train/run_assembly.h"
 
 namespace spindle::plan {
 
@@ -94,6 +95,11 @@ struct PlanReport {
 };
 
 PlanReport run_plan(const PlanOptions& options);
+// What a plan of `options` builds on the dry backend (train/run_assembly.h): shapes only, the
+// adapters and 4-bit projections as given, FSDP over the world, AdamW state with `optimizer`, the
+// router loss with coefficient `router_aux_loss` (0: off).
+RunDescription describe_planned_run(const PlanOptions& options, const ModelConfig& config, DType dtype,
+                                    double router_aux_loss);
 // The rates a plan of `options` predicts step times with: options.rates, else planning_rates for
 // options.device and options.gpu (asked of the GPU once per process).
 DeviceRates plan_rates(const PlanOptions& options);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <optional>
+#include <tuple>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -11,10 +12,11 @@
 #include "core/error.h"
 #include "model/decoder.h"
 #include "model/router_aux_loss.h"
+#include "train/objective.h"
+#include "train/run_assembly.h"
 #include "train/setup.h"
 #include "train/step_runner.h"
 #include "train/trainable_state.h"
-#include "parallel/sp_attention.h"
 
 namespace spindle {
 
@@ -116,9 +118,15 @@ nlohmann::ordered_json CheckReport::to_json() const {
 }
 
 std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& options) {
+  return run_check(std::move(config), options, SftObjective());
+}
+
+std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& options, const Objective& objective) {
   const ModelConfig model_config = ModelConfig::from_file(config.model);
+  objective.check_models(model_config);
   const ComputeDevice device = choose_device(config, process_group_from_environment());
   RunTopology run = connect_training_run(config, model_config, device);
+  objective.check_mesh(config, run);
   const bool temporary_output = config.output.empty();
   if (temporary_output)  // one folder per job, the same name on every rank
     config.output = (fs::temp_directory_path() /
@@ -127,56 +135,59 @@ std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& opt
   config.validate();
   const parallel::MeshConfig& mesh = run.mesh_config;
   const TrainingData data = prepare_training_data(config, run);
-  TrainDataLoader loader(data.sources, pack_options(config), config.seed);
-  std::vector<PackedRow> rows;
-  for (int64_t m = 0; m < config.grad_accum * mesh.dp; ++m) rows.push_back(loader.next());
+  const PackOptions pack = pack_options(config);
+  TrainDataLoader loader(data.sources, pack, config.seed, objective.data_kind());
+  const int64_t items_per_step = config.grad_accum * mesh.dp;
+  std::vector<LoaderItem> items;
+  for (int64_t i = 0; i < items_per_step; ++i) items.push_back(loader.next_item());
+  const ObjectiveData objective_data{loader, {}, pack, config.seed, items_per_step};
 
+  // The same run on the mesh, on one process, and on one process in F64: assembled alike
+  // (run_assembly.h), with the same weights and adapter initialisation; no optimizer state.
   const DType dtype = device.dtype;
   auto backend = make_backend(device, threads_per_process(config, run));
-  ModelWeights weights = load_training_weights(*backend, config, model_config, {}, dtype);
-  Decoder decoder(*backend, weights, decoder_options(config, model_config));
-  std::unique_ptr<AttentionStrategy> sequence_attention;
-  if (run.mesh && mesh.sp > 1) {
-    sequence_attention = parallel::make_sequence_parallel_attention(*run.mesh, model_config);
-    decoder.set_attention(sequence_attention.get());
-  }
-  TrainableState state(*backend, weights, decoder, run, !config.no_fsdp, AdamWConfig{});
-  StepRunner runner(*backend, decoder, weights, run.mesh.get(), state.all_reduce_gradients());
-  const double aux_coefficient = router_aux_loss_coefficient(model_config, config.router_aux_loss_coef);
-  runner.set_router_aux_loss(aux_coefficient);
-  state.zero_grads();
-  const StepTotals on_mesh = runner.run(rows, /*backward=*/true);
-  const std::vector<std::pair<std::string, Tensor>> mesh_gradients = state.full_gradients();
+  RunDescription description = describe_training_run(config, model_config, dtype);
+  description.optimizer.reset();
+  const std::unique_ptr<AssembledRun> on_mesh_run =
+      assemble_run(*backend, description, RunPlacement{run.world.get(), run.mesh.get()});
+  const std::unique_ptr<ObjectiveRunner> mesh_steps = objective.bind({*backend, run, *on_mesh_run, config});
+  mesh_steps->prepare(objective_data);
+  on_mesh_run->state->zero_grads();
+  const ObjectiveStep on_mesh = mesh_steps->step(items, /*backward=*/true);
+  const std::vector<std::pair<std::string, Tensor>> mesh_gradients = on_mesh_run->state->full_gradients();
   if (!run.is_main()) {
     if (run.world) run.world->barrier();  // stay alive while the main rank computes the reference
     return std::nullopt;
   }
 
-  // The reference: one process, plain attention, the same rows, weights and adapter initialisation.
-  ModelWeights single_weights = load_training_weights(*backend, config, model_config, {}, dtype);
-  Decoder single_decoder(*backend, single_weights, decoder_options(config, model_config));
-  StepRunner single_runner(*backend, single_decoder, single_weights, nullptr, false);
-  single_runner.set_router_aux_loss(aux_coefficient);
-  single_weights.zero_grads(*backend);
-  const StepTotals single = single_runner.run(rows, /*backward=*/true);
+  // The reference: one process, plain attention, the same items, weights and adapter initialisation.
+  const RunTopology one_process;
+  auto one_step = [&](const RunDescription& d) {
+    std::unique_ptr<AssembledRun> single_run = assemble_run(*backend, d);
+    const std::unique_ptr<ObjectiveRunner> steps = objective.bind({*backend, one_process, *single_run, config});
+    steps->prepare(objective_data);
+    single_run->state->zero_grads();
+    const ObjectiveStep outcome = steps->step(items, /*backward=*/true);
+    return std::make_pair(std::move(single_run), outcome);
+  };
+  const auto [single_run, single] = one_step(description);
+  ModelWeights& single_weights = single_run->weights;
 
   // F32 on the CPU: the same process once more in F64 measures what F32 rounding alone does to each
   // number on one process; the mesh is then held to that rounding instead of a fixed tolerance.
   const bool measure_rounding = !device.cuda && dtype == DType::F32 && options.grad_tolerance < 0;
-  std::optional<ModelWeights> exact_weights;
-  StepTotals exact;
+  std::unique_ptr<AssembledRun> exact_run;
+  ObjectiveStep exact;
   if (measure_rounding) {
-    exact_weights.emplace(load_training_weights(*backend, config, model_config, {}, DType::F64));
-    Decoder exact_decoder(*backend, *exact_weights, decoder_options(config, model_config));
-    StepRunner exact_runner(*backend, exact_decoder, *exact_weights, nullptr, false);
-    exact_runner.set_router_aux_loss(aux_coefficient);
-    exact_weights->zero_grads(*backend);
-    exact = exact_runner.run(rows, /*backward=*/true);
+    RunDescription wide = description;
+    wide.dtype = DType::F64;
+    std::tie(exact_run, exact) = one_step(wide);
   }
+  ModelWeights* exact_weights = exact_run ? &exact_run->weights : nullptr;
 
   CheckReport report;
   report.mesh = mesh;
-  report.rows = static_cast<int64_t>(rows.size());
+  report.rows = single.rows;
   report.num_items = single.num_items;
   report.tokens = single.tokens;
   report.loss_mesh = on_mesh.loss;

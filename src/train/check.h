@@ -61,8 +61,12 @@ struct CheckReport {
   nlohmann::ordered_json to_json() const;
 };
 
+class Objective;
+
 // Collective over the job's processes; the report is returned on the main rank (nullopt elsewhere).
-// config.output may be empty (JSONL data is then tokenized into a temporary folder).
+// config.output may be empty (JSONL data is then tokenized into a temporary folder). The step is
+// `objective`'s (objective.h; sft's cross-entropy by default) over the first global batch.
 std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& options);
+std::optional<CheckReport> run_check(TrainConfig config, const CheckOptions& options, const Objective& objective);
 
 }  // namespace spindle

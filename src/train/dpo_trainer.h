@@ -9,22 +9,28 @@
 // the loss and gradients are those of one process on the same step.
 #pragma once
 
-#include <nlohmann/json.hpp>
+#include <memory>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "loss/preference_loss.h"
+#include "train/objective.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
 
 namespace spindle {
 
-// Every option of `spindle dpo`: those of `spindle sft` plus the loss and the reference.
+// Every option of `spindle dpo`: those of `spindle sft` plus the loss and the reference (none for
+// the losses without one: cpo, simpo, orpo).
 struct DpoConfig {
   TrainConfig train;
-  std::string loss_type = "sigmoid";  // sigmoid (DPO) | ipo
+  std::string loss_type = "sigmoid";  // sigmoid (DPO) | ipo | cpo | simpo | orpo (loss/preference_loss.h)
   double beta = 0.1;
   double label_smoothing = 0.0;
   double rpo_alpha = 0.0;
+  double cpo_alpha = -1;     // cpo, simpo: weight of the chosen responses' NLL (-1: 1 for cpo, 0 for simpo)
+  double simpo_gamma = 0.5;  // simpo: the target reward margin
   // Reference log-probabilities: by default the policy with its LoRA adapters disabled (the base
   // model); with --full, the initial model, precomputed. ref_model: a separate model folder instead.
   std::string ref_model;
@@ -32,9 +38,28 @@ struct DpoConfig {
 
   PreferenceLossOptions loss_options() const;
   void validate() const;               // throws Error naming the option to change
+  void validate_preference() const;    // the loss and reference options alone
   nlohmann::json fingerprint() const;  // with TrainConfig's: what a resumed run must share
   // What dpo adds to a run's identity (run_folder.h): the loss options, and the reference by contents.
   nlohmann::json identity_options() const;
+};
+
+// The preference losses as an objective of the training loop (objective.h): rows of whole pairs,
+// the reference per dpo's options, the step of preference_step.h.
+class DpoObjective final : public Objective {
+ public:
+  explicit DpoObjective(DpoConfig config);
+  std::string command() const override { return "dpo"; }
+  nlohmann::json identity_options() const override;
+  void add_fingerprint(nlohmann::json& fingerprint) const override;
+  DatasetKind data_kind() const override { return DatasetKind::kPreferencePairs; }
+  void check_models(const ModelConfig& model) const override;
+  void check_mesh(const TrainConfig& config, const RunTopology& run) const override;
+  void describe_data(const TrainDataLoader& loader, const TrainConfig& config) const override;
+  std::unique_ptr<ObjectiveRunner> bind(const ObjectiveContext& context) const override;
+
+ private:
+  DpoConfig config_;
 };
 
 // Runs a whole `spindle dpo` job (resuming when config.train.resume). Throws Error for bad

@@ -118,6 +118,8 @@ std::vector<NamedMetric> named_metrics(const StepMetrics& m) {
     values.push_back({"logps/rejected", p->logps_rejected});
     values.push_back({"nll_loss", p->nll_loss});
     values.push_back({"pairs", p->pairs});
+    if (p->log_odds_ratio) values.push_back({"log_odds_ratio", *p->log_odds_ratio});
+    if (p->log_odds_chosen) values.push_back({"log_odds_chosen", *p->log_odds_chosen});
   }
   return values;
 }
@@ -168,6 +170,8 @@ StepMetrics metrics_from_json_line(std::string_view text) {
     p.logps_rejected = number_or_nan(line, "logps/rejected", false);
     p.nll_loss = number_or_nan(line, "nll_loss", false);
     p.pairs = integer(line, "pairs", false);
+    if (line.contains("log_odds_ratio")) p.log_odds_ratio = number_or_nan(line, "log_odds_ratio", true);
+    if (line.contains("log_odds_chosen")) p.log_odds_chosen = number_or_nan(line, "log_odds_chosen", true);
     m.preference = p;
   }
   return m;

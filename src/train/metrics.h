@@ -40,7 +40,8 @@ struct StepMetrics {
   std::optional<double> eval_loss;  // set on steps after which the eval set was scored
   std::optional<int64_t> eval_num_items;  // supervised tokens the eval loss averages over
 
-  // Preference training (spindle dpo) only, under TRL's names; SFT lines leave them out.
+  // Preference training (spindle dpo) only, under TRL's names; SFT lines leave them out. The
+  // log-probabilities are the scores the loss compares (sums, or per-token averages for simpo and orpo).
   struct Preference {
     double rewards_chosen = 0;    // "rewards/chosen": mean β·(π_c − ρ_c) over the step's pairs
     double rewards_rejected = 0;  // "rewards/rejected"
@@ -50,6 +51,8 @@ struct StepMetrics {
     double logps_rejected = 0;    // "logps/rejected"
     double nll_loss = 0;          // "nll_loss": chosen responses' NLL per token
     int64_t pairs = 0;            // "pairs" in the step
+    std::optional<double> log_odds_ratio;   // orpo: "log_odds_ratio", mean logσ of the log odds ratio
+    std::optional<double> log_odds_chosen;  // orpo: "log_odds_chosen", mean log odds ratio
   };
   std::optional<Preference> preference;
   std::optional<double> eval_accuracy;  // dpo: "eval_rewards/accuracies" over the eval pairs

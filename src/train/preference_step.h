@@ -8,7 +8,8 @@
 //   2. policy sums π_s: a forward without gradients (Decoder::step's per-token CE);
 //   3. the per-response sums are added up across the sequence-parallel group (each rank holds part
 //      of each response's tokens), then the loss and c_s are computed in double on the host;
-//   4. a forward/backward with per-token weights w_t = −c_{s(t)}: its gradient is ∂L/∂θ.
+//   4. a forward/backward with per-token weights w_t = −c_{s(t)}: its gradient is ∂L/∂θ (plus the
+//      router loss's, for MoE models trained with it: its statistics come from step 2's forward).
 // So a step costs one forward without gradients plus one forward/backward (plus the reference
 // forward when it is not cached). The extra policy forward is the price of not keeping every
 // micro-batch's activations until all sums of the step are known.
@@ -19,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -28,6 +30,7 @@
 #include "loss/preference_loss.h"
 #include "model/batch.h"
 #include "model/decoder.h"
+#include "model/router_aux_loss.h"
 #include "model/weights.h"
 
 namespace spindle {
@@ -45,14 +48,26 @@ inline int32_t preference_sequence_id(int64_t pair, bool rejected) {
 struct PreferenceBatch {
   MicroBatch batch;
   std::vector<int32_t> selected_sequence;  // host [num_selected]: preference_sequence_id of each target
+  // host [num_selected] or empty: 1 for a target of a chosen response's prompt, which only the NLL
+  // term sees (orpo: supervise_chosen_prompts); its sequence id is the chosen response's.
+  std::vector<uint8_t> selected_prompt;
 };
 
 // Builds the micro-batch from packed rows; row_sequences[r][d] is the sequence id of document d of
 // row r (row.doc_ids index it). A dataset of kind kPreferencePairs stores pair i as documents 2i
 // (chosen) and 2i+1 (rejected), so a document's id in the step is usually
 // preference_sequence_id(pair index in the step, document is odd).
+// token_prompt (optional): per row, per token, 1 where the target is a chosen prompt's (see above).
 PreferenceBatch make_preference_batch(Backend& backend, const std::vector<PackedRow>& rows,
-                                      const std::vector<std::vector<int32_t>>& row_sequences, DType model_dtype);
+                                      const std::vector<std::vector<int32_t>>& row_sequences, DType model_dtype,
+                                      const std::vector<std::vector<uint8_t>>* token_prompt = nullptr);
+
+// orpo's NLL covers the chosen sequences' prompts, as TRL's ORPOTrainer computes it: in `row`,
+// every position of a chosen response's document (an even sequence id in doc_sequence, indexed by
+// the row's document index) whose target is ignored and whose next token is in the same document
+// gets that token as its target (weight 1). Returns, per token, 1 where a target was added. Call it
+// on whole rows, before they are sharded (shift before shard).
+std::vector<uint8_t> supervise_chosen_prompts(PackedRow& row, const std::vector<int32_t>& doc_sequence);
 
 // Maps each selected target of `batch` to its sequence through a per-token table
 // (token_sequence[i] for token i of the batch; −1 where no response): copies batch.selected back.
@@ -115,16 +130,25 @@ struct PreferenceStepOptions {
   // sequence_group already spans all ranks of the step. Never both spanning the same ranks.
   comm::Communicator* pair_group = nullptr;
   bool backward = true;  // false: loss and metrics only (evaluation, finite differences)
+  // Training steps of MoE models: the router load-balancing loss (model/router_aux_loss.h) over the
+  // step's `step_tokens` real tokens (every row of every rank, prompts included, as transformers
+  // counts the tokens of DPO's concatenated forward), its statistics collected by the policy's
+  // forward pass and summed over sequence_group and pair_group. The policy decoder must compute
+  // with it. Null: none.
+  RouterAuxLoss* router_aux = nullptr;
+  int64_t step_tokens = 0;
 };
 
 struct PreferenceStepResult {
   PreferenceMetrics metrics;        // of the whole step (after both reductions)
   std::vector<PairLogProbs> pairs;  // [P] this sequence group's pairs, reduced
+  std::optional<double> aux_loss;   // the router loss of the step (without its coefficient), when trained with one
 };
 
 // Runs the step; with options.backward, adds ∂L/∂θ into the trainable parameters' grads (callers
 // zero them first, as for SFT; across ranks the gradients then add up, as for SFT). `policy`
 // must compute with `policy_weights` (the adapter-disabled reference switches their scalings).
+// Losses without a reference (cpo, simpo, orpo) run no reference pass: `reference` is not used.
 PreferenceStepResult preference_step(Backend& backend, Decoder& policy, ModelWeights& policy_weights,
                                      std::span<const PreferenceBatch> batches, const ReferenceSource& reference,
                                      const PreferenceStepOptions& options);

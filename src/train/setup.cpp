@@ -14,6 +14,7 @@
 #include "io/checkpoint.h"
 #include "parallel/sp_attention.h"
 #include "train/metrics.h"
+#include "train/run_assembly.h"
 #include "train/run_folder.h"
 #if SPINDLE_WITH_CUDA
 #include "backend/cuda/cuda_backend.h"
@@ -238,46 +239,13 @@ int effective_cpu_threads(int requested) {
   return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
-ModelWeights load_training_weights(Backend& backend, const TrainConfig& config, const ModelConfig& model_config,
-                                   const fs::path& resume_from, DType dtype) {
-  const fs::path weights_dir = !resume_from.empty() && config.full ? resume_from / "model" : fs::path(config.model);
-  const QuantizeOptions quantize = parse_quantize_options(config.quantize, config.double_quant, config.quant_block_size);
-  ModelWeights weights = config.random_weights
-                             ? ModelWeights::random(backend, model_config, dtype, config.seed, quantize)
-                             : ModelWeights::load(backend, model_config, io::Checkpoint(weights_dir.string()), dtype,
-                                                  quantize);
-  if (config.full) {
-    weights.train_all(backend);
-  } else if (!resume_from.empty()) {
-    weights.load_peft_adapter(backend, (resume_from / "adapter").string());
-  } else if (!config.adapter.empty()) {
-    weights.load_peft_adapter(backend, config.adapter);
-  } else {
-    LoraConfig lora;
-    lora.rank = config.lora_rank;
-    lora.alpha = config.lora_alpha;
-    lora.rslora = config.rslora;
-    lora.targets = config.lora_targets;
-    // The default targets name every attention and MLP projection of the dense families; a model
-    // without some of them (qwen3_moe: its MLPs are routed experts) adapts those it has, a model
-    // that fuses some (phi3: qkv_proj, gate_up_proj) its fused ones. Targets the user names are
-    // checked against the model.
-    if (config.lora_targets == TrainConfig{}.lora_targets) lora.targets = weights.present_lora_targets(lora.targets);
-    weights.add_lora(backend, lora, config.seed);
-  }
-  return weights;
-}
-
 DecoderOptions decoder_options(const TrainConfig& config, const ModelConfig& model_config) {
   const RecomputeMode mode = parse_recompute_mode(config.recompute);
-  DecoderOptions options = recompute_options(mode, model_config.num_layers, config.recompute_layers);
-  options.offload = parse_offload(config.offload, mode);
-  check_offload_layers(options.offload, config.offload_layers);
-  options.offload_layers = config.offload_layers;
-  options.mlp_tile_tokens = mlp_tile_tokens_to_run(parse_mlp_tile_tokens(config.mlp_tile_tokens));
+  const bool offload = parse_offload(config.offload, mode);
+  check_offload_layers(offload, config.offload_layers);
   check_checkpoint_stride(mode, config.checkpoint_stride);
-  options.checkpoint_stride = config.checkpoint_stride;
-  return options;
+  return memory_options(mode, model_config.num_layers, config.recompute_layers, offload, config.offload_layers,
+                        parse_mlp_tile_tokens(config.mlp_tile_tokens), config.checkpoint_stride);
 }
 
 std::vector<PackedRow> load_rows(const fs::path& prepared, const PackOptions& pack) {

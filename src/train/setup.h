@@ -1,5 +1,6 @@
-// What every training-like command (sft, check, dpo) sets up the same way: the data every rank
-// reads, the weights with their adapter, the decoder options, the threads of each process.
+// What every training-like command (sft, check, dpo) sets up the same way: the device and the
+// processes, the data every rank reads, the decoder options, the threads of each process (the model
+// itself: train/run_assembly.h).
 #pragma once
 
 #include <filesystem>
@@ -70,12 +71,8 @@ int threads_per_process(const TrainConfig& config, const RunTopology& run);
 // OMP_NUM_THREADS or the machine's cores).
 int effective_cpu_threads(int requested);
 
-// The model from --model (or a full fine-tune's checkpoint when resuming), made trainable as the
-// config says: --full, the adapter of the checkpoint being resumed, --adapter, or new LoRA
-// adapters from --seed (identical on every rank).
-ModelWeights load_training_weights(Backend& backend, const TrainConfig& config, const ModelConfig& model_config,
-                                   const std::filesystem::path& resume_from, DType dtype);
-
+// The decoder's memory options from --recompute, --recompute-layers, --offload, --offload-layers,
+// --mlp-tile-tokens and --checkpoint-stride, checked.
 DecoderOptions decoder_options(const TrainConfig& config, const ModelConfig& model_config);
 
 // Rows of a prepared dataset, packed as training packs them (for evaluation).

@@ -32,8 +32,13 @@ PackedRow padding_row(int64_t length) {
 }
 
 StepRunner::StepRunner(Backend& backend, Decoder& decoder, ModelWeights& weights, const parallel::Mesh* mesh,
-                       bool all_reduce_gradients)
-    : backend_(backend), decoder_(decoder), weights_(weights), mesh_(mesh), all_reduce_gradients_(all_reduce_gradients) {}
+                       bool all_reduce_gradients, RouterAuxLoss* router_aux)
+    : backend_(backend),
+      decoder_(decoder),
+      weights_(weights),
+      mesh_(mesh),
+      all_reduce_gradients_(all_reduce_gradients),
+      router_aux_(router_aux) {}
 
 std::vector<PackedRow> StepRunner::local_rows(const std::vector<PackedRow>& rows) const {
   if (!mesh_) return rows;
@@ -61,12 +66,6 @@ double StepRunner::all_reduce(double value) {
   mesh_->world().all_reduce_sum(st, t);
   backend_.copy_to_host(st, t, &value);
   return value;
-}
-
-void StepRunner::set_router_aux_loss(double coefficient) {
-  router_aux_ = coefficient > 0 ? std::make_unique<RouterAuxLoss>(backend_, weights_.config, weights_.dtype, coefficient)
-                                : nullptr;
-  decoder_.set_router_aux_loss(router_aux_.get());
 }
 
 MicroBatch StepRunner::micro_batch(const std::vector<PackedRow>& rows, const std::vector<PackedRow>& mine,

@@ -47,12 +47,14 @@ struct StepTotals {
 
 class StepRunner {
  public:
-  // mesh == nullptr: one process. sequence_attention: the strategy matching the mesh's sp layout
-  // (set on the decoder by the caller; nullptr for sp = 1). all_reduce_gradients: sum every
-  // trainable gradient over the world after backward (replicated parameters); FSDP instead
-  // reduce-scatters inside the decoder's hooks.
+  // mesh == nullptr: one process. The decoder computes with `weights`, the strategy matching the
+  // mesh's sp layout and `router_aux` (set on it by whoever built it: train/run_assembly.h).
+  // all_reduce_gradients: sum every trainable gradient over the world after backward (replicated
+  // parameters); FSDP instead reduce-scatters inside the decoder's hooks. router_aux: the router
+  // load-balancing loss the training steps add (its statistics over the whole step: every
+  // micro-batch, every rank), or null.
   StepRunner(Backend& backend, Decoder& decoder, ModelWeights& weights, const parallel::Mesh* mesh,
-             bool all_reduce_gradients);
+             bool all_reduce_gradients, RouterAuxLoss* router_aux = nullptr);
 
   // rows: every row of the step, identical on every rank (each rank draws the same sequence);
   // row j goes to data-parallel replica j mod dp, and each sp rank computes its shard of it.
@@ -63,10 +65,6 @@ class StepRunner {
 
   // The rows this rank computes for `rows` (its dp share, each cut to its sp shard).
   std::vector<PackedRow> local_rows(const std::vector<PackedRow>& rows) const;
-
-  // Training steps add coefficient × the router load-balancing loss, its statistics over the whole
-  // step (every micro-batch, every rank). coefficient 0: off. MoE models only.
-  void set_router_aux_loss(double coefficient);
 
  private:
   double all_reduce(double value);
@@ -82,7 +80,7 @@ class StepRunner {
   ModelWeights& weights_;
   const parallel::Mesh* mesh_;
   bool all_reduce_gradients_;
-  std::unique_ptr<RouterAuxLoss> router_aux_;
+  RouterAuxLoss* router_aux_;
 };
 
 // A row of `length` padding tokens (no document, no target): keeps data-parallel replicas in step.

@@ -7,20 +7,26 @@
 
 namespace spindle {
 
-TrainableState::TrainableState(Backend& backend, ModelWeights& weights, Decoder& decoder, const RunTopology& run,
-                               bool shard, const AdamWConfig& adam)
-    : backend_(backend), weights_(weights), rank_(run.process.rank) {
-  if (shard && run.world) {
-    fsdp_ = std::make_unique<parallel::Fsdp>(backend, weights, *run.world);
-    decoder.set_parameter_hooks(fsdp_.get());
+TrainableState::TrainableState(Backend& backend, ModelWeights& weights, comm::Communicator* world, bool shard)
+    : backend_(backend), weights_(weights), world_(world), rank_(world ? world->rank() : 0) {
+  if (shard && world) fsdp_ = std::make_unique<parallel::Fsdp>(backend, weights, *world);
+}
+
+void TrainableState::add_optimizer(const AdamWConfig& adam) {
+  if (fsdp_) {
     std::vector<OptimizerSlot> slots;
     for (const parallel::ParameterShard& s : fsdp_->trainable_shards()) slots.push_back({s.name, s.value, s.grad});
     if (slots.empty()) fail("nothing to train: no trainable parameter (choose --lora-rank > 0 or --full)");
-    optimizer_ = std::make_unique<AdamWOptimizer>(backend, std::move(slots), adam, run.world.get());
+    optimizer_ = std::make_unique<AdamWOptimizer>(backend_, std::move(slots), adam, world_);
   } else {
     // Replicated gradients are identical on every rank after the all-reduce: no norm group needed.
-    optimizer_ = std::make_unique<AdamWOptimizer>(backend, weights, adam);
+    optimizer_ = std::make_unique<AdamWOptimizer>(backend_, weights_, adam);
   }
+}
+
+AdamWOptimizer& TrainableState::optimizer() {
+  SPINDLE_CHECK(optimizer_ != nullptr, "this run has no optimizer state");
+  return *optimizer_;
 }
 
 void TrainableState::zero_grads() {

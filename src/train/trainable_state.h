@@ -1,7 +1,8 @@
 // Where the trainable state of a run lives: replicated on every rank (one process, or --no-fsdp:
 // gradients all-reduced after backward) or sharded over all dp × sp ranks (FSDP: 1/world of every
 // parameter, gradient and AdamW state per rank, layers gathered only while in use). sft, check and
-// dpo use this one object, so checkpoints, exports and the optimizer look the same either way.
+// dpo use this one object (built by train/run_assembly.h), so checkpoints, exports and the optimizer
+// look the same either way.
 #pragma once
 
 #include <memory>
@@ -11,27 +12,31 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "comm/communicator.h"
 #include "io/checkpoint.h"
 #include "model/decoder.h"
 #include "model/weights.h"
 #include "parallel/fsdp.h"
 #include "train/optimizer.h"
-#include "train/step_runner.h"
 
 namespace spindle {
 
 class TrainableState {
  public:
   // Collective when sharded. `weights` must be complete (adapter loaded or LoRA added) and
-  // identical on every rank; with `shard` and several processes they are sharded over the world
-  // and the decoder gets FSDP's hooks.
-  TrainableState(Backend& backend, ModelWeights& weights, Decoder& decoder, const RunTopology& run, bool shard,
-                 const AdamWConfig& adam);
+  // identical on every rank; with `shard` and a world (several processes) they are sharded over it,
+  // and decoders computing with them need fsdp() as their parameter hooks. No optimizer state
+  // until add_optimizer (a step without one: bench, a frozen reference model).
+  TrainableState(Backend& backend, ModelWeights& weights, comm::Communicator* world, bool shard);
+  // AdamW over the trainable parameters (their shards when sharded).
+  void add_optimizer(const AdamWConfig& adam);
 
   bool sharded() const { return fsdp_ != nullptr; }
+  parallel::Fsdp* fsdp() const { return fsdp_.get(); }
   // For StepRunner: replicated gradients are summed over the world after backward.
   bool all_reduce_gradients() const { return !fsdp_; }
-  AdamWOptimizer& optimizer() { return *optimizer_; }
+  bool has_optimizer() const { return optimizer_ != nullptr; }
+  AdamWOptimizer& optimizer();
   void zero_grads();
 
   // Collective. While the returned scope lives, rank 0 holds the full values of the trainable
@@ -51,6 +56,7 @@ class TrainableState {
  private:
   Backend& backend_;
   ModelWeights& weights_;
+  comm::Communicator* world_ = nullptr;
   int rank_ = 0;
   std::unique_ptr<parallel::Fsdp> fsdp_;
   std::unique_ptr<AdamWOptimizer> optimizer_;

@@ -20,7 +20,9 @@
 #include "train/data_loader.h"
 #include "train/export.h"
 #include "train/metrics.h"
+#include "train/objective.h"
 #include "train/optimizer.h"
+#include "train/run_assembly.h"
 #include "train/progress.h"
 #include "train/run_common.h"
 #include "train/loss_plot.h"
@@ -78,64 +80,52 @@ EvalResult evaluate(Backend& backend, Decoder& decoder, DType dtype, std::vector
   return result;
 }
 
-TrainSummary run_sft(const TrainConfig& config) {
+TrainSummary run_training(const TrainConfig& config, const Objective& objective) {
   config.validate();
   const auto start = std::chrono::steady_clock::now();
   const ModelConfig model_config = ModelConfig::from_file(config.model);
-  // The device and the mesh are checked against the job and the model before any data or weight is touched.
+  objective.check_models(model_config);
+  // The device and the mesh are checked against the job and the model(s) before any data or weight is touched.
   const ComputeDevice device = choose_device(config, process_group_from_environment());
   RunTopology run = connect_training_run(config, model_config, device);
+  objective.check_mesh(config, run);
   const parallel::MeshConfig& mesh = run.mesh_config;
   const bool main_rank = run.is_main();
   const int cpu_threads = effective_cpu_threads(threads_per_process(config, run));
   auto backend = make_backend(device, threads_per_process(config, run));
   nlohmann::json fingerprint = config.fingerprint();
-  if (mesh.dp > 1) fingerprint["data_parallel"] = mesh.dp;  // rows per step = grad_accum · dp
+  objective.add_fingerprint(fingerprint);
+  if (mesh.dp > 1) fingerprint["data_parallel"] = mesh.dp;  // items per step = grad_accum · dp
   // The output folder checked and claimed, the resume point checked, JSONL tokenized: by the main
   // rank, before anything is loaded; an error there stops every rank.
-  RunStart run_start = start_run(config, "sft", nlohmann::json(), fingerprint, run, *backend);
+  RunStart run_start =
+      start_run(config, objective.command(), objective.identity_options(), fingerprint, run, *backend);
   const ResumePoint& resume = run_start.resume;
   const TrainingData& data = run_start.data;
 
+  // Data: items (a row of documents, or the rows of whole preference pairs); one optimizer step
+  // takes grad_accum items on each data-parallel replica.
   const PackOptions pack = pack_options(config);
-  TrainDataLoader loader(data.sources, pack, config.seed);
-  if (main_rank)
-    std::fprintf(stderr, "%lld rows of up to %lld tokens per epoch\n", static_cast<long long>(loader.rows_per_epoch()),
-                 static_cast<long long>(config.max_length));
-  std::vector<PackedRow> eval_rows;
-  if (!data.eval.empty()) {
-    eval_rows = load_rows(data.eval, pack);
-    // Every data-parallel replica scores the same number of rows (collectives inside each step).
-    while (eval_rows.size() % mesh.dp) eval_rows.push_back(padding_row(parallel::sequence_multiple(mesh)));
-  }
+  TrainDataLoader loader(data.sources, pack, config.seed, objective.data_kind());
+  if (main_rank) objective.describe_data(loader, config);
   if (main_rank && run.world)
     std::fprintf(stderr, "%d processes: dp %d x sp %d (ulysses %d x ring %d), each on %s\n", run.world_size(), mesh.dp,
                  mesh.sp, mesh.ulysses, mesh.ring, device.describe().c_str());
 
-  // Model.
-  const DType dtype = device.dtype;
+  // The model (run_assembly.h), trained as the objective says.
   const DType source_dtype = export_dtype(config);
-  // LoRA adapters start from --seed on every rank: identical initial adapters without a broadcast.
-  ModelWeights weights = load_training_weights(*backend, config, model_config, resume.dir, dtype);
-  Decoder decoder(*backend, weights, decoder_options(config, model_config));
-  std::unique_ptr<AttentionStrategy> sequence_attention;
-  if (run.mesh && mesh.sp > 1) {
-    sequence_attention = parallel::make_sequence_parallel_attention(*run.mesh, model_config);
-    decoder.set_attention(sequence_attention.get());
-  }
-  // FSDP (default with several processes) shards parameters, gradients and AdamW state over all ranks.
-  TrainableState state(*backend, weights, decoder, run, !config.no_fsdp,
-                       {config.adam_beta1, config.adam_beta2, config.adam_eps, config.weight_decay, config.max_grad_norm});
+  const std::unique_ptr<AssembledRun> policy =
+      assemble_run(*backend, describe_training_run(config, model_config, device.dtype, resume.dir),
+                   RunPlacement{run.world.get(), run.mesh.get()});
+  TrainableState& state = *policy->state;
   AdamWOptimizer& optimizer = state.optimizer();
   if (main_rank && run.world) std::fprintf(stderr, "%s\n", state.describe().c_str());
-  StepRunner runner(*backend, decoder, weights, run.mesh.get(), state.all_reduce_gradients());
-  runner.set_router_aux_loss(router_aux_loss_coefficient(model_config, config.router_aux_loss_coef));
+  const std::unique_ptr<ObjectiveRunner> steps = objective.bind({*backend, run, *policy, config, !resume.empty()});
+  const int64_t items_per_step = config.grad_accum * mesh.dp;
+  steps->prepare({loader, data.eval, pack, config.seed, items_per_step});
 
-  // Schedule: one optimizer step takes grad_accum rows on each data-parallel replica.
-  const int64_t rows_per_step = config.grad_accum * mesh.dp;
-  const RunSchedule plan = plan_schedule(config, loader.rows_per_epoch(), rows_per_step);
+  const RunSchedule plan = plan_schedule(config, loader.rows_per_epoch(), items_per_step);
   const int64_t total_steps = plan.total_steps;
-
   int64_t step = resume.step();
   restore_run_state(resume, loader, state);
   if (main_rank && !resume.empty())
@@ -143,7 +133,8 @@ TrainSummary run_sft(const TrainConfig& config) {
   note_thread_change(resume, *backend, cpu_threads, main_rank);
   RunReporter reporter(config, main_rank, total_steps, resume);
   for (const fs::path& file : reporter.created_files()) run_start.claim.created(file);
-  RunCheckpointer checkpointer{config, *backend, weights, state, fingerprint, run_start.identity, cpu_threads, main_rank};
+  RunCheckpointer checkpointer{config,      *backend,          policy->weights, state, fingerprint,
+                               run_start.identity, cpu_threads, main_rank};
 
   TrainSummary summary;
   summary.output = config.output;
@@ -152,26 +143,27 @@ TrainSummary run_sft(const TrainConfig& config) {
   try {
     while (step < total_steps) {
       const auto step_start = std::chrono::steady_clock::now();
-      // One optimizer step: every rank draws all rows of the global batch (the same ones) and takes its share.
-      std::vector<PackedRow> rows;
-      for (int64_t m = 0; m < rows_per_step; ++m) rows.push_back(loader.next());
+      // One optimizer step: every rank draws all items of the global batch (the same ones) and takes its share.
+      std::vector<LoaderItem> items;
+      for (int64_t i = 0; i < items_per_step; ++i) items.push_back(loader.next_item());
       state.zero_grads();
       backend->reset_offload_stats();  // this step's copies only
-      const StepTotals totals = runner.run(rows, /*backward=*/true);
+      const ObjectiveStep outcome = steps->step(items, /*backward=*/true);
       const double lr = learning_rate(plan.lr, step);
       const double grad_norm = optimizer.step(lr);
       ++step;
 
       StepMetrics m;
       m.step = step;
-      m.loss = totals.loss;
+      m.loss = outcome.loss;
       m.grad_norm = grad_norm;
       m.lr = lr;
-      m.num_items = totals.num_items;
-      m.tokens = totals.tokens;
-      m.aux_loss = totals.aux_loss;
+      m.num_items = outcome.num_items;
+      m.tokens = outcome.tokens;
+      m.aux_loss = outcome.aux_loss;
+      m.preference = outcome.preference;
       m.step_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
-      m.tokens_per_s = m.step_seconds > 0 ? static_cast<double>(totals.tokens) / m.step_seconds : 0;
+      m.tokens_per_s = m.step_seconds > 0 ? static_cast<double>(m.tokens) / m.step_seconds : 0;
       const MemoryStats memory = backend->memory_stats();
       m.peak_memory_bytes = memory.peak_allocated_bytes;  // live tensors: the GPU pool on CUDA, tensor bytes on the CPU
       m.offload_host_bytes = memory.peak_host_allocated_bytes;  // --offload activations
@@ -181,11 +173,12 @@ TrainSummary run_sft(const TrainConfig& config) {
       m.offload_wait_seconds = copies.wait_seconds;
       m.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       m.epoch = loader.epochs_done();
-      if (config.eval_steps > 0 && (step % config.eval_steps == 0 || step == total_steps) && !eval_rows.empty()) {
-        const StepTotals eval = runner.run(eval_rows, /*backward=*/false);
-        m.eval_loss = eval.loss;
-        m.eval_num_items = eval.num_items;
-      }
+      if (config.eval_steps > 0 && (step % config.eval_steps == 0 || step == total_steps))
+        if (const std::optional<ObjectiveStep> eval = steps->evaluate()) {
+          m.eval_loss = eval->loss;
+          m.eval_num_items = eval->num_items;
+          m.eval_accuracy = eval->accuracy;
+        }
       reporter.record(m);
       summary.final_loss = m.loss;
       summary.steps = step;
@@ -198,9 +191,11 @@ TrainSummary run_sft(const TrainConfig& config) {
   summary.steps = step;
 
   // Final outputs, loadable by transformers / PEFT: OUTPUT/model (full) or OUTPUT/adapter (LoRA).
-  const fs::path final_dir = export_trained(config, *backend, weights, state, source_dtype, main_rank);
+  const fs::path final_dir = export_trained(config, *backend, policy->weights, state, source_dtype, main_rank);
   reporter.finish(config, total_steps, final_dir);
   return summary;
 }
+
+TrainSummary run_sft(const TrainConfig& config) { return run_training(config, SftObjective()); }
 
 }  // namespace spindle

@@ -1,5 +1,6 @@
-// The supervised fine-tuning loop: data → micro-batches → forward/backward with one global
-// denominator per optimizer step (docs/design.md §2.2) → clipped AdamW → metrics, evaluation, checkpoints.
+// The training loop, whatever the objective (sft's cross-entropy, dpo's preference losses): data →
+// the objective's step over the drawn items (for sft: forward/backward with one global denominator
+// per optimizer step, docs/design.md §2.2) → clipped AdamW → metrics, evaluation, checkpoints.
 #pragma once
 
 #include <cstdint>
@@ -34,9 +35,16 @@ struct TrainSummary {
   bool stopped() const { return !stopped_by.empty(); }
 };
 
-// Runs a whole `spindle sft` job as configured (resuming when config.resume). Throws Error for bad
-// configuration, inputs or output folder before the first step. From the first step on, SIGTERM,
-// SIGINT and SIGUSR1 stop it after the step in progress, with a checkpoint (stop_signal.h).
+class Objective;
+
+// The training loop of every objective (objective.h): runs a whole job as configured (resuming
+// when config.resume), the model assembled once (run_assembly.h) and each optimizer step the
+// objective's over the items drawn for it. Throws Error for bad configuration, inputs or output
+// folder before the first step. From the first step on, SIGTERM, SIGINT and SIGUSR1 stop it after
+// the step in progress, with a checkpoint (stop_signal.h).
+TrainSummary run_training(const TrainConfig& config, const Objective& objective);
+
+// A whole `spindle sft` job: run_training with SftObjective.
 TrainSummary run_sft(const TrainConfig& config);
 
 // The folder of the newest complete checkpoint in `output` (checkpoint-<step>), or empty.

@@ -13,7 +13,7 @@ case = os.path.join(root, "testdata", "hf", "qwen2")
 data = os.path.join(case, "data.jsonl")
 pairs = os.path.join(root, "testdata", "dpo", "pairs.jsonl")
 failures = []
-VALID = "--attention must be auto, own or cudnn"
+VALID = "--attention: must be auto, own or cudnn"  # CLI11: the option, then the check's message
 
 
 def run(args, cwd):

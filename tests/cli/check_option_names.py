@@ -8,7 +8,8 @@ Two ways in:
 - The source: every `--name` in a string literal of src/ must be an option of some command (or of
   another program a message tells the user to run); one in src/data/ (the JSONL readers and packing,
   which prepare, sft, dpo and check share) must be an option of all four of them, and one in src/train/
-  or in the options sft, dpo and check share (cmd_sft.cpp) of those that can reach it.
+  or in the options sft, dpo and check share (cmd_sft.cpp) of those that can reach it, and one in the options
+  that every command building a model declares (run_options.cpp) of all five of them.
 
 usage: check_option_names.py SPINDLE ROOT"""
 import json
@@ -33,6 +34,8 @@ ONLY_WHERE_SET = {
     ("src/train/run_folder.cpp", "--ref-model"): "names dpo's reference only when both runs are dpo runs",
     ("src/train/train_config.cpp", "--random-weights"): "printed only when --random-weights is set (sft)",
     ("src/cli/cmd_sft.cpp", "--random-weights"): "sft's own option, added beside the shared ones",
+    ("src/cli/run_options.cpp", "--attention"): "declared by the commands that compute (not plan)",
+    ("src/cli/run_options.cpp", "--dtype"): "declared by the commands that choose a precision (not bench)",
 }
 failures = []
 
@@ -45,6 +48,21 @@ def options_of(command):
         if m:
             names.update(n for n in m.group(1).split(",") if n.startswith("--"))
     return names
+
+
+def help_texts(command):
+    """Each option's description in `spindle COMMAND --help` (CLI11 puts it after the name, type and
+    default, or on the next line when those are long)."""
+    lines = subprocess.run([spindle, command, "--help"], capture_output=True, text=True).stdout.splitlines()
+    texts = {}
+    for i, line in enumerate(lines):
+        m = re.match(r"\s+(--[a-z0-9-]+)(?:\s\S+)*?(?:\s{2,}(\S.*))?\s*$", line)
+        if not m:
+            continue
+        following = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        text = m.group(2) or ("" if following.startswith("-") else following)
+        texts[m.group(1)] = text
+    return texts
 
 
 parsers = {c: options_of(c) for c in COMMANDS}
@@ -136,6 +154,26 @@ with tempfile.TemporaryDirectory() as tmp:
     check_messages("eval", ["--model", model, "--data", tokens], tmp)
     check_messages("eval", ["--model", model, "--data", tokens, "--max-length", "8", "--over-length", "error"], tmp)
 
+# The options that say what a run builds: one declaration (cli/run_options.cpp) gives each the same
+# help in every command that builds a model; a command that declares one again shows here.
+RUN_OPTIONS = ["--lora-rank", "--lora-alpha", "--lora-targets", "--full", "--quantize", "--double-quant",
+               "--quant-block-size", "--recompute", "--recompute-layers", "--offload", "--offload-layers",
+               "--mlp-tile-tokens", "--checkpoint-stride", "--device-memory", "--host-memory",
+               "--router-aux-loss-coef", "--dp", "--sp", "--ulysses", "--ring"]
+RUN_COMMANDS = ["sft", "dpo", "check", "bench", "plan"]
+helps = {c: help_texts(c) for c in RUN_COMMANDS}
+for option in RUN_OPTIONS:
+    texts = {c: helps[c].get(option) for c in RUN_COMMANDS}
+    missing = [c for c, t in texts.items() if t is None]
+    if missing:
+        failures.append(f"{option}: not an option of {', '.join(missing)}")
+    if len({t for t in texts.values() if t is not None}) > 1:
+        failures.append(f"{option} is described differently: " + "; ".join(f"{c}: {t!r}" for c, t in texts.items()))
+for option in ["--attention", "--dtype"]:  # the commands that take them, alike
+    texts = {c: helps[c][option] for c in RUN_COMMANDS if option in helps[c]}
+    if len(set(texts.values())) > 1:
+        failures.append(f"{option} is described differently: {texts}")
+
 # The source: string literals of src/.
 def literals(path):
     text = open(path, encoding="utf-8").read()
@@ -146,7 +184,9 @@ def literals(path):
 everywhere = set().union(*parsers.values())
 data_commands = ["sft", "dpo", "check", "prepare"]
 train_commands = {"dpo_trainer.cpp": ["dpo"], "preference_step.cpp": ["dpo"], "check.cpp": ["check"],
-                  "trainer.cpp": ["sft"]}
+                  "trainer.cpp": ["sft", "dpo"]}
+# The options every command that builds a model declares from one place (cli/run_options.cpp).
+run_commands = ["sft", "dpo", "check", "bench", "plan"]
 for folder, _, files in os.walk(os.path.join(root, "src")):
     for name in files:
         if not name.endswith((".cpp", ".h", ".cu")):
@@ -159,6 +199,8 @@ for folder, _, files in os.walk(os.path.join(root, "src")):
             reach = train_commands.get(name, ["sft", "dpo", "check"])
         elif relative == "src/cli/cmd_sft.cpp":
             reach = ["sft", "dpo", "check"]
+        elif relative == "src/cli/run_options.cpp":
+            reach = run_commands
         elif relative.startswith("src/cli/cmd_") and name[4:-4] in parsers:
             reach = [name[4:-4]]
         else:

@@ -64,7 +64,7 @@ with tempfile.TemporaryDirectory() as tmp:
                  "--grad-accum must be positive")
     expect_error("model: [unclosed\n", "not valid YAML")
     expect_error(f"model: {case}\ndata: [{os.path.join(case, 'data.jsonl')}]\nrecompute: attention\n",
-                 "--recompute must be none, all or keep-attention")
+                 "--recompute: must be none, all, keep-attention or auto")
 
 for f in failures:
     print("FAIL:", f)

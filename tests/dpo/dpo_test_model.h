@@ -63,9 +63,12 @@ inline std::vector<Document> pair_documents() {
 // Micro-batches from lists of document indices: each list one packed row (packed) or one row per
 // document. Sequence id of document k is k (= preference_sequence_id(k / 2, k odd)). edit_row may
 // change a built row (drop targets) before it becomes a micro-batch.
+// prompt_targets: the chosen documents' prompts supervised too, as orpo's step needs them
+// (supervise_chosen_prompts).
 inline std::vector<PreferenceBatch> layout(Backend& be, const std::vector<Document>& docs,
                                            const std::vector<std::vector<int64_t>>& micro_batches, bool packed,
-                                           DType dtype, const std::function<void(PackedRow&)>& edit_row = {}) {
+                                           DType dtype, const std::function<void(PackedRow&)>& edit_row = {},
+                                           bool prompt_targets = false) {
   PackOptions options;
   options.max_length = 64;
   options.pad_to_multiple = 4;  // some padding in every row
@@ -75,6 +78,7 @@ inline std::vector<PreferenceBatch> layout(Backend& be, const std::vector<Docume
   for (const auto& list : micro_batches) {
     std::vector<PackedRow> rows;
     std::vector<std::vector<int32_t>> sequences;
+    std::vector<std::vector<uint8_t>> prompts;
     auto add_row = [&](const std::vector<int64_t>& members) {
       RowPlan plan;
       for (int64_t k : members) {
@@ -84,13 +88,14 @@ inline std::vector<PreferenceBatch> layout(Backend& be, const std::vector<Docume
       rows.push_back(build_row(plan, lookup, options, stats));
       if (edit_row) edit_row(rows.back());
       sequences.emplace_back(members.begin(), members.end());
+      if (prompt_targets) prompts.push_back(supervise_chosen_prompts(rows.back(), sequences.back()));
     };
     if (packed) {
       add_row(list);
     } else {
       for (int64_t k : list) add_row({k});
     }
-    out.push_back(make_preference_batch(be, rows, sequences, dtype));
+    out.push_back(make_preference_batch(be, rows, sequences, dtype, prompt_targets ? &prompts : nullptr));
   }
   return out;
 }

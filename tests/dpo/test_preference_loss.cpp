@@ -156,3 +156,152 @@ TEST(PreferenceLoss, RejectsBadOptions) {
   ipo.type = PreferenceLossType::kIpo;
   EXPECT_THROW(preference_loss(empty_side, ipo), Error);
 }
+
+namespace {
+
+// cpo, simpo and orpo as their papers and TRL write them, without stabilisation: no reference, ā = π/n,
+// odds(ā) = e^ā / (1 − e^ā); the NLL a token mean over the chosen tokens (orpo's prompts' too).
+double naive_reference_free_loss(const std::vector<PairLogProbs>& pairs, const PreferenceLossOptions& o) {
+  double sum = 0, chosen_nll = 0, chosen_tokens = 0;
+  for (const PairLogProbs& p : pairs) {
+    const double ac = p.chosen.policy / p.chosen.tokens, ar = p.rejected.policy / p.rejected.tokens;
+    auto smoothed = [&](double h) {
+      return -(1 - o.label_smoothing) * std::log(1 / (1 + std::exp(-o.beta * h))) -
+             o.label_smoothing * std::log(1 / (1 + std::exp(o.beta * h)));
+    };
+    if (o.type == PreferenceLossType::kCpo) sum += smoothed(p.chosen.policy - p.rejected.policy);
+    if (o.type == PreferenceLossType::kSimpo) sum += smoothed(ac - ar - o.simpo_gamma / o.beta);
+    if (o.type == PreferenceLossType::kOrpo) {
+      const double odds_c = std::exp(ac) / (1 - std::exp(ac)), odds_r = std::exp(ar) / (1 - std::exp(ar));
+      sum += -o.beta * std::log(1 / (1 + 1 / (odds_c / odds_r)));
+    }
+    chosen_nll -= p.chosen.policy + p.chosen.prompt_policy;
+    chosen_tokens += p.chosen.tokens + p.chosen.prompt_tokens;
+  }
+  return sum / pairs.size() + o.nll_weight() * chosen_nll / chosen_tokens;
+}
+
+std::vector<PreferenceLossOptions> reference_free_variants() {
+  std::vector<PreferenceLossOptions> v(5);
+  v[0].type = PreferenceLossType::kCpo;  // NLL weight 1
+  v[0].beta = 0.3;
+  v[1].type = PreferenceLossType::kCpo;
+  v[1].beta = 0.2;
+  v[1].label_smoothing = 0.1;
+  v[1].cpo_alpha = 0.4;
+  v[2].type = PreferenceLossType::kSimpo;  // no NLL
+  v[2].beta = 2.0;
+  v[2].simpo_gamma = 0.8;
+  v[3].type = PreferenceLossType::kSimpo;  // CPO-SimPO
+  v[3].beta = 1.5;
+  v[3].cpo_alpha = 0.7;
+  v[3].label_smoothing = 0.05;
+  v[4].type = PreferenceLossType::kOrpo;
+  v[4].beta = 0.25;
+  return v;
+}
+
+// The reference sums are nonzero and must not matter; orpo's chosen prompts carry targets of their own.
+std::vector<PairLogProbs> reference_free_pairs() {
+  std::vector<PairLogProbs> pairs = sample_pairs();
+  const double prompt[3][2] = {{-6.0, 4}, {-2.5, 2}, {-9.0, 6}};
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    pairs[i].chosen.prompt_policy = prompt[i][0];
+    pairs[i].chosen.prompt_tokens = static_cast<int64_t>(prompt[i][1]);
+  }
+  return pairs;
+}
+
+}  // namespace
+
+TEST(PreferenceLoss, ReferenceFreeLossesMatchThePublishedFormulas) {
+  for (const PreferenceLossOptions& o : reference_free_variants()) {
+    auto pairs = reference_free_pairs();
+    if (o.type != PreferenceLossType::kOrpo)  // the prompts' targets are orpo's alone
+      for (PairLogProbs& p : pairs) p.chosen.prompt_policy = 0, p.chosen.prompt_tokens = 0;
+    const PreferenceLossResult r = preference_loss(pairs, o);
+    EXPECT_NEAR(r.metrics.loss, naive_reference_free_loss(pairs, o), 1e-12) << preference_loss_type_name(o.type);
+    EXPECT_FALSE(uses_reference(o.type));
+    // Scores, rewards and the NLL as TRL logs them.
+    const bool average = o.type != PreferenceLossType::kCpo;
+    double logps_chosen = 0, rewards_rejected = 0, nll = 0, nll_tokens = 0;
+    for (const PairLogProbs& p : pairs) {
+      logps_chosen += average ? p.chosen.policy / p.chosen.tokens : p.chosen.policy;
+      rewards_rejected += o.beta * (average ? p.rejected.policy / p.rejected.tokens : p.rejected.policy);
+      nll -= p.chosen.policy + p.chosen.prompt_policy;
+      nll_tokens += p.chosen.tokens + p.chosen.prompt_tokens;
+    }
+    EXPECT_NEAR(r.metrics.logps_chosen, logps_chosen / 3, 1e-14);
+    EXPECT_NEAR(r.metrics.rewards_rejected, rewards_rejected / 3, 1e-14);
+    EXPECT_NEAR(r.metrics.nll_loss, nll / nll_tokens, 1e-14);
+    if (o.type == PreferenceLossType::kOrpo) {
+      double log_odds = 0;
+      for (const PairLogProbs& p : pairs) {
+        const double ac = p.chosen.policy / p.chosen.tokens, ar = p.rejected.policy / p.rejected.tokens;
+        log_odds += std::log(std::exp(ac) / (1 - std::exp(ac))) - std::log(std::exp(ar) / (1 - std::exp(ar)));
+      }
+      EXPECT_NEAR(r.metrics.log_odds_chosen, log_odds / 3, 1e-12);
+      EXPECT_NEAR(r.metrics.loss, r.metrics.nll_loss - o.beta * r.metrics.log_odds_ratio, 1e-14);
+    }
+  }
+}
+
+TEST(PreferenceLoss, ReferenceFreeGradientsMatchFiniteDifferences) {
+  for (const PreferenceLossOptions& o : reference_free_variants()) {
+    auto pairs = reference_free_pairs();
+    const PreferenceLossResult r = preference_loss(pairs, o);
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      for (int which = 0; which < 3; ++which) {  // chosen, rejected, the chosen prompt's targets
+        double& x = which == 0 ? pairs[i].chosen.policy : which == 1 ? pairs[i].rejected.policy
+                                                                      : pairs[i].chosen.prompt_policy;
+        const double keep = x, h = 1e-5;
+        x = keep + h;
+        const double up = preference_loss(pairs, o).metrics.loss;
+        x = keep - h;
+        const double down = preference_loss(pairs, o).metrics.loss;
+        x = keep;
+        const double numeric = (up - down) / (2 * h);
+        const PairGradient& g = r.gradients[i];
+        const double analytic = which == 0 ? g.d_chosen : which == 1 ? g.d_rejected : g.d_prompt;
+        EXPECT_NEAR(analytic, numeric, 1e-9) << preference_loss_type_name(o.type) << " pair " << i << " " << which;
+      }
+    }
+  }
+}
+
+TEST(PreferenceLoss, ReferenceFreeOptionsAreChecked) {
+  auto message = [](const PreferenceLossOptions& o) {
+    try {
+      o.validate();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  PreferenceLossOptions o;
+  o.type = PreferenceLossType::kOrpo;
+  o.rpo_alpha = 1;
+  EXPECT_NE(message(o).find("--rpo-alpha"), std::string::npos) << message(o);
+  o.rpo_alpha = 0;
+  o.cpo_alpha = 1;
+  EXPECT_NE(message(o).find("--cpo-alpha"), std::string::npos) << message(o);
+  o.cpo_alpha = -1;
+  o.label_smoothing = 0.1;
+  EXPECT_NE(message(o).find("--label-smoothing"), std::string::npos) << message(o);
+  o = PreferenceLossOptions{};
+  o.cpo_alpha = 0.5;  // a DPO loss weighs its NLL with --rpo-alpha
+  EXPECT_NE(message(o).find("--rpo-alpha"), std::string::npos) << message(o);
+  o = PreferenceLossOptions{};
+  o.type = PreferenceLossType::kSimpo;
+  o.simpo_gamma = -1;
+  EXPECT_NE(message(o).find("--simpo-gamma"), std::string::npos) << message(o);
+  o.simpo_gamma = 0.5;
+  o.cpo_alpha = -2;
+  EXPECT_NE(message(o).find("--cpo-alpha"), std::string::npos) << message(o);
+  EXPECT_EQ(parse_preference_loss_type("orpo"), PreferenceLossType::kOrpo);
+  EXPECT_THROW(parse_preference_loss_type("kto"), Error);
+  o.cpo_alpha = -1;
+  EXPECT_EQ(o.nll_weight(), 0.0);  // SimPO
+  o.type = PreferenceLossType::kCpo;
+  EXPECT_EQ(o.nll_weight(), 1.0);  // CPO
+}

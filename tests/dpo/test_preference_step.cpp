@@ -348,3 +348,86 @@ TEST(PreferenceStep, BadInputsFailWithAMessage) {
                 .find("reference cache holds 4"),
             std::string::npos);
 }
+
+// A MoE model trained with the router load-balancing loss: the step's gradient is that of
+// L_preference + coefficient·aux, aux over every real token of the step's micro-batches (the policy's
+// forward pass collects its statistics), against central finite differences of that sum in F64.
+TEST(PreferenceStep, RouterLossGradientsMatchFiniteDifferences) {
+  auto be = make_cpu_backend(1);
+  test::TinyModel tiny = test::tiny_qwen3_moe();
+  tiny.vocab_size = 32;
+  const ModelConfig config = tiny.config();
+  ModelWeights w = test::random_weights(*be, config, DType::F64, 3, 10.0);
+  add_lora_with_random_b(*be, w, lora_on_every_projection(2, 4), 5, uniform_draw(0.6));
+  constexpr double kCoefficient = 0.3;
+  RouterAuxLoss aux(*be, config, DType::F64, kCoefficient);
+  Decoder decoder(*be, w);
+  decoder.set_router_aux_loss(&aux);
+  const auto docs = pair_documents();
+  const auto batches = layout(*be, docs, kMixed, true, DType::F64);
+  int64_t tokens = 0;  // the real tokens of every micro-batch
+  for (const PreferenceBatch& pb : batches) {
+    std::vector<int32_t> doc(static_cast<size_t>(pb.batch.num_tokens));
+    be->copy_to_host(be->default_stream(), pb.batch.doc_ids, doc.data());
+    for (int32_t d : doc) tokens += d >= 0;
+  }
+  PreferenceStepOptions options;
+  options.loss = variants()[0];
+  options.num_pairs = kPairs;
+  options.router_aux = &aux;
+  options.step_tokens = tokens;
+  w.zero_grads(*be);
+  const PreferenceStepResult trained = preference_step(*be, decoder, w, batches, ReferenceSource::adapter_disabled(), options);
+  ASSERT_TRUE(trained.aux_loss.has_value());
+  EXPECT_GT(*trained.aux_loss, 0.0);
+  // L + c·aux without gradients: the aux statistics from a forward of every micro-batch.
+  auto objective = [&] {
+    PreferenceStepOptions forward = options;
+    forward.backward = false;
+    const double loss = preference_step(*be, decoder, w, batches, ReferenceSource::adapter_disabled(), forward).metrics.loss;
+    aux.begin_step(tokens, nullptr);
+    Tensor discard = be->zeros(Shape{1}, DType::F64);
+    for (const PreferenceBatch& pb : batches) decoder.step(pb.batch, 1.0, discard, false);
+    aux.finish_statistics();
+    const double value = aux.value();
+    aux.end_step();
+    return loss + kCoefficient * value;
+  };
+  EXPECT_NEAR(objective(), trained.metrics.loss + kCoefficient * *trained.aux_loss, 1e-12);
+  std::mt19937_64 rng(23);
+  int probes = 0;
+  for (Parameter& p : w.parameters()) {
+    if (!p.trainable) continue;
+    std::vector<double> values = to_host(*be, p.value), grad = to_host(*be, p.grad);
+    for (int probe = 0; probe < 2; ++probe) {
+      const size_t i = rng() % values.size();
+      const double h = 1e-6, keep = values[i];
+      values[i] = keep + h;
+      from_host(*be, values, p.value);
+      const double up = objective();
+      values[i] = keep - h;
+      from_host(*be, values, p.value);
+      const double down = objective();
+      values[i] = keep;
+      from_host(*be, values, p.value);
+      const double numeric = (up - down) / (2 * h);
+      EXPECT_NEAR(grad[i], numeric, 1e-8 + 1e-6 * std::fabs(numeric)) << p.name << "[" << i << "]";
+      ++probes;
+    }
+  }
+  EXPECT_GT(probes, 20);
+  // The router loss moves the gradient: without it the step's gradient differs.
+  const auto with_aux = gradients(*be, w);
+  PreferenceStepOptions plain = options;
+  plain.router_aux = nullptr;
+  decoder.set_router_aux_loss(nullptr);
+  w.zero_grads(*be);
+  const PreferenceStepResult without = preference_step(*be, decoder, w, batches, ReferenceSource::adapter_disabled(), plain);
+  EXPECT_FALSE(without.aux_loss.has_value());
+  EXPECT_EQ(without.metrics.loss, trained.metrics.loss);
+  double moved = 0;
+  const auto no_aux = gradients(*be, w);
+  for (size_t t = 0; t < no_aux.size(); ++t)
+    for (size_t i = 0; i < no_aux[t].size(); ++i) moved = std::max(moved, std::fabs(no_aux[t][i] - with_aux[t][i]));
+  EXPECT_GT(moved, 1e-8);
+}

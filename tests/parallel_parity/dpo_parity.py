@@ -14,7 +14,8 @@ Cases: packing on (several pairs share a row, chosen and rejected in the same ro
 ulysses, sp 2 ring, sp 4 hybrid (u2 x r2) and dp 2; packing off (one pair per row) at sp 2 ring
 and dp 2 x sp 2; IPO + RPO at sp 2 ulysses; the reference from --ref-model (FSDP-
 sharded, every step, with label smoothing) at sp 2 ring; --precompute-ref at sp 4 against the per-step reference of one
-process; --full (the initial model, precomputed) at dp 2 x sp 2 ulysses.
+process; --full (the initial model, precomputed) at dp 2 x sp 2 ulysses; a MoE model with the router
+load-balancing loss (aux_loss logged and held to the same tolerance) at dp 2 x sp 2 ulysses.
 
 usage: dpo_parity.py SPINDLE ROOT
 """
@@ -30,7 +31,7 @@ import time
 
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
-from tiny_model import config, write_model  # noqa: E402
+from tiny_model import config, qwen3_moe_config, write_model  # noqa: E402
 
 spindle, root = sys.argv[1], sys.argv[2]
 work = tempfile.mkdtemp(prefix="spindle-dpo-parity-")
@@ -63,11 +64,11 @@ FIELDS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewa
 BETA = 0.5
 
 
-def dpo(name, nproc=1, extra=(), lr="1e-2"):
+def dpo(name, nproc=1, extra=(), lr="1e-2", policy=None):
     if "--grad-accum" not in extra:
         extra = list(extra) + ["--grad-accum", "2"]
     out = os.path.join(work, name)
-    cmd = [spindle, "dpo", "--model", model, "--data", data, "--output", out, "--max-length", "64", "--lr", lr,
+    cmd = [spindle, "dpo", "--model", policy or model, "--data", data, "--output", out, "--max-length", "64", "--lr", lr,
            "--max-steps", "3", "--beta", str(BETA), "--lora-rank", "4", "--threads", "1",
            "--log-every", "100", "--nproc-per-node", str(nproc)] + list(extra)
     start = time.time()
@@ -86,7 +87,8 @@ def same(name, got, want, first_is_ln2=True):
     if ok:
         for g, w in zip(got, want):
             ok &= g["num_items"] == w["num_items"] and g["pairs"] == w["pairs"] and g["tokens"] == w["tokens"]
-            for k in FIELDS:
+            for k in FIELDS + (("aux_loss",) if "aux_loss" in w else ()):
+                ok &= k in g
                 # Rewards and margins are β·(π − ρ): differences of sums of F32 log-probabilities,
                 # so their rounding is relative to the sums' size, not to the difference's.
                 scale = BETA * max(abs(w["logps/chosen"]), abs(w["logps/rejected"])) if k.startswith("rewards/") else 0
@@ -128,6 +130,13 @@ results.append(same("--precompute-ref: sp4 ulysses vs one process computing it e
                     dpo("sp4-pre", 4, ["--precompute-ref", "--sp", "4"]), one))
 results.append(same("--full (initial model precomputed): dp2 x sp2 ulysses",
                     dpo("dp2sp2-full", 4, ["--full", "--sp", "2"], lr="1e-3"), dpo("one-full", 1, ["--full", "--grad-accum", "4"], lr="1e-3")))
+# A MoE model trained with the router load-balancing loss (its config asks for it): the loss's
+# statistics are global over the step like the pairs' sums, so every mesh logs one process's aux_loss.
+moe = os.path.join(work, "moe")
+write_model(moe, qwen3_moe_config(output_router_logits=True, router_aux_loss_coef=0.05), tokenizer_dir=tokenizer_dir)
+results.append(same("MoE with the router loss: dp2 x sp2 ulysses",
+                    dpo("dp2sp2-moe", 4, ["--sp", "2"], policy=moe),
+                    dpo("one-moe-accum4", 1, ["--grad-accum", "4"], policy=moe)))
 print(f"{sum(results)}/{len(results)} cases passed in {time.time() - start:.1f} s")
 if all(results): shutil.rmtree(work, ignore_errors=True)
 sys.exit(0 if results and all(results) else 1)
