@@ -62,7 +62,6 @@ std::string read_first_line(const char* path) {
   return line;
 }
 
-std::string version_text(int v) { return fmt::format("{}.{}", v / 1000, (v % 1000) / 10); }  // 13000 -> 13.0
 
 // The file a loaded symbol comes from (dladdr), or empty.
 std::string library_of(void* symbol) {
@@ -96,6 +95,9 @@ Library probe_library(const char* name, const char* soname, const char* symbol,
 }
 
 // ---- GPUs ----------------------------------------------------------------------------------------
+
+#if SPINDLE_WITH_CUDA
+std::string version_text(int v) { return fmt::format("{}.{}", v / 1000, (v % 1000) / 10); }  // 13000 -> 13.0
 
 struct Gpu {
   int index = 0;
@@ -135,6 +137,8 @@ bool architecture_runs(std::string arch, int major, int minor) {
   if (suffix == 'a') return a_major == major && a_minor == minor;
   return a_major == major && a_minor <= minor;
 }
+
+#endif
 
 std::vector<std::string> split_list(const std::string& text, char separator) {
   std::vector<std::string> out;

@@ -388,7 +388,9 @@ void write_info(const PrepareOptions& options, const DatasetFiles& data, const P
 PrepareReport prepare_dataset(const PrepareOptions& options, const TextEncoder* text_encoder) {
   const auto start = std::chrono::steady_clock::now();
   options.fit.validate();
-  const DatasetFiles data = resolve_dataset(options.data.string());  // before anything is created
+  // Before anything is created: the files are there and readable, each table has a sample column.
+  check_data_value(options.data.string());
+  const DatasetFiles data = resolve_dataset(options.data.string());
   std::error_code ec;
   std::filesystem::create_directories(options.output_dir, ec);
   if (ec) fail("cannot create output directory {}: {}", options.output_dir.string(), ec.message());

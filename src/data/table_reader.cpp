@@ -19,6 +19,9 @@ constexpr const char* kBuiltAgainst = "pyarrow " SPINDLE_PYARROW_VERSION " (liba
                                       ", libparquet.so." SPINDLE_ARROW_SO_VERSION ") in " SPINDLE_PYARROW_DIR;
 constexpr const char* kBuildTreePlugin = SPINDLE_ARROW_PLUGIN_PATH;
 #else
+#ifndef SPINDLE_ARROW_ABSENT
+#define SPINDLE_ARROW_ABSENT "its build found no pyarrow"
+#endif
 constexpr bool kBuilt = false;
 constexpr const char* kBuiltAgainst = "";
 constexpr const char* kBuildTreePlugin = "";
@@ -46,10 +49,12 @@ Loaded load(const std::vector<fs::path>& candidates) {
   out.support.built = kBuilt;
   out.support.built_against = kBuiltAgainst;
   if (!kBuilt) {
+#ifndef SPINDLE_HAVE_ARROW
     out.support.problem =
-        "this spindle was built without Parquet and Arrow support: its build found no pyarrow, whose wheel brings "
-        "Apache Arrow's C++ libraries (Debian packages none). Install it (`python3 -m pip install pyarrow`) and "
-        "rebuild (`make`), or give the data as JSONL";
+        "this spindle was built without Parquet and Arrow support (" SPINDLE_ARROW_ABSENT "). Apache Arrow's C++ "
+        "libraries come with pyarrow's wheel (Debian packages none): install it (`python3 -m pip install pyarrow`) "
+        "and rebuild (`make`), or give the data as JSONL";
+#endif
     return out;
   }
   std::string errors;
