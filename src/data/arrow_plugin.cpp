@@ -206,6 +206,7 @@ class Node {
   json list(const ListArray& a, int64_t i, const std::string& path) const {
     json array = json::array();
     const int64_t begin = a.value_offset(i), length = a.value_length(i);
+    array.get_ref<json::array_t&>().reserve(static_cast<size_t>(length));
     const Node& values = *children_[0];
     for (int64_t k = 0; k < length; ++k) {
       if (values.is_null(begin + k)) array.push_back(nullptr);

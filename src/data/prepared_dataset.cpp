@@ -318,7 +318,7 @@ std::string PrepareReport::summary() const {
                         fit.documents_dropped_without_targets ? " (dropped)" : " (kept)");
   if (pairs_dropped) text += fmt::format("\ndropped {} preference pairs with a dropped side", with_thousands(pairs_dropped));
   const double mb = static_cast<double>(read.bytes) / 1e6;
-  text += fmt::format("\n{:.1f} MB of JSONL in {:.2f} s ({:.1f} MB/s)", mb, seconds,
+  text += fmt::format("\n{:.1f} MB of {} in {:.2f} s ({:.1f} MB/s)", mb, source_format, seconds,
                       seconds > 0 ? mb / seconds : 0.0);
   return text;
 }
@@ -449,6 +449,7 @@ PrepareReport prepare_dataset(const PrepareOptions& options, const TextEncoder* 
          data.describe(), report.read.summary(), report.fit.documents_dropped_over_length,
          report.fit.documents_dropped_without_targets);
   report.kind = *kind;
+  report.source_format = data_file_format_name(data.format);
   report.documents = writer->documents();
   report.tokens = writer->tokens();
   writer->finish();

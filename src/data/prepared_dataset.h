@@ -129,11 +129,13 @@ struct PrepareReport {
   int64_t bytes_written = 0;
   double seconds = 0;
   std::filesystem::path file;
+  std::string source_format = "JSONL";  // of the input: JSONL, Parquet or Arrow
   std::string summary() const;  // lines for the user
 };
 
-// Streams the dataset's samples (resolved as dataset_files.h says) through the encoder into output_dir: memory stays bounded by the longest
-// line and document (plus 16 bytes per document), time is linear in the input size.
+// Streams the dataset's samples (resolved as dataset_files.h says) through the encoder into
+// output_dir: memory stays bounded by the longest line or table batch and document (plus 16 bytes
+// per document), time is linear in the input size.
 // `text_encoder` may be null for pre-tokenized data.
 PrepareReport prepare_dataset(const PrepareOptions& options, const TextEncoder* text_encoder);
 
