@@ -1,4 +1,4 @@
-// spindle prepare: tokenize a JSONL dataset once into the memory-mapped form training reads.
+// spindle prepare: tokenize a dataset (JSONL, Parquet, Arrow, a hub dataset) once into the memory-mapped form training reads.
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -52,8 +52,10 @@ int run_prepare(const PrepareFlags& flags) {
 void add_prepare_command(CLI::App& app, CommandList& commands) {
   auto flags = std::make_shared<PrepareFlags>();
   CLI::App* sub = app.add_subcommand(
-      "prepare", "Tokenize a JSONL dataset once into a memory-mapped file that training reads");
-  sub->add_option("--data", flags->data, "JSONL dataset, one sample per line")->required();
+      "prepare", "Tokenize a dataset (JSONL, Parquet, Arrow, a hub dataset) once into a memory-mapped file that training reads");
+  sub->add_option("--data", flags->data, "the dataset: a JSONL, Parquet or Arrow file, a folder of shards, or a hub id "
+                                        "ORG/NAME in the local Hugging Face caches; a folder or hub id may end in "
+                                        "[:CONFIG]:SPLIT (default train) (docs/usage.md)")->required();
   sub->add_option("--tokenizer", flags->tokenizer,
                   "model folder with tokenizer.json (not needed for pre-tokenized data)");
   sub->add_option("--output", flags->output, "directory that receives dataset.bin and dataset.json")

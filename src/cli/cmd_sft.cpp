@@ -102,8 +102,10 @@ std::vector<std::string> yaml_to_args(const std::string& path, CLI::App& cmd, co
 
 void add_train_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--model", c.model, "Hugging Face model folder");
-  cmd->add_option("--data", c.data, "training data: JSONL (any supported format) or a prepared dataset; PATH or "
-                                    "PATH:WEIGHT to mix several")->expected(1, 1 << 20);
+  cmd->add_option("--data", c.data, "training data: a JSONL, Parquet or Arrow file (any supported format), a folder of "
+                                    "shards, a hub id ORG/NAME in the local Hugging Face caches (a folder or hub id may "
+                                    "end in [:CONFIG]:SPLIT, default train), or a prepared dataset; add :WEIGHT to mix "
+                                    "several")->expected(1, 1 << 20);
   cmd->add_option("--output", c.output, "output folder: adapter/ or model/, checkpoint-N/, metrics.jsonl, metrics.svg "
                                         "(new or empty, or holding this run with --resume)");
   cmd->add_flag("--overwrite-output", c.overwrite_output,

@@ -43,6 +43,7 @@ void register_all(CLI::App& app, CommandList& commands) {
   add_tokenize_command(app, commands);
   add_bench_command(app, commands);
   add_plan_command(app, commands);
+  add_doctor_command(app, commands);
   accept_hub_ids(app);
 }
 

@@ -55,6 +55,7 @@ void add_dpo_command(CLI::App& app, CommandList& commands);
 void add_check_command(CLI::App& app, CommandList& commands);
 void add_bench_command(CLI::App& app, CommandList& commands);
 void add_plan_command(CLI::App& app, CommandList& commands);
+void add_doctor_command(CLI::App& app, CommandList& commands);
 
 // --mlp-tile-tokens's help (sft, dpo, check, bench, plan; parsed by parse_mlp_tile_tokens).
 inline constexpr const char* kMlpTileTokensHelp =

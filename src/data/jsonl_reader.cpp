@@ -31,8 +31,9 @@ void ReadStats::record_skip(std::string reason) {
 }
 
 std::string ReadStats::summary() const {
-  std::string text = fmt::format("read {} samples from {} lines", with_thousands(samples),
-                                 with_thousands(lines));
+  std::string text = rows > 0 && lines == 0
+                         ? fmt::format("read {} samples from {} rows", with_thousands(samples), with_thousands(rows))
+                         : fmt::format("read {} samples from {} lines", with_thousands(samples), with_thousands(lines));
   if (blank_lines > 0) text += fmt::format(", {} blank", with_thousands(blank_lines));
   if (skipped > 0) {
     text += fmt::format("; skipped {} bad samples, first: ", with_thousands(skipped));

@@ -45,6 +45,7 @@ struct ReadStats {
   static constexpr size_t kMaxSkipExamples = 5;
 
   int64_t lines = 0;        // lines read, blank ones included
+  int64_t rows = 0;         // table rows read (Parquet, Arrow: dataset_reader.h)
   int64_t blank_lines = 0;  // whitespace-only lines: ignored, not samples
   int64_t samples = 0;      // samples accepted
   int64_t skipped = 0;      // bad samples skipped under BadSamplePolicy::kSkip
@@ -52,7 +53,8 @@ struct ReadStats {
   std::vector<std::string> skip_examples;  // the first few skip reasons, each with file:line
 
   void record_skip(std::string reason);
-  // One line for the user, e.g. "read 1,000 samples from 1,002 lines (2 skipped: a.jsonl:7: ...)".
+  // One line for the user, e.g. "read 1,000 samples from 1,002 lines (2 skipped: a.jsonl:7: ...)"
+  // ("from N rows" for a table).
   std::string summary() const;
 };
 

@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/dataset_reader.h"
 #include "data/pretokenized.h"
 
 namespace spindle {
@@ -317,7 +318,7 @@ std::string PrepareReport::summary() const {
                         fit.documents_dropped_without_targets ? " (dropped)" : " (kept)");
   if (pairs_dropped) text += fmt::format("\ndropped {} preference pairs with a dropped side", with_thousands(pairs_dropped));
   const double mb = static_cast<double>(read.bytes) / 1e6;
-  text += fmt::format("\n{:.1f} MB of JSONL in {:.2f} s ({:.1f} MB/s)", mb, seconds,
+  text += fmt::format("\n{:.1f} MB of {} in {:.2f} s ({:.1f} MB/s)", mb, source_format, seconds,
                       seconds > 0 ? mb / seconds : 0.0);
   return text;
 }
@@ -336,13 +337,21 @@ std::optional<DocumentView> fitted(const Document& doc, const PackOptions& fit, 
   return view;
 }
 
-void write_info(const PrepareOptions& options, const PrepareReport& report) {
+void write_info(const PrepareOptions& options, const DatasetFiles& data, const PrepareReport& report) {
   nlohmann::ordered_json info;
   info["format"] = "spindle prepared dataset";
   info["version"] = kPreparedVersion;
   info["data_file"] = kPreparedDataFile;
   info["kind"] = dataset_kind_name(report.kind);
-  info["source"] = std::filesystem::absolute(options.data).string();
+  std::error_code error;
+  info["source"] = std::filesystem::exists(options.data, error) ? std::filesystem::absolute(options.data).string()
+                                                               : options.data.string();
+  info["source_format"] = data_file_format_name(data.format);
+  if (!data.split.empty()) info["source_split"] = data.split;
+  if (data.files.size() != 1 || data.files[0] != options.data) {
+    info["source_files"] = nlohmann::json::array();
+    for (const auto& file : data.files) info["source_files"].push_back(std::filesystem::absolute(file).string());
+  }
   info["source_bytes"] = report.read.bytes;
   info["tokenizer"] = options.tokenizer_description;
   info["sample_format"] = sample_format_name(options.encode.format);
@@ -353,6 +362,7 @@ void write_info(const PrepareOptions& options, const PrepareReport& report) {
   info["documents"] = report.documents;
   info["tokens"] = report.tokens;
   info["lines"] = report.read.lines;
+  if (data.is_table()) info["rows"] = report.read.rows;
   info["samples"] = report.read.samples;
   info["skipped_samples"] = report.read.skipped;
   info["skip_examples"] = report.read.skip_examples;
@@ -378,6 +388,9 @@ void write_info(const PrepareOptions& options, const PrepareReport& report) {
 PrepareReport prepare_dataset(const PrepareOptions& options, const TextEncoder* text_encoder) {
   const auto start = std::chrono::steady_clock::now();
   options.fit.validate();
+  // Before anything is created: the files are there and readable, each table has a sample column.
+  check_data_value(options.data.string());
+  const DatasetFiles data = resolve_dataset(options.data.string());
   std::error_code ec;
   std::filesystem::create_directories(options.output_dir, ec);
   if (ec) fail("cannot create output directory {}: {}", options.output_dir.string(), ec.message());
@@ -392,23 +405,25 @@ PrepareReport prepare_dataset(const PrepareOptions& options, const TextEncoder* 
 
   const bool may_be_pretokenized = options.encode.format == SampleFormat::kAuto ||
                                    options.encode.format == SampleFormat::kPretokenized;
-  for_each_jsonl_line(options.data, options.encode.read, report.read,
-                      [&](std::string_view line, int64_t line_number) {
-    const std::string origin = fmt::format("{}:{}", options.data.string(), line_number);
+  for_each_sample(data, options.encode.read, report.read, [&](const RawSample& raw) {
+    const std::string origin = raw.location();
     auto add_document = [&](const Document& doc) {
       if (!writer) writer = std::make_unique<PreparedDatasetWriter>(report.file, *kind);
       if (auto view = fitted(doc, options.fit, report.fit, origin)) writer->add(*view);
     };
     // Pre-tokenized lines skip the JSON tree (the slow part); anything else takes the full path.
-    if (may_be_pretokenized && kind != DatasetKind::kPreferencePairs) {
-      if (auto doc = parse_pretokenized_line(line, encoder.read_options())) {
+    if (!raw.row && may_be_pretokenized && kind != DatasetKind::kPreferencePairs) {
+      if (auto doc = parse_pretokenized_line(raw.line, encoder.read_options())) {
         kind = DatasetKind::kDocuments;
         add_document(*doc);
         return;
       }
     }
-    // Key order kept: chat templates print tool schemas and arguments in the data's order.
-    const nlohmann::ordered_json sample = SampleEncoder::parse_sample(line);
+    // Key order kept: chat templates print tool schemas and arguments in the data's order (a
+    // table's in its schema's order).
+    nlohmann::ordered_json parsed;
+    if (!raw.row) parsed = SampleEncoder::parse_sample(raw.line);
+    const nlohmann::ordered_json& sample = raw.row ? *raw.row : parsed;
     if (!kind)  // the first sample decides; later samples of the other kind are errors
       kind = encoder.format_of(sample) == SampleFormat::kPreference ? DatasetKind::kPreferencePairs
                                                                      : DatasetKind::kDocuments;
@@ -431,14 +446,15 @@ PrepareReport prepare_dataset(const PrepareOptions& options, const TextEncoder* 
   if (!writer || writer->documents() == 0)
     fail("{}: no training documents left ({}; {} dropped as over-long, {} without a supervised "
          "target); nothing was written",
-         options.data.string(), report.read.summary(), report.fit.documents_dropped_over_length,
+         data.describe(), report.read.summary(), report.fit.documents_dropped_over_length,
          report.fit.documents_dropped_without_targets);
   report.kind = *kind;
+  report.source_format = data_file_format_name(data.format);
   report.documents = writer->documents();
   report.tokens = writer->tokens();
   writer->finish();
   report.bytes_written = writer->bytes_written();
-  write_info(options, report);
+  write_info(options, data, report);
   report.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return report;

@@ -110,7 +110,7 @@ std::vector<std::vector<RowPlan>> plan_prepared_pairs(const PreparedDataset& dat
                                                       PackStats& stats, int64_t& pairs_dropped);
 
 struct PrepareOptions {
-  std::filesystem::path data;        // JSONL input
+  std::filesystem::path data;        // the --data value: JSONL, Parquet or Arrow (dataset_files.h)
   std::filesystem::path output_dir;  // receives dataset.bin and dataset.json
   EncodeOptions encode;
   // max_length, over_length and drop_documents_without_targets apply while preparing; packing
@@ -129,11 +129,13 @@ struct PrepareReport {
   int64_t bytes_written = 0;
   double seconds = 0;
   std::filesystem::path file;
+  std::string source_format = "JSONL";  // of the input: JSONL, Parquet or Arrow
   std::string summary() const;  // lines for the user
 };
 
-// Streams the JSONL file through the encoder into output_dir: memory stays bounded by the longest
-// line and document (plus 16 bytes per document), time is linear in the input size.
+// Streams the dataset's samples (resolved as dataset_files.h says) through the encoder into
+// output_dir: memory stays bounded by the longest line or table batch and document (plus 16 bytes
+// per document), time is linear in the input size.
 // `text_encoder` may be null for pre-tokenized data.
 PrepareReport prepare_dataset(const PrepareOptions& options, const TextEncoder* text_encoder);
 

@@ -221,6 +221,22 @@ SampleFormat detect_sample_format(const nlohmann::json& sample) {
              found[1].second);
 }
 
+const std::vector<std::string>& sample_fields() {
+  static const std::vector<std::string> fields = {
+      "input_ids", "labels", "loss_mask", "loss_scale", "attention_mask",  // pre-tokenized
+      "text", "prompt", "completion", "response",                           // text, prompt/completion
+      "instruction", "input", "output", "system", "history",                // Alpaca (+ system of any)
+      "messages", "conversations", "tools",                                 // conversations
+      "chosen", "rejected", "rejected_response"};                           // preference pairs
+  return fields;
+}
+
+const std::vector<std::string>& format_selecting_fields() {
+  static const std::vector<std::string> fields = {"input_ids", "messages", "conversations", "instruction", "prompt",
+                                                  "text", "chosen", "rejected", "rejected_response"};
+  return fields;
+}
+
 nlohmann::json Conversation::messages_json() const {
   json list = json::array();
   for (const auto& m : messages) {

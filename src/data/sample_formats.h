@@ -39,6 +39,11 @@ std::string_view sample_format_name(SampleFormat format);
 // of two formats are present (e.g. both "text" and "messages"), naming the fields found.
 SampleFormat detect_sample_format(const nlohmann::json& sample);
 
+// The top-level fields any format reads, and those of them that select a format (detect_sample_format).
+// A table (Parquet, Arrow) is read as these columns only: its other columns are never decoded.
+const std::vector<std::string>& sample_fields();
+const std::vector<std::string>& format_selecting_fields();
+
 struct ChatMessage {
   std::string role;  // system, user, assistant or tool
   std::string content;

@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "data/dataset_files.h"
 #include "data/prepared_dataset.h"
 #include "train/data_loader.h"
 #include "train/metrics.h"
@@ -263,6 +264,15 @@ Json file_fingerprint(const fs::path& given) {
   return value;
 }
 
+Json data_fingerprint(const std::string& value) {
+  if (is_prepared_input(value)) return file_fingerprint(value);
+  const DatasetFiles data = resolve_dataset(value);
+  if (data.files.size() == 1) return file_fingerprint(data.files[0]);
+  Json files = Json::array();
+  for (const fs::path& file : data.files) files.push_back(file_fingerprint(file));
+  return Json{{"files", files}};
+}
+
 Json run_identity(const TrainConfig& config, const std::string& command, const nlohmann::json& command_options,
                   int data_parallel) {
   Json j;
@@ -276,11 +286,11 @@ Json run_identity(const TrainConfig& config, const std::string& command, const n
   for (const std::string& spec : config.data) {
     const DataSource source = parse_data_spec(spec);
     text_data |= !is_prepared_input(source.path);
-    j["data"].push_back({{"weight", source.weight}, {"contents", file_fingerprint(source.path)}});
+    j["data"].push_back({{"weight", source.weight}, {"contents", data_fingerprint(source.path.string())}});
   }
   if (!config.eval_data.empty()) {
     text_data |= !is_prepared_input(config.eval_data);
-    j["eval_data"] = file_fingerprint(config.eval_data);
+    j["eval_data"] = data_fingerprint(config.eval_data);
   }
   // JSONL is tokenized with the tokenizer and the chat template: they decide the tokens as much as the data.
   const fs::path tokenizer = config.tokenizer_folder();

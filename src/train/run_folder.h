@@ -28,6 +28,9 @@ inline constexpr const char* kRunLength = "length";
 // Size and CRC-32C of a file's contents, {"bytes": N, "crc32c": "1a2b3c4d"}; for a folder (a
 // prepared dataset) of its dataset.bin. Cached per process for an unchanged file (size and mtime).
 nlohmann::ordered_json file_fingerprint(const std::filesystem::path& path);
+// The same for a --data value: a prepared dataset or one file as file_fingerprint says; the files of
+// a split (a folder's, a hub dataset's: data/dataset_files.h) as {"files": [one per file, in order]}.
+nlohmann::ordered_json data_fingerprint(const std::string& value);
 
 // The identity of a run of `command` ("sft", "dpo") with these options. `command_options`: what the
 // command adds to sft's (dpo: the loss and the reference); `data_parallel`: data-parallel replicas

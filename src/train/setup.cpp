@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "data/dataset_files.h"
 #include "data/prepared_dataset.h"
 #include "data/sample_encoder.h"
 #include "io/checkpoint.h"
@@ -36,7 +37,7 @@ constexpr const char* kPreparedFromFile = "prepared_from.json";
 
 nlohmann::ordered_json preparation_record(const TrainConfig& config, const fs::path& input) {
   nlohmann::ordered_json j;
-  j["input"] = file_fingerprint(input);
+  j["input"] = data_fingerprint(input.string());
   j["max_length"] = config.max_length;
   j["over_length"] = config.over_length;
   j["skip_bad_samples"] = config.skip_bad_samples;
@@ -60,7 +61,7 @@ bool prepared_from(const fs::path& folder, const nlohmann::ordered_json& record)
 fs::path prepared_path(const TrainConfig& config, const DataSource& input, const std::string& name,
                        const std::function<const TextEncoder*()>& encoder, bool build, RunOutputClaim* claim) {
   if (is_prepared(input.path)) return input.path;
-  if (!fs::exists(input.path)) fail("--data {} does not exist", input.name());
+  (void)resolve_dataset(input.path.string());  // a path, a folder's split or a hub id (data/dataset_files.h)
   const fs::path data_folder = fs::path(config.output) / "data";
   const fs::path target = data_folder / name;
   if (!build) return target;

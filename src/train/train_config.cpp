@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "model/quantized_weights.h"
 #include "model/recompute.h"
+#include "data/dataset_reader.h"
 #include "data/sample_formats.h"
 #include "train/data_loader.h"
 #include "train/schedule.h"
@@ -23,10 +24,13 @@ void TrainConfig::validate() const {
   if (data.empty()) fail("--data is required: one or more JSONL or prepared datasets");
   for (const std::string& spec : data) {
     const DataSource source = parse_data_spec(spec);
-    std::error_code error;
-    if (!fs::exists(source.path, error))
-      fail("--data {} does not exist{}", source.name(),
-           source.name() == spec ? "" : fmt::format(" (from \"{}\": PATH:WEIGHT)", spec));
+    // A path, a folder's split or a hub id in the local caches (data/dataset_files.h).
+    try {
+      check_data_value(source.path.string(), "--data");
+    } catch (const Error& e) {
+      if (source.name() == spec) throw;
+      fail("{} (from \"{}\": PATH:WEIGHT)", e.what(), spec);
+    }
   }
   parse_sample_format(format);
   if (!tokenizer.empty() && !fs::exists(fs::path(tokenizer) / "tokenizer.json"))
@@ -90,7 +94,7 @@ void TrainConfig::validate() const {
   if (dp < 0 || sp < 0 || ulysses < 0 || ring < 0) fail("--dp, --sp, --ulysses and --ring must be positive");
   if (!adapter.empty() && !fs::exists(fs::path(adapter) / "adapter_config.json"))
     fail("--adapter {}: no adapter_config.json there", adapter);
-  if (!eval_data.empty() && !fs::exists(eval_data)) fail("--eval-data {} does not exist", eval_data);
+  if (!eval_data.empty()) check_data_value(eval_data, "--eval-data");
 }
 
 nlohmann::ordered_json TrainConfig::trajectory_options() const {

@@ -28,7 +28,8 @@ COMMANDS = ["sft", "dpo", "check", "prepare", "eval", "generate", "tokenize", "b
 # Options of every command: the launcher's, and CLI11's own.
 GLOBAL = {"--nproc-per-node", "--nproc_per_node", "--help", "--version"}
 # Other programs' options that messages tell the user to run.
-OTHER_PROGRAMS = {"--revision": "hf download", "--logdir": "tensorboard"}
+OTHER_PROGRAMS = {"--revision": "hf download", "--repo-type": "hf download", "--logdir": "tensorboard",
+                  "--mem": "sbatch/srun", "--ipc": "docker run", "--shm-size": "docker run"}
 # Literals whose option only the commands that have it can print, though their file reaches others.
 ONLY_WHERE_SET = {
     ("src/train/run_folder.cpp", "--ref-model"): "names dpo's reference only when both runs are dpo runs",
