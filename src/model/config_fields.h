@@ -30,4 +30,12 @@ inline bool bool_or(const nlohmann::json& j, const char* key, bool fallback, con
   return j[key].get<bool>();
 }
 
+// Whether config.json sets partial_rotary_factor (top level, or in rope_parameters / rope_scaling):
+// families whose transformers class defaults it to another value than 1 apply their own otherwise.
+inline bool has_partial_rotary_factor(const nlohmann::json& j) {
+  for (const char* key : {"rope_parameters", "rope_scaling"})
+    if (j.contains(key) && j[key].is_object() && j[key].contains("partial_rotary_factor")) return true;
+  return j.contains("partial_rotary_factor") && !j["partial_rotary_factor"].is_null();
+}
+
 }  // namespace spindle

@@ -10,12 +10,6 @@ namespace spindle {
 
 namespace {
 
-bool has_partial_rotary_factor(const nlohmann::json& j) {
-  for (const char* key : {"rope_parameters", "rope_scaling"})
-    if (j.contains(key) && j[key].is_object() && j[key].contains("partial_rotary_factor")) return true;
-  return j.contains("partial_rotary_factor") && !j["partial_rotary_factor"].is_null();
-}
-
 int64_t non_negative_int_or(const nlohmann::json& j, const char* key, int64_t fallback, const std::string& source) {
   if (!j.contains(key) || j[key].is_null()) return fallback;
   if (!j[key].is_number_integer() || j[key].get<int64_t>() < 0)

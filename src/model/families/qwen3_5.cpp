@@ -10,12 +10,6 @@ namespace spindle {
 
 namespace {
 
-bool has_partial_rotary_factor(const nlohmann::json& j) {
-  for (const char* key : {"rope_parameters", "rope_scaling"})
-    if (j.contains(key) && j[key].is_object() && j[key].contains("partial_rotary_factor")) return true;
-  return j.contains("partial_rotary_factor") && !j["partial_rotary_factor"].is_null();
-}
-
 std::vector<LayerKind> layer_kinds(const nlohmann::json& j, int64_t layers, const std::string& source) {
   std::vector<LayerKind> kinds;
   auto kind = [](bool linear) {
